@@ -1,0 +1,1 @@
+"""Reading and writing checkpoints: Hugging Face targets, the built-in SmolLM2 target, draft heads."""

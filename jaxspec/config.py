@@ -1,0 +1,217 @@
+"""Frozen configuration dataclasses, parsed from Hugging Face `config.json` at the boundary and validated there."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxspec.errors import JaxspecError
+
+# Hugging Face `model_type` → what differs from plain Llama.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base frequency and the optional `linear` / `llama3` scaling of Hugging Face."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2; Llama's `attention_bias`)
+    o_proj_bias: bool = False  # Llama's `attention_bias` also puts a bias on o_proj; Qwen2 has none there
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # EAGLE-3 auxiliary features: Hugging Face `hidden_states[l]`, the residual stream entering decoder layer l.
+    aux_layer_ids: tuple[int, ...] | None = None
+    # Usable context; smaller than max_position_embeddings when the model uses sliding-window attention.
+    context_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise JaxspecError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
+        if self.aux_layer_ids is None:
+            object.__setattr__(self, "aux_layer_ids", default_aux_layer_ids(self.num_layers))
+        for layer in self.aux_layer_ids:
+            if not 0 <= layer < self.num_layers:
+                raise JaxspecError(
+                    f"aux layer id {layer} is outside 0..{self.num_layers - 1} (ids are Hugging Face hidden_states "
+                    "indices: the input of that decoder layer)"
+                )
+        if self.context_length is None:
+            object.__setattr__(self, "context_length", self.max_position_embeddings)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * h * self.intermediate_size
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * h) + embed + h
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default feature layers (2, L//2, L-3), clipped into range for tiny test models."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    # transformers ≥ 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise JaxspecError("per-layer-type rope_parameters are not supported (sliding-window models)")
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise JaxspecError(
+            f"rope scaling type {rope_type!r} is not supported; jaxspec supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise JaxspecError("partial_rotary_factor != 1 is not supported")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _sliding_window_limit(raw: dict[str, Any]) -> int | None:
+    """The context beyond which this model's sliding window would change attention, or None."""
+    layer_types = raw.get("layer_types") or ()
+    uses_window = any(t == "sliding_attention" for t in layer_types)
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        uses_window = uses_window or bool(raw.get("use_sliding_window", False))
+    elif raw.get("sliding_window") is not None:
+        uses_window = True
+    if not uses_window or raw.get("sliding_window") is None:
+        return None
+    return int(raw["sliding_window"])
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
+    """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ",".join(raw.get("architectures") or []) or "?"
+        raise JaxspecError(
+            f"unsupported architecture {arch} (model_type={model_type!r}); jaxspec supports model types "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise JaxspecError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
+    try:
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        cfg = dict(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        )
+    except KeyError as e:
+        raise JaxspecError(f"config.json lacks the field {e.args[0]!r}") from None
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    window = _sliding_window_limit(raw)
+    return TargetConfig(
+        **cfg,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        rope=_rope_from_hf(raw),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+        o_proj_bias=model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        model_type=model_type,
+        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        aux_layer_ids=aux_layer_ids,
+        context_length=min(max_pos, window) if window else max_pos,
+    )
+
+
+def load_target_config(model_dir: str | Path, aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
+    path = Path(model_dir)
+    if not path.exists():
+        raise JaxspecError(f"target path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise JaxspecError(f"target path {str(path)!r} is not a directory (expected a Hugging Face model directory)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise JaxspecError(f"{str(path)!r} has no config.json; point --target at a Hugging Face model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise JaxspecError(f"{str(config_file)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return target_config_from_hf(raw, aux_layer_ids)
+
+
+def rope_inv_freq(cfg: TargetConfig):
+    """Inverse frequencies [head_dim/2], float32, exactly as Hugging Face computes them (incl. llama3 scaling)."""
+    import numpy as np
+
+    rope = cfg.rope
+    d = cfg.head_dim
+    inv_freq = (1.0 / (rope.theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(rope.factor)
+    elif rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq

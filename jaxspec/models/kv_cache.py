@@ -1,0 +1,68 @@
+"""A fixed-capacity KV cache as an explicit pytree, with a committed length per row.
+
+A forward over T new tokens writes their K/V at slots [length, length + T) of each row but does not commit them:
+the caller advances `lengths` by the number of tokens it keeps (all of a prompt, one decoded token, the accepted
+part of a draft). Entries past `lengths` are never read by the mask and are overwritten by the next forward, which
+is the invariant speculative decoding relies on.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class KVCache(NamedTuple):
+    k: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
+    v: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
+    lengths: jax.Array  # [batch] int32, committed tokens per row
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def advance(cache: KVCache, num_tokens: jax.Array) -> KVCache:
+    """Commit `num_tokens` [batch] (or a scalar) of the entries written by the last forward."""
+    return cache._replace(lengths=cache.lengths + jnp.asarray(num_tokens, jnp.int32))
+
+
+def block_attention_mask(lengths: jax.Array, capacity: int, block_mask: jax.Array) -> jax.Array:
+    """Which cache slots each of T new tokens may attend to.
+
+    lengths: [B] committed tokens; block_mask: [B, T, T] bool among the new tokens (causal for prefill and chains,
+    an ancestor mask for trees). Returns [B, T, capacity] bool: the whole committed prefix, plus the new tokens'
+    slots [length, length + T) as the block mask allows.
+    """
+    t = block_mask.shape[-1]
+    slots = jnp.arange(capacity)[None, None, :]  # [1, 1, S]
+    rel = slots - lengths[:, None, None]  # [B, 1, S] offset into the new block
+    committed = rel < 0
+    in_block = (rel >= 0) & (rel < t)
+    allowed = jnp.take_along_axis(
+        block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (block_mask.shape[0], t, capacity)), axis=2
+    )
+    return committed | (in_block & allowed)
+
+
+def causal_block_mask(batch: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def write_block(cache_l: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write new [B, T, Hkv, D] into one layer's cache [B, S, Hkv, D] at slots lengths[b] + t (out of range drops)."""
+    b, t = new.shape[:2]
+    rows = jnp.arange(b)[:, None]  # [B, 1]
+    slots = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    return cache_l.at[rows, slots].set(new.astype(cache_l.dtype), mode="drop")

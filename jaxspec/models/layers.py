@@ -1,0 +1,64 @@
+"""Layer math shared by the target and the draft head, as pure functions of arrays.
+
+Weights keep the Hugging Face layout ([out, in] for projections) so that loading is a copy and sharding rules read
+like the checkpoint. Norms, RoPE and softmax run in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so that a fully masked row gives zeros instead of NaN
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Hugging Face computes it: normalize in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """x @ weight.T (+ bias), weight in the [out, in] layout of PyTorch checkpoints."""
+    y = jnp.einsum("...i,oi->...o", x, weight)
+    return y if bias is None else y + bias
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for `positions` [B, T] → two [B, T, head_dim] float32 arrays."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face layout) on x [B, T, heads, D] with cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked GQA attention in plain jax.numpy.
+
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool (True = may attend). Returns [B, T, Hq, D].
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, hq, d)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, biases=(None, None, None)) -> jax.Array:
+    """The Llama MLP: down(silu(gate(x)) * up(x))."""
+    g = linear(x, gate, biases[0])
+    u = linear(x, up, biases[1])
+    return linear(jax.nn.silu(g) * u, down, biases[2])

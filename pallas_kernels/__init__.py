@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside a pure-jax.numpy reference with the same signature (tree attention, rejection sampling: issue 5)."""

@@ -1,0 +1,60 @@
+"""Tiny random Hugging Face checkpoints of each supported family, written with transformers (torch, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+FAMILIES = {
+    # name: (config class, model class, extra config)
+    "llama3_scaled": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "smollm2_tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=True, num_key_value_heads=1, rope_theta=100000.0),
+    ),
+    "qwen2_bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3_qknorm": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=32, tie_word_embeddings=True),
+    ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+}
+
+
+def make_tiny(family: str, out_dir: Path, seed: int = 0):
+    """Save a random tiny model of `family` to out_dir and return the torch model (eval mode, float32)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**COMMON, **extra})
+    model = model_cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that a missed weight shows up in the logits
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out_dir)
+    return model

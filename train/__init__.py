@@ -1,0 +1,1 @@
+"""Training EAGLE-3 heads (issue 6)."""
