@@ -42,6 +42,11 @@ FAMILIES = {
         transformers.Qwen3ForCausalLM,
         dict(head_dim=32, tie_word_embeddings=True),
     ),
+    "llama_biases": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(attention_bias=True, mlp_bias=True, head_dim=32),
+    ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
 }
 

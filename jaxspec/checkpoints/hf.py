@@ -6,7 +6,6 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -15,29 +14,8 @@ from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import LlamaModel, layer_weight_shapes
+from jaxspec.models.llama import LlamaModel
 
-# Stacked-weight name in DecoderStack → key suffix under `model.layers.{i}.` in a Hugging Face checkpoint.
-HF_LAYER_KEYS = {
-    "input_norm": "input_layernorm.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-    "o_bias": "self_attn.o_proj.bias",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-    "gate_bias": "mlp.gate_proj.bias",
-    "up_bias": "mlp.up_proj.bias",
-    "down_bias": "mlp.down_proj.bias",
-}
 # Buffers some exporters write that carry no weights.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -83,18 +61,32 @@ def _open(path: Path):
         raise JaxspecError(f"cannot read {str(path)!r}: corrupt or truncated safetensors file ({e})") from None
 
 
-def _expected_keys(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
-    keys = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        keys["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    for name, shape in layer_weight_shapes(cfg).items():
-        for i in range(cfg.num_layers):
-            keys[f"model.layers.{i}.{HF_LAYER_KEYS[name]}"] = shape
-    return keys
+def hf_key(path: tuple) -> tuple[str, bool]:
+    """Checkpoint key of an NNX parameter path, and whether the checkpoint stores it transposed.
+
+    LlamaModel's attributes mirror the Hugging Face module tree, so the key is the path itself; `kernel` [in, out]
+    is stored by PyTorch as `weight` [out, in].
+    """
+    parts = [str(p) for p in path]
+    if parts == ["embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    prefix = ".".join(parts[:-1]) if parts[0] == "lm_head" else "model." + ".".join(parts[:-1])
+    if parts[-1] == "kernel":
+        return prefix + ".weight", True
+    return f"{prefix}.{parts[-1]}", False
 
 
-def _check_keys(cfg: TargetConfig, index: dict[str, Path], model_dir: Path) -> dict[str, tuple[int, ...]]:
-    expected = _expected_keys(cfg)
+def model_params(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
+    """Checkpoint key → (the model's parameter, stored transposed?)."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            key, transposed = hf_key(path)
+            out[key] = (node, transposed)
+    return out
+
+
+def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: TargetConfig) -> None:
     missing = sorted(set(expected) - set(index))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -110,7 +102,6 @@ def _check_keys(cfg: TargetConfig, index: dict[str, Path], model_dir: Path) -> d
             f"{str(model_dir)!r} has tensors this {cfg.model_type} config does not use: "
             f"{', '.join(unexpected[:5])}{more} (wrong config.json?)"
         )
-    return expected
 
 
 def load_target(
@@ -120,40 +111,25 @@ def load_target(
     model_dir = Path(model_dir)
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
-    expected = _check_keys(cfg, index, model_dir)
-    np_dtype = numpy_dtype(dtype)
     model = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-
+    params = model_params(model)
+    _check_keys(params, index, model_dir, cfg)
+    np_dtype = numpy_dtype(dtype)
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
-
-        def read(name: str) -> np.ndarray:
-            path = index[name]
+        for key, (param, transposed) in params.items():
+            path = index[key]
             if path not in handles:
                 handles[path] = stack.enter_context(_open(path))
             try:
-                array = handles[path].get_tensor(name)
+                array = handles[path].get_tensor(key)
             except (SafetensorError, OSError, ValueError) as e:
-                raise JaxspecError(f"cannot read tensor {name!r} from {str(path)!r}: {e}") from None
-            if tuple(array.shape) != expected[name]:
-                raise JaxspecError(
-                    f"tensor {name!r} has shape {tuple(array.shape)}, but config.json implies {expected[name]}"
-                )
-            return array.astype(np_dtype, copy=False)
-
-        model.embed.set_value(jnp.asarray(read("model.embed_tokens.weight")))
-        model.norm.set_value(jnp.asarray(read("model.norm.weight")))
-        if model.lm_head is not None:
-            model.lm_head.set_value(jnp.asarray(read("lm_head.weight")))
-        for name, shape in layer_weight_shapes(cfg).items():
-            stacked = np.empty((cfg.num_layers, *shape), np_dtype)
-            for i in range(cfg.num_layers):
-                stacked[i] = read(f"model.layers.{i}.{HF_LAYER_KEYS[name]}")
-            getattr(model.layers, name).set_value(jnp.asarray(stacked))
-            del stacked
+                raise JaxspecError(f"cannot read tensor {key!r} from {str(path)!r}: {e}") from None
+            if transposed:
+                array = array.T
+            if tuple(array.shape) != tuple(param.shape):
+                want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
+                got = tuple(reversed(array.shape)) if transposed else tuple(array.shape)
+                raise JaxspecError(f"tensor {key!r} has shape {got}, but config.json implies {want}")
+            param.set_value(jnp.asarray(np.ascontiguousarray(array, dtype=np_dtype)))
     return model
-
-
-def device_dtype_default() -> str:
-    """float32 on CPU, bfloat16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"

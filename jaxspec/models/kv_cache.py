@@ -15,22 +15,24 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
-    v: jax.Array  # [layers, batch, capacity, kv_heads, head_dim]
+    k: tuple[jax.Array, ...]  # one [batch, kv_heads, capacity, head_dim] array per layer
+    v: tuple[jax.Array, ...]  # one [batch, kv_heads, capacity, head_dim] array per layer
     lengths: jax.Array  # [batch] int32, committed tokens per row
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
-    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    shape = (batch, num_kv_heads, capacity, head_dim)
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
 def advance(cache: KVCache, num_tokens: jax.Array) -> KVCache:
@@ -60,9 +62,9 @@ def causal_block_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-def write_block(cache_l: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write new [B, T, Hkv, D] into one layer's cache [B, S, Hkv, D] at slots lengths[b] + t (out of range drops)."""
+def write_block(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write new [B, T, Hkv, D] into a layer's cache [B, Hkv, S, D] at slots lengths[b] + t; out of range drops."""
     b, t = new.shape[:2]
     rows = jnp.arange(b)[:, None]  # [B, 1]
     slots = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    return cache_l.at[rows, slots].set(new.astype(cache_l.dtype), mode="drop")
+    return cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")

@@ -44,16 +44,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Masked GQA attention in plain jax.numpy.
 
-    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool (True = may attend). Returns [B, T, Hq, D].
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; mask: [B, T, S] bool (True = may attend). Returns [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1]
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(b, t, hq, d)
 
 

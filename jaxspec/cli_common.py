@@ -1,0 +1,66 @@
+"""Pieces shared by the command-line tools: the target flags, model loading, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json + *.safetensors + tokenizer); "
+        "default: the built-in SmolLM2-135M-Instruct, built on first use",
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
+    )
+
+
+def resolve_target(target: str | None) -> Path:
+    from jaxspec.checkpoints.builtin import ensure_default_target
+
+    if target is None:
+        return ensure_default_target(log=lambda msg: print(msg, file=sys.stderr))
+    return Path(target)
+
+
+def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True):
+    """(model, tokenizer) from a directory, with a note on stderr of how long loading took."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.generation import default_dtype
+    from jaxspec.prompts import load_tokenizer
+
+    start = time.perf_counter()
+    model = load_target(target_dir, dtype=dtype or default_dtype())
+    tokenizer = load_tokenizer(target_dir)
+    if log:
+        cfg = model.config
+        print(
+            f"loaded {target_dir.name} ({cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{model.dtype}) in {time.perf_counter() - start:.1f}s",
+            file=sys.stderr,
+        )
+    return model, tokenizer
+
+
+def main_guard(main):
+    """Run a CLI main: a JaxspecError becomes one line on stderr and exit code 2."""
+
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv)
+        except JaxspecError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return wrapper

@@ -1,0 +1,136 @@
+"""python -m jaxspec.generate: generate text with a Llama-family target (the main job).
+
+Examples:
+  python -m jaxspec.generate --prompt "Explain speculative decoding in one sentence."
+  python -m jaxspec.generate --prompts-file mt_bench.jsonl --batch-size 4 --max-new-tokens 128 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxspec.cli_common import add_target_args, load_target_and_tokenizer, main_guard, resolve_target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxspec.generate",
+        description="Generate text with a Llama-family target model (greedy unless --temperature > 0).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    add_target_args(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="one prompt")
+    source.add_argument(
+        "--prompts-file",
+        metavar="FILE.jsonl",
+        help='JSONL prompts: {"question_id", "turns": [...]} (MT-Bench, first turn) or {"id", "prompt"}',
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default: 256")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1]")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts generated together")
+    parser.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    return parser
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxspec.generation import TargetGenerator
+    from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
+    from jaxspec.sampling import SamplingConfig
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
+    prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    target_dir = resolve_target(args.target)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype)
+    stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
+    encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
+    generator = TargetGenerator(model, batch_size=args.batch_size)
+    generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
+
+    stream = not args.json and args.batch_size == 1
+    streamer = _Streamer(tokenizer, prompts) if stream else None
+    completions = generator.generate(
+        encoded,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        stop_ids=stops,
+        seed=args.seed,
+        on_tokens=streamer.on_tokens if streamer else None,
+    )
+    if streamer:
+        streamer.finish()
+    for (pid, text), ids, c in zip(prompts, encoded, completions):
+        out_text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if args.json:
+            record = {
+                "id": pid,
+                "prompt": text,
+                "text": out_text,
+                "token_ids": c.token_ids,
+                "num_generated": c.num_generated,
+                "stats": {
+                    "prompt_tokens": c.prompt_tokens,
+                    "tokens_per_second": round(c.num_generated / c.seconds, 3),
+                    "seconds": round(c.seconds, 4),
+                    "prefill_seconds": round(c.prefill_seconds, 4),
+                    "batch_size": c.batch_size,
+                    "finished_by_eos": c.finished_by_eos,
+                    "compile_seconds": round(generator.compile_seconds, 2),
+                },
+            }
+            print(json.dumps(record), flush=True)
+        elif not stream:
+            print(f"### {pid}\n{out_text}\n", flush=True)
+    if not args.json:
+        total = sum(c.num_generated for c in completions)
+        seconds = _wall(completions, args.batch_size)
+        print(f"[{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _wall(completions, batch_size: int) -> float:
+    """Total wall time: each batch counted once."""
+    return sum(c.seconds for i, c in enumerate(completions) if i % batch_size == 0)
+
+
+class _Streamer:
+    """Prints text as tokens arrive, decoding the whole continuation each time so multi-byte characters come out whole."""
+
+    def __init__(self, tokenizer, prompts):
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.current = -1
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def on_tokens(self, index: int, new_ids: list[int]) -> None:
+        if index != self.current:
+            self.finish()
+            self.current, self.ids, self.printed = index, [], ""
+            if len(self.prompts) > 1:
+                print(f"### {self.prompts[index][0]}", flush=True)
+        self.ids += new_ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            return
+        sys.stdout.write(text[len(self.printed) :])
+        sys.stdout.flush()
+        self.printed = text
+
+    def finish(self) -> None:
+        if self.current >= 0:
+            print("\n", flush=True)
+        self.current = -1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Host side of target-only generation: batching, shape buckets, compilation, streaming and timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec import decode
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import LlamaModel
+from jaxspec.sampling import SamplingConfig
+
+CAPACITY_QUANTUM = 256  # cache capacities are multiples of this: one compile serves many lengths
+MIN_PROMPT_BUCKET = 16
+
+
+def prompt_bucket(length: int) -> int:
+    """Power of two ≥ length (≥ 16): prompts of similar length share one prefill compile."""
+    return max(MIN_PROMPT_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+def capacity_bucket(needed: int, context_length: int) -> int:
+    return min(-(-needed // CAPACITY_QUANTUM) * CAPACITY_QUANTUM, context_length)
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    finished_by_eos: bool
+    prompt_tokens: int
+    seconds: float  # wall time of the batch it ran in (prefill + decode)
+    prefill_seconds: float
+    batch_size: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids)
+
+
+_prefill = jax.jit(decode.prefill, static_argnames=("graphdef", "capacity", "max_new_tokens", "sampling"))
+_decode = jax.jit(decode.decode_steps, static_argnames=("graphdef", "num_steps", "sampling"), donate_argnums=(2,))
+
+
+class TargetGenerator:
+    """Generates continuations of tokenized prompts with the target alone, `batch_size` rows at a time."""
+
+    def __init__(self, model: LlamaModel, *, batch_size: int = 1, chunk_steps: int = 16):
+        if batch_size < 1:
+            raise JaxspecError(f"batch size must be >= 1, got {batch_size}")
+        self.config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.batch_size = batch_size
+        self.chunk_steps = chunk_steps
+        self.compile_seconds = 0.0
+        self._compiled: dict[tuple, Callable] = {}
+
+    def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+        limit = self.config.context_length
+        for i, n in enumerate(prompt_lengths):
+            if n == 0:
+                raise JaxspecError(f"prompt {i} is empty after tokenization")
+            if n + max_new_tokens > limit:
+                raise JaxspecError(
+                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds the model's "
+                    f"context length of {limit} tokens (shorten the prompt or lower --max-new-tokens)"
+                )
+
+    def _compiled_fn(self, name: str, fn, *args, **static):
+        """AOT-compile once per static shape; compile time is kept apart from generation time."""
+        key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
+        if key not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **static).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return self._compiled[key]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        stop_ids: Sequence[int] = (),
+        seed: int = 0,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> list[Completion]:
+        """Continuations in input order. on_tokens(prompt_index, new_ids) streams tokens as chunks finish."""
+        if max_new_tokens < 1:
+            raise JaxspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        self.check_lengths([len(p) for p in prompts], max_new_tokens)
+        results: list[Completion] = []
+        key = jax.random.key(seed)
+        for start in range(0, len(prompts), self.batch_size):
+            key, sub = jax.random.split(key)
+            batch = prompts[start : start + self.batch_size]
+            results += self._generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens)
+        return results
+
+    def _generate_batch(self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens) -> list[Completion]:
+        b = self.batch_size
+        longest = max(len(p) for p in batch)
+        capacity = capacity_bucket(longest + max_new_tokens, self.config.context_length)
+        t = min(prompt_bucket(longest), capacity)
+        prompt = np.zeros((b, t), np.int32)
+        lens = np.zeros((b,), np.int32)
+        for i, p in enumerate(batch):
+            prompt[i, : len(p)] = p
+            lens[i] = len(p)
+        max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
+        eos = np.asarray(list(stop_ids) or [-1], np.int32)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key)
+        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling)
+        prefill = self._compiled_fn("prefill", _prefill, *args, **static)
+        state_shape = jax.eval_shape(functools.partial(decode.prefill, self.graphdef, **static), self.params, *args)
+        step = self._compiled_fn("decode", _decode, state_shape, args[3], num_steps=self.chunk_steps, sampling=sampling)
+
+        start = time.perf_counter()
+        st = prefill(self.params, *args)
+        emitted = np.zeros((b,), np.int64)
+        emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
+        jax.block_until_ready(st.num_generated)
+        prefill_seconds = time.perf_counter() - start
+        while not bool(np.all(np.asarray(st.done))):
+            st = step(self.params, st, args[3])
+            emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
+        seconds = time.perf_counter() - start
+
+        tokens, counts = np.asarray(st.tokens), np.asarray(st.num_generated)
+        stop = set(int(s) for s in stop_ids)
+        out = []
+        for i, p in enumerate(batch):
+            ids = tokens[i, : counts[i]].tolist()
+            out.append(Completion(ids, bool(ids) and ids[-1] in stop, len(p), seconds, prefill_seconds, len(batch)))
+        return out
+
+    @staticmethod
+    def _stream(st, emitted, n_rows, offset, on_tokens):
+        if on_tokens is None:
+            return emitted
+        counts = np.asarray(st.num_generated)
+        if np.any(counts[:n_rows] > emitted[:n_rows]):
+            tokens = np.asarray(st.tokens)
+            for i in range(n_rows):
+                if counts[i] > emitted[i]:
+                    on_tokens(offset + i, tokens[i, emitted[i] : counts[i]].tolist())
+        return np.maximum(emitted, counts)
+
+
+@functools.cache
+def default_dtype() -> str:
+    """float32 on CPU (where bfloat16 matmuls are slow), bfloat16 on GPU and TPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"

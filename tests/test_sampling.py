@@ -1,0 +1,70 @@
+"""Temperature / top-k / top-p filtering and sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingConfig, filtered_logits, sample
+
+
+def reference_filter(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+    """Row by row, the transformers definition: temperature, then top-k, then the smallest top-p nucleus."""
+    out = []
+    for row in logits / t:
+        row = row.copy()
+        if k:
+            row[row < np.sort(row)[-k]] = -np.inf
+        order = np.argsort(-row, kind="stable")
+        probs = np.exp(row[order] - row[order][0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        drop = order[before >= p]
+        row[drop] = -np.inf
+        out.append(row)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("t, k, p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.5), (1.0, 1, 1.0), (2.0, 0, 0.05)])
+def test_filter_matches_reference(t, k, p):
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    got = np.asarray(filtered_logits(jnp.asarray(logits), SamplingConfig(t, k, p)))
+    want = reference_filter(logits, t, k, p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6)
+
+
+def test_greedy_is_argmax():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 20)), jnp.float32)
+    np.testing.assert_array_equal(sample(logits, SamplingConfig(), jax.random.key(0)), np.argmax(logits, -1))
+
+
+def test_samples_follow_the_filtered_distribution():
+    logits = np.random.default_rng(2).normal(size=(12,)).astype(np.float32)
+    cfg = SamplingConfig(0.8, 8, 0.9)
+    n = 20000
+    draws = sample(jnp.broadcast_to(jnp.asarray(logits), (n, 12)), cfg, jax.random.key(3))
+    probs = np.asarray(jax.nn.softmax(filtered_logits(jnp.asarray(logits), cfg)), np.float64)
+    probs /= probs.sum()
+    counts = np.bincount(np.asarray(draws), minlength=12)
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    assert stats.chisquare(counts[support], probs[support] * n).pvalue > 0.01
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top-p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top-p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top-k must be >= 0"),
+    ],
+)
+def test_invalid_parameters(kwargs, message):
+    with pytest.raises(JaxspecError, match=message):
+        SamplingConfig(**kwargs)
