@@ -1,0 +1,112 @@
+"""The generate CLI: output shapes, and one-line errors with exit code 2 for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_tiny import make_tiny
+from jaxspec import generate
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_cli")
+    make_tiny("smollm2_tied", path, seed=5)
+    return path
+
+
+def run(capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        generate.main(list(argv))
+    captured = capsys.readouterr()
+    return exc.value.code, captured.out, captured.err
+
+
+class ByteTokenizer:
+    """Stands in for a tokenizer: the tiny random checkpoints ship none."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Encoding", (), {"input_ids": [ord(ch) % 97 for ch in text]})
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def get_vocab(self):
+        return {}
+
+
+def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "x"}\n{"question_id": 7, "turns": ["y z", "ignored"]}\n{"id": "c", "prompt": "w w w"}\n')
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    code = generate.main(["--target", str(tiny_dir), "--prompts-file", str(prompts), "--raw", "--json",
+                          "--max-new-tokens", "5", "--batch-size", "2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    records = [json.loads(line) for line in out]
+    assert [r["id"] for r in records] == ["a", "7", "c"]
+    for r in records:
+        assert set(r) == {"id", "prompt", "text", "token_ids", "num_generated", "stats"}
+        assert r["num_generated"] == len(r["token_ids"]) == 5
+        assert r["stats"]["tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--target", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
+        (["--target", "{tmp}", "--prompt", "hi"], "has no config.json"),
+        (["--target", "{tiny}", "--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--target", "{tiny}", "--prompt", "hi", "--top-p", "1.5"], "top-p must be in"),
+        (["--target", "{tiny}", "--prompt", "hi", "--top-k", "-2"], "top-k must be >= 0"),
+        (["--target", "{tiny}", "--prompts-file", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, message, tiny_dir, tmp_path, capsys):
+    argv = [a.format(tmp=tmp_path, tiny=tiny_dir) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_bad_checkpoints(tiny_dir, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    code, _, err = run(capsys, "--target", str(bad), "--prompt", "hi")
+    assert code == 2 and "unsupported architecture GPT2LMHeadModel" in err
+
+    trunc = tmp_path / "trunc"
+    shutil.copytree(tiny_dir, trunc)
+    weights = trunc / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, _, err = run(capsys, "--target", str(trunc), "--prompt", "hi")
+    assert code == 2 and "corrupt or truncated safetensors" in err
+
+    missing = tmp_path / "missing"
+    shutil.copytree(tiny_dir, missing)
+    (missing / "model.safetensors").unlink()
+    code, _, err = run(capsys, "--target", str(missing), "--prompt", "hi")
+    assert code == 2 and "has no *.safetensors weights" in err
+
+
+@pytest.mark.smollm2
+def test_prompt_too_long_for_context_subprocess():
+    """Through a real process: one line on stderr, exit code 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", "--raw", "--prompt", "hello " * 9000, "--max-new-tokens", "8"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: prompt 0 has") and "context length of 8192" in last
+    assert "Traceback" not in proc.stderr
