@@ -13,7 +13,6 @@ import platform
 import sys
 import time
 
-import numpy as np
 
 from jaxspec.cli_common import add_target_args, load_target_and_tokenizer, main_guard, resolve_target
 

@@ -1,6 +1,5 @@
 """Target-only generation: equal to transformers' greedy generate, batch-invariant, compiled once per bucket."""
 
-import numpy as np
 import pytest
 import torch
 

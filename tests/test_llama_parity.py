@@ -40,3 +40,17 @@ def test_bfloat16_stays_close_to_float32(tmp_path):
     assert logits[1].dtype == np.float32
     # bfloat16 keeps ~3 significant digits; logits of this tiny model are O(0.1-1).
     assert np.abs(logits[0] - logits[1]).max() < 5e-2
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path):
+    hf = make_tiny("qwen2_bias", tmp_path / "single")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 12)), jnp.int32)
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    a, b = (load_target(tmp_path / name) for name in ("single", "sharded"))
+    np.testing.assert_array_equal(
+        np.asarray(a(tokens, positions, a.init_cache(1, 16)).logits),
+        np.asarray(b(tokens, positions, b.init_cache(1, 16)).logits),
+    )

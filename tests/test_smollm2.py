@@ -1,6 +1,5 @@
 """The built-in SmolLM2-135M-Instruct target: conversion, logit parity and greedy generation vs transformers."""
 
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
