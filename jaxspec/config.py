@@ -80,6 +80,45 @@ class TargetConfig:
         return self.num_layers * (attn + mlp + 2 * h) + embed + h
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """An EAGLE-3 draft head: fc(n_aux·Ht → H), one decoder layer over concat(norm(embed), norm(state)) = 2H,
+    final norm, lm_head over `draft_vocab_size` tokens, mapped back to target ids by `d2t` offsets."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (embedding rows)
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False  # residual = hidden_norm(state) (speculators) instead of state (EAGLE)
+    norm_before_fc: bool = False  # RMSNorm over the concatenated features before fc (`input_norm`)
+    fc_norm: bool = False  # one RMSNorm per feature chunk before fc (`fc_norm.{i}`)
+    has_embed_tokens: bool = False  # the checkpoint ships its own embedding table
+    aux_layer_ids: tuple[int, ...] | None = None  # Hugging Face hidden_states indices; None = the target's default
+    num_aux: int = 3
+    # Shared with the target's layer code, always off in EAGLE-3 heads.
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise JaxspecError(f"draft_vocab_size={self.draft_vocab_size} exceeds the vocabulary {self.vocab_size}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's default feature layers (2, L//2, L-3), clipped into range for tiny test models."""
     return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))

@@ -38,6 +38,7 @@ class Completion:
     seconds: float  # wall time of the batch it ran in (prefill + decode)
     prefill_seconds: float
     batch_size: int
+    stats: dict = dataclasses.field(default_factory=dict)  # engine-specific (speculative: acceptance, calls)
 
     @property
     def num_generated(self) -> int:
@@ -60,6 +61,18 @@ class TargetGenerator:
         self.chunk_steps = chunk_steps
         self.compile_seconds = 0.0
         self._compiled: dict[tuple, Callable] = {}
+        # What the jitted functions take first: graphdefs (static) interleaved with their parameters.
+        self._models: tuple = (self.graphdef, self.params)
+        self._prefill_fn, self._step_fn = _prefill, _decode
+        self._extra_static: dict = {}
+
+    @property
+    def extra_capacity(self) -> int:
+        """Cache slots needed beyond prompt + max-new-tokens (a verify window writes ahead)."""
+        return 0
+
+    def _row_stats(self, st, row: int) -> dict:
+        return {}
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
         limit = self.config.context_length
@@ -77,7 +90,7 @@ class TargetGenerator:
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
         if key not in self._compiled:
             start = time.perf_counter()
-            self._compiled[key] = fn.lower(self.graphdef, self.params, *args, **static).compile()
+            self._compiled[key] = fn.lower(*self._models, *args, **static).compile()
             self.compile_seconds += time.perf_counter() - start
         return self._compiled[key]
 
@@ -106,7 +119,7 @@ class TargetGenerator:
     def _generate_batch(self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens) -> list[Completion]:
         b = self.batch_size
         longest = max(len(p) for p in batch)
-        capacity = capacity_bucket(longest + max_new_tokens, self.config.context_length)
+        capacity = capacity_bucket(longest + max_new_tokens + self.extra_capacity, self.config.context_length)
         t = min(prompt_bucket(longest), capacity)
         prompt = np.zeros((b, t), np.int32)
         lens = np.zeros((b,), np.int32)
@@ -116,19 +129,22 @@ class TargetGenerator:
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key)
-        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling)
-        prefill = self._compiled_fn("prefill", _prefill, *args, **static)
-        state_shape = jax.eval_shape(functools.partial(decode.prefill, self.graphdef, **static), self.params, *args)
-        step = self._compiled_fn("decode", _decode, state_shape, args[3], num_steps=self.chunk_steps, sampling=sampling)
+        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling, **self._extra_static)
+        prefill = self._compiled_fn("prefill", self._prefill_fn, *args, **static)
+        step = self._compiled_fn(
+            "step", self._step_fn, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
+            **self._extra_static,
+        )
+        params = [m for m in self._models if isinstance(m, nnx.State)]
 
         start = time.perf_counter()
-        st = prefill(self.params, *args)
+        st = prefill(*params, *args)
         emitted = np.zeros((b,), np.int64)
         emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
         jax.block_until_ready(st.num_generated)
         prefill_seconds = time.perf_counter() - start
         while not bool(np.all(np.asarray(st.done))):
-            st = step(self.params, st, args[3])
+            st = step(*params, st, args[3])
             emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
         seconds = time.perf_counter() - start
 
@@ -137,7 +153,8 @@ class TargetGenerator:
         out = []
         for i, p in enumerate(batch):
             ids = tokens[i, : counts[i]].tolist()
-            out.append(Completion(ids, bool(ids) and ids[-1] in stop, len(p), seconds, prefill_seconds, len(batch)))
+            finished = bool(ids) and ids[-1] in stop
+            out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), self._row_stats(st, i)))
         return out
 
     @staticmethod

@@ -48,12 +48,15 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    """GQA self-attention through a KV cache. `cfg` is a TargetConfig or a HeadConfig (whose q/k/v read 2H)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, d_in: int | None = None):
         h, d = cfg.hidden_size, cfg.head_dim
+        d_in = d_in or h
         self.cfg = cfg
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(d_in, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d_in, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d_in, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
         self.q_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
@@ -83,7 +86,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)

@@ -1,0 +1,106 @@
+"""The EAGLE-3 draft head in Flax NNX (DESIGN_NOTES §1).
+
+    f = fc(features)                                  features = concat(h[a], h[b], h[c]) of the target, [.., 3Ht]
+    u = concat(input_layernorm(embed(x)), hidden_norm(s))          [.., 2H], s = f at the first step
+    y = r + o_proj(attention(u))                      r = s, or hidden_norm(s) when norm_before_residual
+    o = y + mlp(post_attention_layernorm(y))          o is the next step's state s
+    logits = lm_head(norm(o))                         over the draft vocabulary; target id = i + d2t[i]
+
+The embedding table is the target's (frozen) unless the checkpoint ships its own. Attribute names follow the
+checkpoints (`midlayer.self_attn.q_proj` ...), so that loading maps keys to parameter paths by name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import HeadConfig, rope_inv_freq
+from jaxspec.models import kv_cache as kvc
+from jaxspec.models.layers import rope_cos_sin
+from jaxspec.models.llama import MLP, Attention, Linear, RMSNorm, _normal
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array saved with the head (the d2t vocabulary map)."""
+
+
+class Eagle3Layer(nnx.Module):
+    def __init__(self, cfg: HeadConfig, *, dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, d_in=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask):
+        normed_state = self.hidden_norm(state)
+        u = jnp.concatenate([self.input_layernorm(emb), normed_state], axis=-1)  # [B, T, 2H]
+        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask)
+        y = (normed_state if self.cfg.norm_before_residual else state) + attn
+        return y + self.mlp(self.post_attention_layernorm(y)), k_cache, v_cache
+
+
+class Eagle3Head(nnx.Module):
+    def __init__(self, cfg: HeadConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        h, n_feat = cfg.hidden_size, cfg.num_aux * cfg.target_hidden_size
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.input_norm = nnx.data(RMSNorm(n_feat, cfg.rms_norm_eps, dtype=dtype) if cfg.norm_before_fc else None)
+        self.fc_norm = nnx.data(
+            nnx.List([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, dtype=dtype) for _ in range(cfg.num_aux)])
+            if cfg.fc_norm
+            else None
+        )
+        self.fc = Linear(n_feat, h, bias=False, dtype=dtype, rngs=rngs)
+        self.embed_tokens = nnx.data(
+            nnx.Param(_normal(rngs, (cfg.vocab_size, h), dtype)) if cfg.has_embed_tokens else None
+        )
+        self.midlayer = Eagle3Layer(cfg, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t[draft id]
+
+    def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
+        cfg = self.config
+        return kvc.init_cache(1, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def project(self, features: jax.Array) -> jax.Array:
+        """Target features [B, T, n_aux * Ht] → the first step's state [B, T, H]."""
+        x = features.astype(self.dtype)
+        if self.fc_norm is not None:
+            chunks = jnp.split(x, self.config.num_aux, axis=-1)
+            x = jnp.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks)], axis=-1)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
+
+    def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+        return draft_ids + self.d2t[...][draft_ids]
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32 target ids
+        state: jax.Array,  # [B, T, H]
+        positions: jax.Array,  # [B, T] int32
+        cache: kvc.KVCache,  # one layer
+        embed_table: jax.Array | None,  # [V, H] the target's embeddings, when the head has none
+        *,
+        block_mask: jax.Array | None = None,  # [B, T, T]; None = causal
+        logit_indices: jax.Array | None = None,  # [B, n] positions that get logits; None = all
+    ) -> tuple[jax.Array, jax.Array, kvc.KVCache]:
+        """→ (draft logits [B, T or n, V_d] float32, new state [B, T, H] before the final norm, cache)."""
+        b, t = tokens.shape
+        table = self.embed_tokens[...] if self.embed_tokens is not None else embed_table
+        emb = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        if block_mask is None:
+            block_mask = kvc.causal_block_mask(b, t)
+        mask = kvc.block_attention_mask(cache.lengths, cache.capacity, block_mask)
+        cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.config)))
+        out, k, v = self.midlayer(emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, mask)
+        picked = out if logit_indices is None else jnp.take_along_axis(out, logit_indices[:, :, None], axis=1)
+        logits = self.lm_head(self.norm(picked)).astype(jnp.float32)
+        return logits, out, cache._replace(k=(k,), v=(v,))

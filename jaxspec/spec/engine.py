@@ -1,0 +1,206 @@
+"""The speculative engine on device: prefill, then a jitted, fixed-shape chain step repeated in `lax.while_loop`.
+
+Invariants between steps, per row (m = tokens committed in the target cache):
+- the target cache holds x_0 .. x_{m-1}; x_m (`last_token`) is emitted but not yet run through the target;
+- the head has consumed the pairs (g_t, x_{t+1}) for t < h; pairs h .. m-1 are pending (1 ≤ m - h ≤ K + 1):
+  `pending_feat` holds their target features g_t, `pending_tok` their next tokens x_{t+1}.
+One step: the head catches up on the pending pairs in one forward and proposes draft 1; K - 1 more head steps
+propose drafts 2..K; the target verifies [x_m, d_1..d_K] in one forward; a drafts are accepted and one target
+token follows; the target cache commits x_m, d_1..d_a (their K/V were written by the verify); the verify's
+features become the next pending pairs, so no extra target call is needed. Draft entries in the head cache are
+rolled back by resetting its length: the next catch-up overwrites them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.models import kv_cache as kvc
+from jaxspec.sampling import SamplingConfig, filtered_logits, sample
+from jaxspec.spec.accept import greedy_accept, sampling_accept
+
+
+class SpecState(NamedTuple):
+    target_cache: kvc.KVCache
+    head_cache: kvc.KVCache
+    last_token: jax.Array  # [B] x_m
+    pending_feat: jax.Array  # [B, K+1, n_aux * Ht]
+    pending_tok: jax.Array  # [B, K+1]
+    num_pending: jax.Array  # [B] in 1..K+1
+    tokens: jax.Array  # [B, max_new] generated tokens
+    num_generated: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    max_new: jax.Array  # [B]
+    key: jax.Array
+    verify_calls: jax.Array  # [B] steps while the row was running
+    accepted: jax.Array  # [B, K] how often draft j was accepted
+
+
+def _embed_table(target, head):
+    return None if head.embed_tokens is not None else target.embed_tokens[...]
+
+
+def _emit(st: SpecState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Array) -> SpecState:
+    """Append emitted[:, :count] to each running row, cut at the first EOS and at the row's budget."""
+    b, width = emitted.shape
+    j = jnp.arange(width)[None, :]
+    is_eos = jnp.any(emitted[..., None] == eos_ids, axis=-1) & (j < count[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, j, width), axis=-1)
+    n = jnp.minimum(jnp.minimum(count, first_eos + 1), st.max_new - st.num_generated)
+    n = jnp.where(st.done, 0, n)
+    slots = jnp.where(j < n[:, None], st.num_generated[:, None] + j, st.tokens.shape[1])  # out of range: dropped
+    tokens = st.tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
+    num_generated = st.num_generated + n
+    done = st.done | (first_eos < n) | (num_generated >= st.max_new)
+    return st._replace(tokens=tokens, num_generated=num_generated, done=done)
+
+
+def prefill(
+    target_graphdef: nnx.GraphDef,
+    target_params: nnx.State,
+    head_graphdef: nnx.GraphDef,
+    head_params: nnx.State,
+    prompt: jax.Array,  # [B, Tp] right-padded
+    prompt_lens: jax.Array,  # [B] (0 for padding rows)
+    max_new: jax.Array,  # [B]
+    eos_ids: jax.Array,  # [n_eos]
+    key: jax.Array,
+    *,
+    capacity: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    num_draft: int,
+) -> SpecState:
+    target = nnx.merge(target_graphdef, target_params)
+    head = nnx.merge(head_graphdef, head_params)
+    b, t = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    last = jnp.maximum(prompt_lens - 1, 0)
+    out = target(prompt, positions, target.init_cache(b, capacity), logit_indices=last[:, None], return_aux=True)
+    key, sub = jax.random.split(key)
+    first = sample(out.logits[:, 0], sampling, sub)
+    # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
+    next_tokens = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
+    _, _, head_cache = head(
+        next_tokens, head.project(out.aux), positions, head.init_cache(b, capacity), _embed_table(target, head),
+        logit_indices=jnp.zeros((b, 1), jnp.int32),
+    )
+    g_last = jnp.take_along_axis(out.aux, last[:, None, None], axis=1)  # [B, 1, F]
+    width = num_draft + 1
+    st = SpecState(
+        target_cache=kvc.advance(out.cache, prompt_lens),
+        head_cache=kvc.advance(head_cache, last),
+        last_token=first,
+        pending_feat=jnp.zeros((b, width, out.aux.shape[-1]), out.aux.dtype).at[:, :1].set(g_last),
+        pending_tok=jnp.zeros((b, width), jnp.int32).at[:, 0].set(first),
+        num_pending=jnp.ones((b,), jnp.int32),
+        tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
+        num_generated=jnp.zeros((b,), jnp.int32),
+        done=max_new <= 0,
+        max_new=max_new,
+        key=key,
+        verify_calls=jnp.zeros((b,), jnp.int32),
+        accepted=jnp.zeros((b, num_draft), jnp.int32),
+    )
+    return _emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
+
+
+def _propose(head, logits: jax.Array, sampling: SamplingConfig, key: jax.Array, vocab: int):
+    """Draft token (target id) from draft logits [B, V_d], and its distribution over the target vocab when sampling."""
+    if sampling.greedy:
+        return head.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+    filtered = filtered_logits(logits, sampling)
+    draft = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    ids = head.to_target_ids(jnp.arange(logits.shape[-1], dtype=jnp.int32))
+    q = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, ids].set(jax.nn.softmax(filtered, axis=-1))
+    return head.to_target_ids(draft), q
+
+
+def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int, sampling: SamplingConfig) -> SpecState:
+    b = st.last_token.shape[0]
+    k = num_draft
+    vocab = target.config.vocab_size
+    running = (~st.done).astype(jnp.int32)
+    embed = _embed_table(target, head)
+    keys = jax.random.split(st.key, k + 3)
+
+    # Draft 1: the head catches up on the pending pairs in one forward.
+    h0 = st.head_cache.lengths
+    positions = h0[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    last = (st.num_pending - 1)[:, None]
+    logits, out, head_cache = head(
+        st.pending_tok, head.project(st.pending_feat), positions, st.head_cache, embed, logit_indices=last
+    )
+    head_cache = kvc.advance(head_cache, st.num_pending)
+    state = jnp.take_along_axis(out, last[:, :, None], axis=1)[:, 0]  # [B, H]
+    draft, q = _propose(head, logits[:, 0], sampling, keys[0], vocab)
+
+    # Drafts 2..K: the head feeds its own state back.
+    def draft_step(carry, step_key):
+        head_cache, state, token = carry
+        logits, out, head_cache = head(token[:, None], state[:, None], head_cache.lengths[:, None], head_cache, embed)
+        nxt, q = _propose(head, logits[:, 0], sampling, step_key, vocab)
+        return (kvc.advance(head_cache, 1), out[:, 0], nxt), (nxt, q)
+
+    (head_cache, _, _), (more, more_q) = jax.lax.scan(draft_step, (head_cache, state, draft), keys[1:k])
+    drafts = jnp.concatenate([draft[:, None], jnp.moveaxis(more, 0, 1)], axis=1)  # [B, K]
+    head_cache = head_cache._replace(lengths=h0 + st.num_pending * running)  # drop the draft entries
+
+    # Verify [x_m, d_1..d_K] in one target forward.
+    tokens = jnp.concatenate([st.last_token[:, None], drafts], axis=1)
+    positions = st.target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    verify = target(tokens, positions, st.target_cache, return_aux=True)
+
+    if sampling.greedy:
+        a, emitted = greedy_accept(drafts, verify.logits)
+    else:
+        qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, K, V]
+        p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
+        uniforms = jax.random.uniform(keys[k], (b, k))
+        a, emitted = sampling_accept(drafts, p, qs, uniforms, keys[k + 1])
+
+    count = a + 1
+    new = _emit(st, emitted, count, eos_ids)
+    keep = running[:, None] > 0
+    return new._replace(
+        target_cache=kvc.advance(verify.cache, count * running),
+        head_cache=head_cache,
+        last_token=jnp.where(running > 0, jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0], st.last_token),
+        pending_feat=jnp.where(keep[:, :, None], verify.aux, st.pending_feat),
+        pending_tok=jnp.where(keep, emitted, st.pending_tok),
+        num_pending=jnp.where(running > 0, count, st.num_pending),
+        key=keys[k + 2],
+        verify_calls=st.verify_calls + running,
+        accepted=st.accepted + ((jnp.arange(k)[None, :] < a[:, None]) & keep).astype(jnp.int32),
+    )
+
+
+def spec_steps(
+    target_graphdef: nnx.GraphDef,
+    target_params: nnx.State,
+    head_graphdef: nnx.GraphDef,
+    head_params: nnx.State,
+    st: SpecState,
+    eos_ids: jax.Array,
+    *,
+    num_steps: int,
+    num_draft: int,
+    sampling: SamplingConfig,
+) -> SpecState:
+    """Up to `num_steps` speculative steps, stopping once every row is done."""
+    target = nnx.merge(target_graphdef, target_params)
+    head = nnx.merge(head_graphdef, head_params)
+
+    def cond(carry):
+        i, st = carry
+        return (i < num_steps) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st = carry
+        return i + 1, spec_step(target, head, st, eos_ids, num_draft=num_draft, sampling=sampling)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]

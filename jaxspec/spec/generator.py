@@ -1,0 +1,71 @@
+"""Host side of speculative generation: the target-only driver with the speculative prefill and step plugged in."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxspec.errors import JaxspecError
+from jaxspec.generation import TargetGenerator
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.llama import LlamaModel
+from jaxspec.spec import engine
+
+_prefill = jax.jit(
+    engine.prefill,
+    static_argnames=("target_graphdef", "head_graphdef", "capacity", "max_new_tokens", "sampling", "num_draft"),
+)
+_steps = jax.jit(
+    engine.spec_steps,
+    static_argnames=("target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling"),
+    donate_argnums=(4,),
+)
+
+
+def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
+    """Static checks that a head was made for this target; each error names both values."""
+    t, h = target.config, head.config
+    if h.vocab_size != t.vocab_size:
+        raise JaxspecError(f"draft head vocabulary {h.vocab_size} != target vocabulary {t.vocab_size}")
+    if h.target_hidden_size != t.hidden_size:
+        raise JaxspecError(f"draft head expects target hidden size {h.target_hidden_size}, the target has {t.hidden_size}")
+    if not h.has_embed_tokens and h.hidden_size != t.hidden_size:
+        raise JaxspecError(
+            f"draft head hidden size {h.hidden_size} != target hidden size {t.hidden_size}, and the head has no "
+            "embedding table of its own to use instead of the target's"
+        )
+    if h.aux_layer_ids is not None and tuple(h.aux_layer_ids) != tuple(t.aux_layer_ids):
+        raise JaxspecError(f"draft head reads target layers {h.aux_layer_ids}, the target provides {t.aux_layer_ids}")
+
+
+class SpeculativeGenerator(TargetGenerator):
+    """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts; output equals target-only
+    generation under greedy decoding and follows the same distribution under sampling."""
+
+    def __init__(self, model: LlamaModel, head: Eagle3Head, *, num_draft: int, batch_size: int = 1, chunk_steps: int = 4):
+        if num_draft < 1:
+            raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
+        check_head_fits(model, head)
+        super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps)
+        self.head_graphdef, self.head_params = nnx.split(head)
+        self.num_draft = num_draft
+        self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
+        self._prefill_fn, self._step_fn = _prefill, _steps
+        self._extra_static = {"num_draft": num_draft}
+
+    @property
+    def extra_capacity(self) -> int:
+        return self.num_draft + 1
+
+    def _row_stats(self, st, row: int) -> dict:
+        calls = int(np.asarray(st.verify_calls)[row])
+        generated = int(np.asarray(st.num_generated)[row])
+        accepted = np.asarray(st.accepted)[row]
+        return {
+            # tokens per target verify call, bonus included (the first token comes from the prefill)
+            "mean_accepted_length": round((generated - 1) / calls, 4) if calls else 0.0,
+            "acceptance_per_position": [round(float(x) / calls, 4) if calls else 0.0 for x in accepted],
+            "target_calls": calls + 1,
+            "draft_calls": calls * self.num_draft + 1,
+        }
