@@ -27,6 +27,9 @@ def prompt_bucket(length: int) -> int:
 
 
 def capacity_bucket(needed: int, context_length: int) -> int:
+    """Cache slots: a power of two up to 256 (≥ 16), then multiples of 256, at most the context length."""
+    if needed <= CAPACITY_QUANTUM:
+        return min(prompt_bucket(needed), context_length)
     return min(-(-needed // CAPACITY_QUANTUM) * CAPACITY_QUANTUM, context_length)
 
 

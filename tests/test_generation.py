@@ -99,4 +99,5 @@ def test_prompt_longer_than_context_is_refused(tiny):
 
 def test_buckets():
     assert [generation.prompt_bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
-    assert generation.capacity_bucket(300, 8192) == 512 and generation.capacity_bucket(300, 400) == 400
+    assert [generation.capacity_bucket(n, 8192) for n in (10, 17, 256, 257, 300)] == [16, 32, 256, 512, 512]
+    assert generation.capacity_bucket(300, 400) == 400

@@ -1,0 +1,69 @@
+"""Fit an EAGLE-3 head to a tiny target for a few seconds, so that engine tests see real multi-token acceptance.
+
+Step-0 training only (the head reads the target's features g_t and token x_{t+1} and learns the target's next
+token), on continuations the target samples itself; the trainer proper (TTT) belongs to `train/`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxspec.config import HeadConfig
+from jaxspec.generation import TargetGenerator
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.llama import LlamaModel
+from jaxspec.sampling import SamplingConfig
+
+
+def head_config_for(target: LlamaModel, **overrides) -> HeadConfig:
+    t = target.config
+    base = dict(
+        hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+        intermediate_size=2 * t.hidden_size, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
+        target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps, aux_layer_ids=t.aux_layer_ids,
+    )
+    return HeadConfig(**{**base, **overrides})
+
+
+def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, target.config.vocab_size, 4).tolist() for _ in range(n_seqs)]
+    gen = TargetGenerator(target, batch_size=16).generate(
+        prompts, max_new_tokens=seq_len - 4, sampling=SamplingConfig(temperature=1.0), seed=seed
+    )
+    seqs = jnp.asarray([p + c.token_ids for p, c in zip(prompts, gen)], jnp.int32)  # [N, L]
+    n, length = seqs.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
+    out = target(seqs, positions, target.init_cache(n, length), return_aux=True)
+    labels = jnp.argmax(out.logits, -1)  # [N, L] the target's choice after each token
+    feats = out.aux[:, :-2]  # pair t = (g_t, x_{t+1}) predicts labels[t+1]; its second step reads x_{t+2}
+    tok1, lab1, tok2, lab2 = seqs[:, 1:-1], labels[:, 1:-1], seqs[:, 2:], labels[:, 2:]
+    embed = target.embed_tokens[...]
+
+    head = Eagle3Head(head_config_for(target), rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(head, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(head, opt, idx):
+        def loss_fn(head):
+            # Two draft steps: the second feeds the head's own state back, as drafting does (its attention is
+            # simplified to causal over the second step's own keys: good enough for a test fixture).
+            b, t = tok1[idx].shape
+            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            logits1, state, _ = head(tok1[idx], head.project(feats[idx]), pos, head.init_cache(b, t), embed)
+            logits2, _, _ = head(tok2[idx], state, pos + 1, head.init_cache(b, t), embed)
+            ce = optax.softmax_cross_entropy_with_integer_labels
+            return ce(logits1, lab1[idx]).mean() + 0.8 * ce(logits2, lab2[idx]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(head)
+        opt.update(head, grads)
+        return loss
+
+    key = np.random.default_rng(seed + 1)
+    for _ in range(steps):
+        train_step(head, opt, jnp.asarray(key.choice(n, 16, replace=False)))
+    return head

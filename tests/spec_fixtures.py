@@ -1,0 +1,38 @@
+"""Tiny targets for speculative-engine tests, and heads fitted to them (cached per process)."""
+
+from __future__ import annotations
+
+import functools
+
+from flax import nnx
+
+from fit_head import fit_head, head_config_for
+from jaxspec.config import TargetConfig
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.llama import LlamaModel
+
+PROMPTS = [[5, 17, 3, 9], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4], [33], [70, 71, 72, 73, 74, 75]]
+
+
+@functools.cache
+def tiny_target(vocab: int = 101, embed_scale: float = 20.0, logit_scale: float = 1.0, seed: int = 0) -> LlamaModel:
+    """A random 4-layer target whose embeddings dominate its residual stream, so that its next token depends mostly
+    on the current one: predictable enough for a briefly fitted head to reach multi-token acceptance.
+    `logit_scale` sharpens its distributions for sampling tests (random weights give near-uniform ones)."""
+    cfg = TargetConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    model = LlamaModel(cfg, rngs=nnx.Rngs(seed))
+    model.embed_tokens.set_value(model.embed_tokens[...] * embed_scale)
+    model.lm_head.kernel.set_value(model.lm_head.kernel[...] * logit_scale)
+    return model
+
+
+@functools.cache
+def fitted_head(vocab: int = 101, embed_scale: float = 20.0, logit_scale: float = 1.0) -> Eagle3Head:
+    return fit_head(tiny_target(vocab, embed_scale, logit_scale), steps=400)
+
+
+@functools.cache
+def random_head(vocab: int = 101) -> Eagle3Head:
+    return Eagle3Head(head_config_for(tiny_target(vocab)), rngs=nnx.Rngs(7))

@@ -1,0 +1,73 @@
+"""Greedy speculative decoding equals target-only greedy decoding token for token."""
+
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from jaxspec.generation import TargetGenerator
+from jaxspec.spec.generator import SpeculativeGenerator
+from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [c.token_ids for c in TargetGenerator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+
+
+@pytest.mark.parametrize("head_kind", ["random", "fitted"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_equals_target_only(head_kind, k, batch, reference):
+    head = random_head() if head_kind == "random" else fitted_head()
+    got = SpeculativeGenerator(tiny_target(), head, num_draft=k, batch_size=batch).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    mean_len = np.mean([c.stats["mean_accepted_length"] for c in got])
+    if head_kind == "random":
+        assert mean_len < 1.2  # acceptance near zero
+    elif k == 5:
+        assert mean_len > 2  # multi-token acceptance and bonus tokens really happen
+    for c in got:
+        assert c.stats["target_calls"] - 1 <= len(c.token_ids) - 1
+        assert len(c.stats["acceptance_per_position"]) == k
+
+
+def test_eos_and_budget_inside_a_window(reference):
+    """Every token of the reference as EOS, and every budget: speculative output is the reference, cut there."""
+    gen = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=5, batch_size=4)
+    for eos in sorted({t for ref in reference for t in ref[1:12]}):
+        got = gen.generate(PROMPTS, max_new_tokens=30, stop_ids=[eos])
+        for ref, c in zip(reference, got):
+            want = ref[: ref.index(eos) + 1] if eos in ref else ref
+            assert c.token_ids == want
+    for budget in range(1, 14):
+        got = gen.generate(PROMPTS, max_new_tokens=budget)
+        assert [c.token_ids for c in got] == [ref[:budget] for ref in reference]
+
+
+def test_forced_rejection_never_changes_output(reference):
+    """A head whose every draft is off by one token: all drafts are rejected (their K/V written, never committed)."""
+    head = nnx.clone(fitted_head())
+    vocab = tiny_target().config.vocab_size
+    head.d2t.set_value(np.where(np.arange(vocab) + 1 < vocab, 1, 1 - vocab))  # target id = draft id + 1 (mod V)
+    got = SpeculativeGenerator(tiny_target(), head, num_draft=4, batch_size=4).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    assert max(max(c.stats["acceptance_per_position"]) for c in got) < 0.15
+
+
+def test_step_compiles_once_per_bucket(monkeypatch):
+    gen = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=3, batch_size=2)
+    gen.generate(PROMPTS[:2], max_new_tokens=16)
+    lowered = []
+
+    class Counting:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def lower(self, *args, **kwargs):
+            lowered.append(self.fn)
+            return self.fn.lower(*args, **kwargs)
+
+    gen._prefill_fn, gen._step_fn = Counting(gen._prefill_fn), Counting(gen._step_fn)
+    gen.generate([[1, 2, 3], [9] * 13, [4] * 7, [8, 8]], max_new_tokens=16)  # new prompts, same buckets
+    assert lowered == []
