@@ -67,16 +67,15 @@ def test_sampling_is_seeded(tiny):
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
 
 
-def test_compiles_once_per_bucket(tiny, monkeypatch):
+def test_compiles_once_per_bucket(tiny):
     _, model = tiny
     gen = TargetGenerator(model, batch_size=2)
     gen.generate(PROMPTS[:2], max_new_tokens=8)
     lowered = []
-    for name in ("_prefill", "_decode"):
-        fn = getattr(generation, name)
-        monkeypatch.setattr(generation, name, _CountingJit(fn, lowered))
+    gen._prefill_fn = _CountingJit(gen._prefill_fn, lowered)
+    gen._step_fn = _CountingJit(gen._step_fn, lowered)
     # Different prompts, lengths within the same bucket, and many decode steps: nothing new to compile.
-    gen.generate([[1, 2, 3], [9] * 13, [4] * 7, [8, 8]], max_new_tokens=8)
+    gen.generate([[1, 2, 3], [9] * 13, [4] * 12, [8] * 10], max_new_tokens=8)  # capacity 32, prompt bucket 16
     assert lowered == []
     gen.generate([[5] * 40], max_new_tokens=8)  # a longer prompt bucket compiles a new prefill
     assert "prefill" in lowered
@@ -87,7 +86,7 @@ class _CountingJit:
         self.fn, self.log = fn, log
 
     def lower(self, *args, **kwargs):
-        self.log.append(self.fn.__wrapped__.__name__ if hasattr(self.fn, "__wrapped__") else "fn")
+        self.log.append(self.fn.__wrapped__.__name__)
         return self.fn.lower(*args, **kwargs)
 
 

@@ -69,5 +69,7 @@ def test_step_compiles_once_per_bucket(monkeypatch):
             return self.fn.lower(*args, **kwargs)
 
     gen._prefill_fn, gen._step_fn = Counting(gen._prefill_fn), Counting(gen._step_fn)
-    gen.generate([[1, 2, 3], [9] * 13, [4] * 7, [8, 8]], max_new_tokens=16)  # new prompts, same buckets
+    gen.generate([[1, 2, 3], [9] * 12, [4] * 7, [8] * 9], max_new_tokens=16)  # new prompts, same buckets
     assert lowered == []
+    gen.generate([[5] * 40], max_new_tokens=16)  # a longer prompt bucket compiles (and the counter sees it)
+    assert len(lowered) == 2
