@@ -1,0 +1,292 @@
+"""EAGLE-3 head checkpoints: detect and load the EAGLE, SpecForge/SGLang and vLLM speculators layouts
+(DESIGN_NOTES §2), validate them against the target, and export heads to the speculators and SGLang layouts.
+
+| layout      | architectures                      | config                               | layer keys  | aux layer ids       |
+|-------------|------------------------------------|--------------------------------------|-------------|---------------------|
+| eagle       | LlamaForCausalLM + draft_vocab_size | flat Llama (rope_theta often absent) | midlayer.*  | default             |
+| sglang      | LlamaForCausalLMEagle3             | flat + eagle_config                  | midlayer.*  | output-of-layer (+1)|
+| speculators | Eagle3Speculator / Eagle3DraftModel | transformer_layer_config nested      | layers.0.*  | input-of-layer      |
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.checkpoints.hf import numpy_dtype
+from jaxspec.config import HeadConfig, TargetConfig, _rope_from_hf
+from jaxspec.errors import JaxspecError
+from jaxspec.models.eagle3 import Buffer, Eagle3Head
+
+LAYOUTS = ("eagle", "sglang", "speculators")
+_OPTIONAL_KEYS = ("t2d", "embed_tokens.weight")  # t2d is implied by d2t; the embedding may come from the target
+
+
+def detect_layout(raw: dict[str, Any]) -> str:
+    archs = set(raw.get("architectures") or [])
+    if raw.get("speculators_model_type") == "eagle3" or archs & {"Eagle3Speculator", "Eagle3DraftModel"}:
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in archs:
+        return "sglang"
+    if "draft_vocab_size" in raw:
+        return "eagle"
+    raise JaxspecError(
+        "config.json does not describe an EAGLE-3 head (expected speculators_model_type 'eagle3', architecture "
+        "LlamaForCausalLMEagle3, or a Llama config with draft_vocab_size)"
+    )
+
+
+def head_config_from_hf(raw: dict[str, Any], keys: set[str] = frozenset()) -> tuple[str, HeadConfig]:
+    layout = detect_layout(raw)
+    if layout == "speculators":
+        layer = dict(raw.get("transformer_layer_config") or {})
+        if not layer:
+            raise JaxspecError("speculators config.json lacks transformer_layer_config")
+        aux = raw.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer convention already
+        flat = {**layer, **{k: raw[k] for k in ("draft_vocab_size", "target_hidden_size") if k in raw}}
+        norm_before_residual = bool(raw.get("norm_before_residual", False))
+    else:
+        flat = raw
+        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if aux is not None:
+            aux = [int(i) + 1 for i in aux]  # "output of layer i" = hidden_states[i + 1]
+        norm_before_residual = bool(raw.get("norm_before_residual", False))
+    try:
+        hidden = int(flat["hidden_size"])
+        heads = int(flat["num_attention_heads"])
+        vocab = int(flat["vocab_size"])
+        cfg = HeadConfig(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(flat.get("num_key_value_heads") or heads),
+            head_dim=int(flat.get("head_dim") or hidden // heads),
+            intermediate_size=int(flat["intermediate_size"]),
+            vocab_size=vocab,
+            draft_vocab_size=int(flat.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(flat.get("target_hidden_size") or hidden),
+            rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf({"rope_theta": 10000.0, **flat}),
+            max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
+            norm_before_residual=norm_before_residual,
+            norm_before_fc=bool(raw.get("norm_before_fc", False)) or "input_norm.weight" in keys,
+            fc_norm=bool(raw.get("fc_norm", False)) or "fc_norm.0.weight" in keys,
+            has_embed_tokens="embed_tokens.weight" in keys,
+            aux_layer_ids=tuple(int(i) for i in aux) if aux is not None else None,
+        )
+    except KeyError as e:
+        raise JaxspecError(f"head config.json lacks the field {e.args[0]!r}") from None
+    return layout, cfg
+
+
+def validate_head(cfg: HeadConfig, target: TargetConfig) -> None:
+    """Static checks that a head fits a target; each error names both values."""
+    if cfg.vocab_size != target.vocab_size:
+        raise JaxspecError(f"draft head vocabulary {cfg.vocab_size} != target vocabulary {target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise JaxspecError(
+            f"draft head expects target hidden size {cfg.target_hidden_size}, the target has {target.hidden_size}"
+        )
+    if not cfg.has_embed_tokens and cfg.hidden_size != target.hidden_size:
+        raise JaxspecError(
+            f"draft head hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}, and the head has "
+            "no embedding table of its own"
+        )
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else target.aux_layer_ids
+    if len(ids) != cfg.num_aux:
+        raise JaxspecError(f"draft head reads {len(ids)} target layers {tuple(ids)}, expected {cfg.num_aux}")
+    for i in ids:
+        if not 0 <= i < target.num_layers:
+            raise JaxspecError(
+                f"draft head reads target layer {i} (hidden_states index), outside the target's 0..{target.num_layers - 1}"
+            )
+
+
+def _param_key(path: tuple) -> tuple[str, bool]:
+    """Checkpoint key of a head parameter path (speculators-style `layers.0.` is handled by the caller)."""
+    parts = [str(p) for p in path]
+    if parts == ["embed_tokens"]:
+        return "embed_tokens.weight", False
+    if parts == ["d2t"]:
+        return "d2t", False
+    if parts[-1] == "kernel":
+        return ".".join(parts[:-1]) + ".weight", True
+    return ".".join(parts), False
+
+
+def head_params(head: Eagle3Head) -> dict[str, tuple[nnx.Variable, bool]]:
+    out = {}
+    for path, node in nnx.iter_graph(head):
+        if isinstance(node, (nnx.Param, Buffer)):
+            key, transposed = _param_key(path)
+            out[key] = (node, transposed)
+    return out
+
+
+def _read_tensors(path: Path, allow_pickle: bool) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        tensors = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="numpy") as handle:
+                    for key in handle.keys():
+                        tensors[key] = handle.get_tensor(key)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise JaxspecError(f"cannot read {str(f)!r}: corrupt or truncated safetensors file ({e})") from None
+        return tensors
+    bins = sorted(path.glob("*.bin"))
+    if not bins:
+        raise JaxspecError(f"{str(path)!r} has no *.safetensors (or *.bin) weights")
+    if not allow_pickle:
+        raise JaxspecError(
+            f"{str(path)!r} holds only pickled weights ({bins[0].name}), which can run code when loaded; "
+            "pass --allow-pickle to load them anyway, or convert them to safetensors"
+        )
+    try:
+        import torch
+    except ImportError:
+        raise JaxspecError("loading a .bin head needs torch (pip install torch)") from None
+    tensors = {}
+    for f in bins:
+        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+            tensors[key] = value.float().numpy() if value.is_floating_point() else value.numpy()
+    return tensors
+
+
+def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allow_pickle: bool = False) -> Eagle3Head:
+    """Load a head in any of the three layouts, checked against the target config."""
+    path = Path(path)
+    if not path.exists():
+        raise JaxspecError(f"draft head path {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise JaxspecError(f"draft head directory {str(path)!r} has no config.json")
+    raw = json.loads(config_file.read_text())
+    tensors = _read_tensors(path, allow_pickle)
+    tensors = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    layout, cfg = head_config_from_hf(raw, set(tensors))
+    validate_head(cfg, target)
+    if layout == "sglang" and cfg.draft_vocab_size != cfg.vocab_size and "d2t" not in tensors:
+        raise JaxspecError("SGLang head lacks the d2t tensor its draft vocabulary needs")
+
+    head = nnx.eval_shape(lambda: Eagle3Head(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    params = head_params(head)
+    expected = set(params)
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        expected.discard("d2t")  # identity map; speculators omits it
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise JaxspecError(f"draft head {str(path)!r} lacks tensors {', '.join(missing[:5])}")
+    unexpected = sorted(set(tensors) - set(params) - set(_OPTIONAL_KEYS))
+    if unexpected:
+        raise JaxspecError(f"draft head {str(path)!r} has unexpected tensors {', '.join(unexpected[:5])}")
+    np_dtype = numpy_dtype(dtype)
+    for key, (param, transposed) in params.items():
+        if key == "d2t":
+            d2t = tensors.get("d2t", np.zeros((cfg.draft_vocab_size,), np.int64))
+            if d2t.shape != (cfg.draft_vocab_size,):
+                raise JaxspecError(f"d2t has shape {d2t.shape}, expected ({cfg.draft_vocab_size},)")
+            ids = np.arange(cfg.draft_vocab_size) + d2t
+            if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+                raise JaxspecError("d2t maps draft ids outside the target vocabulary (corrupt head?)")
+            param.set_value(jnp.asarray(d2t.astype(np.int32)))
+            continue
+        array = tensors[key].T if transposed else tensors[key]
+        if tuple(array.shape) != tuple(param.shape):
+            want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
+            got = tuple(reversed(array.shape)) if transposed else tuple(array.shape)
+            raise JaxspecError(f"draft head tensor {key!r} has shape {got}, but its config implies {want}")
+        param.set_value(jnp.asarray(np.ascontiguousarray(array, dtype=np_dtype)))
+    return head
+
+
+def export_head(head: Eagle3Head, out_dir: str | Path, *, layout: str, target: TargetConfig, dtype="bfloat16") -> Path:
+    """Write a head as config.json + model.safetensors in the speculators or SGLang layout."""
+    from safetensors.numpy import save_file
+
+    if layout not in ("speculators", "sglang"):
+        raise JaxspecError(f"export layout must be 'speculators' or 'sglang', got {layout!r}")
+    cfg = head.config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np_dtype = numpy_dtype(dtype)
+    tensors: dict[str, np.ndarray] = {}
+    for key, (param, transposed) in head_params(head).items():
+        value = np.asarray(param[...])
+        if key == "d2t":
+            if layout == "speculators" and cfg.draft_vocab_size == cfg.vocab_size:
+                continue
+            tensors["d2t"] = value.astype(np.int64)
+            t2d = np.zeros((cfg.vocab_size,), bool)
+            t2d[np.arange(cfg.draft_vocab_size) + value] = True
+            tensors["t2d"] = t2d
+            continue
+        if key == "embed_tokens.weight" and layout == "sglang":
+            continue  # SGLang heads share the target's embeddings
+        value = value.T if transposed else value
+        if layout == "speculators" and key.startswith("midlayer."):
+            key = "layers.0." + key[len("midlayer.") :]
+        tensors[key] = np.ascontiguousarray(value.astype(np_dtype))
+    aux = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else target.aux_layer_ids
+    layer = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "max_position_embeddings": target.max_position_embeddings,  # vLLM stops drafting beyond this
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(np.dtype(np_dtype)) if dtype != "bfloat16" else "bfloat16",
+    }
+    if cfg.rope.rope_type != "default":
+        r = cfg.rope
+        layer["rope_scaling"] = {
+            "rope_type": r.rope_type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor, "original_max_position_embeddings": r.original_max_position_embeddings,
+        }
+    if layout == "speculators":
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "norm_before_residual": cfg.norm_before_residual,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(aux),
+        }
+    else:
+        config = {
+            **layer,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "norm_before_residual": cfg.norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]},
+        }
+    if cfg.norm_before_fc:
+        config["norm_before_fc"] = True
+    if cfg.fc_norm:
+        config["fc_norm"] = True
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

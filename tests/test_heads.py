@@ -1,0 +1,169 @@
+"""EAGLE-3 head checkpoints: the three published layouts load, mismatches are refused, exports round-trip."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+from jaxspec.checkpoints.heads import detect_layout, export_head, load_head
+from jaxspec.config import TargetConfig
+from jaxspec.errors import JaxspecError
+
+TARGET = TargetConfig(
+    vocab_size=120, hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=8
+)
+H, V, VD, I = 32, 120, 40, 48
+
+
+def synthetic_tensors(layout: str, rng, with_embed=False) -> dict[str, np.ndarray]:
+    """Tensors named, shaped and typed as the published heads are (bfloat16 weights, int64 d2t, bool t2d)."""
+    bf16 = lambda *shape: rng.normal(0, 0.05, shape).astype(ml_dtypes.bfloat16)  # noqa: E731
+    prefix = "layers.0." if layout == "speculators" else "midlayer."
+    t = {
+        "fc.weight": bf16(H, 3 * H),
+        "norm.weight": (1 + bf16(H)).astype(ml_dtypes.bfloat16),
+        "lm_head.weight": bf16(VD, H),
+        prefix + "input_layernorm.weight": bf16(H),
+        prefix + "hidden_norm.weight": bf16(H),
+        prefix + "post_attention_layernorm.weight": bf16(H),
+        prefix + "self_attn.q_proj.weight": bf16(4 * 8, 2 * H),
+        prefix + "self_attn.k_proj.weight": bf16(2 * 8, 2 * H),
+        prefix + "self_attn.v_proj.weight": bf16(2 * 8, 2 * H),
+        prefix + "self_attn.o_proj.weight": bf16(H, 4 * 8),
+        prefix + "mlp.gate_proj.weight": bf16(I, H),
+        prefix + "mlp.up_proj.weight": bf16(I, H),
+        prefix + "mlp.down_proj.weight": bf16(H, I),
+    }
+    selected = np.sort(rng.choice(V, VD, replace=False))
+    t["d2t"] = (selected - np.arange(VD)).astype(np.int64)
+    t2d = np.zeros(V, bool)
+    t2d[selected] = True
+    t["t2d"] = t2d
+    if with_embed:
+        t["embed_tokens.weight"] = bf16(V, H)
+    return t
+
+
+def synthetic_config(layout: str) -> dict:
+    llama = dict(
+        hidden_size=H, intermediate_size=I, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_hidden_layers=1, vocab_size=V, rms_norm_eps=1e-5, max_position_embeddings=2048, hidden_act="silu",
+        model_type="llama", torch_dtype="bfloat16",
+    )
+    if layout == "eagle":  # EAGLE repo: flat Llama config, no rope_theta
+        return {**llama, "architectures": ["LlamaForCausalLM"], "draft_vocab_size": VD}
+    if layout == "sglang":
+        return {
+            **llama, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": VD, "rope_theta": 500000.0,
+            "target_hidden_size": H, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]},
+        }
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B-Instruct", "architectures": ["LlamaForCausalLM"]}},
+        "transformer_layer_config": {**llama, "rope_theta": 500000.0, "architectures": ["LlamaForCausalLM"]},
+        "draft_vocab_size": VD, "norm_before_residual": True, "target_hidden_size": H,
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+    }
+
+
+def write(path, config, tensors):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["eagle", "sglang", "speculators"])
+def test_each_layout_loads(layout, tmp_path):
+    tensors = synthetic_tensors(layout, np.random.default_rng(0), with_embed=layout == "speculators")
+    path = write(tmp_path / layout, synthetic_config(layout), tensors)
+    assert detect_layout(json.loads((path / "config.json").read_text())) == layout
+    head = load_head(path, TARGET)
+    cfg = head.config
+    assert cfg.draft_vocab_size == VD and cfg.target_hidden_size == H
+    assert cfg.aux_layer_ids == {"eagle": None, "sglang": (2, 4, 5), "speculators": (2, 4, 5)}[layout]
+    assert cfg.norm_before_residual == (layout == "speculators")
+    assert cfg.rope.theta == (10000.0 if layout == "eagle" else 500000.0)
+    assert cfg.has_embed_tokens == (layout == "speculators")
+    prefix = "layers.0." if layout == "speculators" else "midlayer."
+    q = np.asarray(head.midlayer.self_attn.q_proj.kernel[...])
+    np.testing.assert_array_equal(q, tensors[prefix + "self_attn.q_proj.weight"].astype(np.float32).T)
+    np.testing.assert_array_equal(np.asarray(head.d2t[...]), tensors["d2t"])
+    ids = np.asarray(head.to_target_ids(jnp.arange(VD)))
+    assert np.array_equal(np.flatnonzero(tensors["t2d"]), ids)
+
+
+def _mutate(layout, tmp_path, config_change=None, tensor_change=None, name="bad"):
+    config = synthetic_config(layout)
+    tensors = synthetic_tensors(layout, np.random.default_rng(1))
+    if config_change:
+        config_change(config)
+    if tensor_change:
+        tensor_change(tensors)
+    return write(tmp_path / name, config, tensors)
+
+
+@pytest.mark.parametrize(
+    "layout, config_change, tensor_change, message",
+    [
+        ("sglang", lambda c: c.update(hidden_size=48), None, "draft head hidden size 48 != target hidden size 32"),
+        ("sglang", lambda c: c.update(target_hidden_size=64), None, "expects target hidden size 64, the target has 32"),
+        ("eagle", lambda c: c.update(vocab_size=128), None, "draft head vocabulary 128 != target vocabulary 120"),
+        ("sglang", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3, 8]), None,
+         "reads target layer 9"),
+        ("speculators", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 8]), None, "reads target layer 8"),
+        ("eagle", None, lambda t: t.pop("midlayer.mlp.up_proj.weight"), "lacks tensors midlayer.mlp.up_proj.weight"),
+        ("eagle", None, lambda t: t.update({"midlayer.extra.weight": np.zeros(3, np.float32)}),
+         "unexpected tensors midlayer.extra.weight"),
+        ("sglang", None, lambda t: t.pop("d2t"), "lacks the d2t tensor"),
+        ("eagle", None, lambda t: t.update({"fc.weight": np.zeros((H, 2 * H), np.float32)}),
+         r"tensor 'fc.weight' has shape \(32, 64\), but its config implies \(32, 96\)"),
+    ],
+)
+def test_mismatches_are_refused(layout, config_change, tensor_change, message, tmp_path):
+    path = _mutate(layout, tmp_path, config_change, tensor_change)
+    with pytest.raises(JaxspecError, match=message):
+        load_head(path, TARGET)
+
+
+def test_pickled_weights_need_opt_in(tmp_path):
+    torch = pytest.importorskip("torch")
+    tensors = synthetic_tensors("eagle", np.random.default_rng(2))
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(synthetic_config("eagle")))
+    torch.save({k: torch.from_numpy(v.astype(np.float32) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in tensors.items()},
+               path / "pytorch_model.bin")
+    with pytest.raises(JaxspecError, match="pass --allow-pickle"):
+        load_head(path, TARGET)
+    head = load_head(path, TARGET, allow_pickle=True)
+    np.testing.assert_array_equal(np.asarray(head.d2t[...]), tensors["d2t"])
+
+
+def test_not_a_head(tmp_path):
+    path = write(tmp_path / "plain", {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}, {"x": np.zeros(1)})
+    with pytest.raises(JaxspecError, match="does not describe an EAGLE-3 head"):
+        load_head(path, TARGET)
+    with pytest.raises(JaxspecError, match="does not exist"):
+        load_head(tmp_path / "nope", TARGET)
+
+
+@pytest.mark.parametrize("source", ["eagle", "speculators"])
+@pytest.mark.parametrize("layout", ["speculators", "sglang"])
+def test_export_round_trip(source, layout, tmp_path):
+    tensors = synthetic_tensors(source, np.random.default_rng(3))
+    head = load_head(write(tmp_path / "src", synthetic_config(source), tensors), TARGET)
+    out = export_head(head, tmp_path / "out", layout=layout, target=TARGET, dtype="float32")
+    back = load_head(out, TARGET)
+    # Exports always name the aux layers (the EAGLE layout leaves them to the target's default).
+    assert back.config == dataclasses.replace(head.config, aux_layer_ids=TARGET.aux_layer_ids)
+    for (pa, a), (pb, b) in zip(nnx.iter_graph(head), nnx.iter_graph(back)):
+        if isinstance(a, nnx.Variable):
+            assert pa == pb
+            np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
