@@ -1,8 +1,9 @@
-"""python -m jaxspec.bench: tokens/s of jaxspec target-only generation, side by side with Hugging Face
-transformers on the same checkpoint, prompts and lengths, in one process, plus the memory-bandwidth roofline.
+"""python -m jaxspec.bench: tokens/s of jaxspec target-only and speculative generation, side by side (and with
+Hugging Face transformers on the same checkpoint, prompts and lengths), in one process, plus the roofline.
 
-Example:
+Examples:
   python -m jaxspec.bench --prompts-file mt_bench.jsonl --limit 10 --max-new-tokens 64 --compare-hf
+  python -m jaxspec.bench --draft HEAD_DIR --prompts-file mt_bench.jsonl --num-speculative-tokens 5
 """
 
 from __future__ import annotations
@@ -13,8 +14,18 @@ import platform
 import sys
 import time
 
+import numpy as np
 
-from jaxspec.cli_common import add_target_args, load_target_and_tokenizer, main_guard, resolve_target
+
+from jaxspec.cli_common import (
+    add_draft_args,
+    add_target_args,
+    head_aux_layer_ids,
+    load_head_for,
+    load_target_and_tokenizer,
+    main_guard,
+    resolve_target,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 3)[3],
     )
     add_target_args(parser)
+    add_draft_args(parser)
     parser.add_argument("--prompts-file", required=True, metavar="FILE.jsonl")
     parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
@@ -49,6 +61,54 @@ def measure_bandwidth_gbs(nbytes: int = 1 << 29) -> float:
         total(x).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
+
+
+def _best_time(fn, *args, repeats: int = 10) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> dict:
+    """Milliseconds of one target forward over 1 and K+1 tokens, and of one head step, at a half-full cache."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxspec.models import kv_cache as kvc
+
+    tg, tp = nnx.split(model)
+    hg, hp = nnx.split(head)
+
+    def target_forward(params, cache, tokens):
+        m = nnx.merge(tg, params)
+        pos = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+        return m(tokens, pos, cache, return_aux=True).logits
+
+    def head_forward(params, cache, tokens, state):
+        h = nnx.merge(hg, params)
+        return h(tokens, state, cache.lengths[:, None], cache, model.embed_tokens[...])[0]
+
+    cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
+    hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
+    tf = jax.jit(target_forward)
+    decode = _best_time(tf, tp, cache, jnp.zeros((batch, 1), jnp.int32))
+    verify = _best_time(tf, tp, cache, jnp.zeros((batch, k + 1), jnp.int32))
+    state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
+    draft = _best_time(jax.jit(head_forward), hp, hcache, jnp.zeros((batch, 1), jnp.int32), state)
+    return {
+        "target_decode_ms": round(decode * 1e3, 2),
+        "target_verify_ms": round(verify * 1e3, 2),
+        "verify_over_decode": round(verify / decode, 3),
+        "head_step_ms": round(draft * 1e3, 2),
+        "head_step_over_decode": round(draft / decode, 3),
+    }
 
 
 def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, list[list[int]]]:
@@ -87,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(args.draft))
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
 
@@ -114,6 +174,30 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_second": round(args.batch_size * bandwidth * 1e9 / weight_bytes, 2),
         },
     }
+    if args.draft:
+        from jaxspec.spec.generator import SpeculativeGenerator
+
+        head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
+        k = args.num_speculative_tokens
+        spec = SpeculativeGenerator(model, head, num_draft=k, batch_size=args.batch_size)
+        spec.generate(encoded[: args.batch_size], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+        spec_out = spec.generate(encoded, max_new_tokens=args.max_new_tokens, stop_ids=stops)
+        s_seconds = sum(c.seconds for i, c in enumerate(spec_out) if i % args.batch_size == 0)
+        s_tokens = sum(c.num_generated for c in spec_out)
+        calls = sum(c.stats["target_calls"] - 1 for c in spec_out)
+        accepted = np.sum([np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in spec_out], 0)
+        result["speculative"] = {
+            "draft": str(args.draft),
+            "num_speculative_tokens": k,
+            "tokens": s_tokens,
+            "seconds": round(s_seconds, 3),
+            "tokens_per_second": round(s_tokens / s_seconds, 2),
+            "mean_accepted_length": round((s_tokens - len(spec_out)) / calls, 3),
+            "acceptance_per_position": [round(float(a) / calls, 3) for a in accepted],
+            "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}/{len(prompts)}",
+            **component_timings(model, head, k, args.batch_size),
+        }
+        result["speedup_vs_target_only"] = round((s_tokens / s_seconds) / (tokens / seconds), 3)
     if args.compare_hf:
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
         same = sum(o == c.token_ids for o, c in zip(hf_outputs, completions))
@@ -131,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(r: dict) -> str:
     rows = [("jaxspec target-only", r["jaxspec"])]
+    if "speculative" in r:
+        rows.append((f"jaxspec EAGLE-3 chain K={r['speculative']['num_speculative_tokens']}", r["speculative"]))
     if "transformers" in r:
         rows.append(("transformers generate", r["transformers"]))
     lines = [
@@ -146,6 +232,16 @@ def _table(r: dict) -> str:
         f"| roofline (weights {roof['weight_bytes'] / 1e6:.0f} MB / {roof['measured_read_gb_per_s']} GB/s) | | | "
         f"{roof['tokens_per_second']} |"
     )
+    if "speculative" in r:
+        sp = r["speculative"]
+        lines += [
+            "",
+            f"speculative / target-only: {r['speedup_vs_target_only']}x; mean accepted length "
+            f"{sp['mean_accepted_length']}; acceptance per position {sp['acceptance_per_position']}; identical "
+            f"outputs {sp['identical_outputs']}",
+            f"one target decode {sp['target_decode_ms']} ms; verify of K+1 tokens {sp['target_verify_ms']} ms "
+            f"({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms ({sp['head_step_over_decode']}x)",
+        ]
     if "speedup_vs_transformers" in r:
         lines += ["", f"jaxspec / transformers: {r['speedup_vs_transformers']}x "
                   f"(identical outputs: {r['transformers']['identical_outputs']})"]

@@ -31,14 +31,52 @@ def resolve_target(target: str | None) -> Path:
     return Path(target)
 
 
-def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True):
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        metavar="PATH",
+        help="EAGLE-3 head directory (EAGLE, SpecForge/SGLang or vLLM speculators layout); omit for target-only",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=5, metavar="K", help="drafts per verify step (default: 5)"
+    )
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
+    )
+
+
+def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
+    from jaxspec.checkpoints.heads import load_head
+    from jaxspec.generation import default_dtype
+
+    return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
+
+
+def head_aux_layer_ids(draft: str | None):
+    """The target layers a head reads (None: the target's default), read before the target is built."""
+    if draft is None:
+        return None
+    import json
+
+    from jaxspec.checkpoints.heads import head_config_from_hf
+    from jaxspec.errors import JaxspecError
+
+    config = Path(draft) / "config.json"
+    if not Path(draft).exists():
+        raise JaxspecError(f"draft head path {draft!r} does not exist")
+    if not config.is_file():
+        raise JaxspecError(f"draft head directory {draft!r} has no config.json")
+    return head_config_from_hf(json.loads(config.read_text()))[1].aux_layer_ids
+
+
+def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None):
     """(model, tokenizer) from a directory, with a note on stderr of how long loading took."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
 
     start = time.perf_counter()
-    model = load_target(target_dir, dtype=dtype or default_dtype())
+    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids)
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config

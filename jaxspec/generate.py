@@ -2,6 +2,7 @@
 
 Examples:
   python -m jaxspec.generate --prompt "Explain speculative decoding in one sentence."
+  python -m jaxspec.generate --target DIR --draft HEAD_DIR --num-speculative-tokens 5 --prompt "..."
   python -m jaxspec.generate --prompts-file mt_bench.jsonl --batch-size 4 --max-new-tokens 128 --json
 """
 
@@ -11,7 +12,15 @@ import argparse
 import json
 import sys
 
-from jaxspec.cli_common import add_target_args, load_target_and_tokenizer, main_guard, resolve_target
+from jaxspec.cli_common import (
+    add_draft_args,
+    add_target_args,
+    head_aux_layer_ids,
+    load_head_for,
+    load_target_and_tokenizer,
+    main_guard,
+    resolve_target,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2],
     )
     add_target_args(parser)
+    add_draft_args(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument(
@@ -49,11 +59,20 @@ def main(argv: list[str] | None = None) -> int:
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    aux_ids = head_aux_layer_ids(args.draft)
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=aux_ids)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
-    generator = TargetGenerator(model, batch_size=args.batch_size)
+    if args.draft:
+        from jaxspec.spec.generator import SpeculativeGenerator
+
+        head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
+        generator = SpeculativeGenerator(
+            model, head, num_draft=args.num_speculative_tokens, batch_size=args.batch_size
+        )
+    else:
+        generator = TargetGenerator(model, batch_size=args.batch_size)
     generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
 
     stream = not args.json and args.batch_size == 1
@@ -85,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     "batch_size": c.batch_size,
                     "finished_by_eos": c.finished_by_eos,
                     "compile_seconds": round(generator.compile_seconds, 2),
+                    **c.stats,
                 },
             }
             print(json.dumps(record), flush=True)

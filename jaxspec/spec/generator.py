@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxspec.checkpoints.heads import validate_head
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import TargetGenerator
 from jaxspec.models.eagle3 import Eagle3Head
@@ -24,19 +25,14 @@ _steps = jax.jit(
 
 
 def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
-    """Static checks that a head was made for this target; each error names both values."""
-    t, h = target.config, head.config
-    if h.vocab_size != t.vocab_size:
-        raise JaxspecError(f"draft head vocabulary {h.vocab_size} != target vocabulary {t.vocab_size}")
-    if h.target_hidden_size != t.hidden_size:
-        raise JaxspecError(f"draft head expects target hidden size {h.target_hidden_size}, the target has {t.hidden_size}")
-    if not h.has_embed_tokens and h.hidden_size != t.hidden_size:
+    """The static checks of loading, plus: the target was built to return the features this head reads."""
+    validate_head(head.config, target.config)
+    wanted = head.config.aux_layer_ids
+    if wanted is not None and tuple(wanted) != tuple(target.config.aux_layer_ids):
         raise JaxspecError(
-            f"draft head hidden size {h.hidden_size} != target hidden size {t.hidden_size}, and the head has no "
-            "embedding table of its own to use instead of the target's"
+            f"draft head reads target layers {tuple(wanted)}, but the target was built to return "
+            f"{target.config.aux_layer_ids} (load the target with aux_layer_ids={tuple(wanted)})"
         )
-    if h.aux_layer_ids is not None and tuple(h.aux_layer_ids) != tuple(t.aux_layer_ids):
-        raise JaxspecError(f"draft head reads target layers {h.aux_layer_ids}, the target provides {t.aux_layer_ids}")
 
 
 class SpeculativeGenerator(TargetGenerator):
