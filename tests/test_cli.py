@@ -58,6 +58,28 @@ def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):
         assert r["stats"]["tokens_per_second"] > 0
 
 
+def test_json_stats_with_a_draft_head(tiny_dir, tmp_path, capsys, monkeypatch):
+    from flax import nnx
+
+    from fit_head import head_config_for
+    from jaxspec import prompts as prompts_mod
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    target = load_target(tiny_dir)
+    head = Eagle3Head(head_config_for(target), rngs=nnx.Rngs(0))
+    export_head(head, tmp_path / "head", layout="sglang", target=target.config, dtype="float32")
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    code = generate.main(["--target", str(tiny_dir), "--draft", str(tmp_path / "head"), "--prompt", "abc", "--raw",
+                          "--json", "--max-new-tokens", "6", "--num-speculative-tokens", "3"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and 1 <= record["num_generated"] == len(record["token_ids"]) <= 6  # the config has EOS id 2
+    stats = record["stats"]
+    assert {"mean_accepted_length", "acceptance_per_position", "target_calls", "draft_calls"} <= set(stats)
+    assert len(stats["acceptance_per_position"]) == 3 and stats["mean_accepted_length"] >= 1
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -67,6 +89,8 @@ def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):
         (["--target", "{tiny}", "--prompt", "hi", "--top-p", "1.5"], "top-p must be in"),
         (["--target", "{tiny}", "--prompt", "hi", "--top-k", "-2"], "top-k must be >= 0"),
         (["--target", "{tiny}", "--prompts-file", "/nonexistent.jsonl"], "does not exist"),
+        (["--target", "{tiny}", "--prompt", "hi", "--draft", "/nonexistent/head"], "draft head path"),
+        (["--target", "{tiny}", "--prompt", "hi", "--draft", "{tmp}"], "has no config.json"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, message, tiny_dir, tmp_path, capsys):

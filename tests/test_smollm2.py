@@ -74,3 +74,20 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
                 max_new_tokens=64, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
             )
         assert c.token_ids == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
+def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):
+    from flax import nnx
+
+    from fit_head import head_config_for
+    from jaxspec.models.eagle3 import Eagle3Head
+    from jaxspec.spec.generator import SpeculativeGenerator
+
+    tok = load_tokenizer(target_dir)
+    stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
+    prompts = [encode_prompt(tok, text, raw=False) for _, text in read_prompts_file(SHARED / "mt_bench_questions.jsonl")[:4]]
+    head = Eagle3Head(head_config_for(model, draft_vocab_size=8192), rngs=nnx.Rngs(0))
+    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
+    got = SpeculativeGenerator(model, head, num_draft=3, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
