@@ -77,7 +77,7 @@ def test_json_stats_with_a_draft_head(tiny_dir, tmp_path, capsys, monkeypatch):
     assert code == 0 and 1 <= record["num_generated"] == len(record["token_ids"]) <= 6  # the config has EOS id 2
     stats = record["stats"]
     assert {"mean_accepted_length", "acceptance_per_position", "target_calls", "draft_calls"} <= set(stats)
-    assert len(stats["acceptance_per_position"]) == 3 and stats["mean_accepted_length"] >= 1
+    assert len(stats["acceptance_per_position"]) == 3 and stats["target_calls"] >= 1
 
 
 @pytest.mark.parametrize(
