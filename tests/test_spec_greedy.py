@@ -73,3 +73,27 @@ def test_step_compiles_once_per_bucket(monkeypatch):
     assert lowered == []
     gen.generate([[5] * 40], max_new_tokens=16)  # a longer prompt bucket compiles (and the counter sees it)
     assert len(lowered) == 2
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(norm_before_residual=True),
+        dict(norm_before_fc=True),
+        dict(fc_norm=True),
+        # A narrower head with its own embeddings and a reduced draft vocabulary mapped by d2t.
+        dict(hidden_size=48, head_dim=12, intermediate_size=96, has_embed_tokens=True, draft_vocab_size=40),
+    ],
+    ids=["norm_before_residual", "norm_before_fc", "fc_norm", "narrow_own_embed_reduced_vocab"],
+)
+def test_head_variants_keep_output_exact(variant, reference):
+    from fit_head import head_config_for
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    target = tiny_target()
+    head = Eagle3Head(head_config_for(target, **variant), rngs=nnx.Rngs(3))
+    if "draft_vocab_size" in variant:
+        selected = np.sort(np.random.default_rng(0).choice(target.config.vocab_size, 40, replace=False))
+        head.d2t.set_value(selected - np.arange(40))
+    got = SpeculativeGenerator(target, head, num_draft=3, batch_size=4).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
