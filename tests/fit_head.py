@@ -6,7 +6,6 @@ token), on continuations the target samples itself; the trainer proper (TTT) bel
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
