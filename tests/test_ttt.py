@@ -1,0 +1,68 @@
+"""The TTT forward and loss against a naive reference with explicit per-step masks over all keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.config import HeadConfig
+from jaxspec.models.eagle3 import Eagle3Head
+from train.ttt import ttt_logits, ttt_logits_reference, ttt_loss
+
+CFG = HeadConfig(
+    hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=50,
+    draft_vocab_size=20, target_hidden_size=24,
+)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(norm_before_residual=True), dict(num_heads=2, num_kv_heads=2, head_dim=16)])
+@pytest.mark.parametrize("t", [1, 9, 16])
+def test_efficient_attention_equals_explicit_masks(variant, t):
+    cfg = HeadConfig(**{**CFG.__dict__, **variant})
+    head = Eagle3Head(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(t)
+    embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    feats = jnp.asarray(rng.normal(size=(2, t, 72)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 50, (2, t)), jnp.int32)
+    fast = ttt_logits(head, embed, feats, ids, num_steps=4)
+    slow = ttt_logits_reference(head, embed, feats, ids, num_steps=4)
+    for a, b in zip(fast, slow):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
+
+
+def test_step_zero_equals_the_inference_forward():
+    """Step 0 of TTT is what the head computes at inference over the same pairs (causal, own cache)."""
+    head = Eagle3Head(CFG, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    feats = jnp.asarray(rng.normal(size=(1, 12, 72)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 50, (1, 12)), jnp.int32)
+    pos = jnp.arange(12, dtype=jnp.int32)[None]
+    want, _, _ = head(ids, head.project(feats), pos, head.init_cache(1, 16), embed)
+    np.testing.assert_allclose(np.asarray(ttt_logits(head, embed, feats, ids, 1)[0]), np.asarray(want), atol=1e-5)
+
+
+def test_loss_matches_a_direct_computation():
+    rng = np.random.default_rng(3)
+    b, t, k, vd, v = 2, 10, 3, 20, 50
+    logits = [jnp.asarray(rng.normal(size=(b, t, vd)), jnp.float32) for _ in range(k)]
+    target = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, (b, t)), jnp.int32)
+    draft_ids = jnp.asarray(np.sort(rng.choice(v, vd, replace=False)), jnp.int32)
+    loss, metrics = ttt_loss(logits, target, mask, draft_ids)
+    want = 0.0
+    tgt = np.asarray(target)[..., np.asarray(draft_ids)]
+    for step in range(k):
+        num = den = 0.0
+        for row in range(b):
+            for pos in range(t):
+                if pos + 2 + step < t and mask[row, pos + 2 + step]:
+                    p = np.exp(tgt[row, pos + 1 + step] - tgt[row, pos + 1 + step].max())
+                    p /= p.sum()
+                    logq = np.asarray(jax.nn.log_softmax(logits[step][row, pos]))
+                    num += -(p * logq).sum()
+                    den += 1
+        want += 0.8**step * num / max(den, 1)
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert 1.0 <= float(metrics["tau"]) <= 1.0 + k
