@@ -1,0 +1,108 @@
+"""The jitted TTT train step: the frozen target computes features and teacher logits online, the head runs K
+draft steps, optax updates the head. Pure in (params, opt_state, batch), so the same code runs on one device or
+sharded over a `jax.sharding.Mesh` with data and fsdp axes (GSPMD partitions it from the input shardings)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.llama import LlamaModel
+from train.ttt import ttt_logits, ttt_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4
+    warmup_steps: int = 100
+    total_steps: int = 10_000
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 0.5
+    freeze_lm_head: bool = False  # speculators initialise it from the target's rows and keep it frozen
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+class Batch(NamedTuple):
+    ids: jax.Array  # [B, T] int32 token ids (prompt + response)
+    loss_mask: jax.Array  # [B, T] int32, 1 on assistant tokens
+
+
+def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
+    """(graphdef, trainable params, frozen rest): embeddings are never trained; lm_head optionally frozen."""
+    trainable = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embed_tokens")))
+    if freeze_lm_head:
+        trainable = nnx.All(trainable, nnx.Not(nnx.PathContains("lm_head")))
+    return nnx.split(head, trainable, ...)
+
+
+def target_teacher(target: LlamaModel, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The frozen target's features [B, T, 3H] and logits [B, T, V] for a batch of sequences."""
+    b, t = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(ids, positions, target.init_cache(b, t), return_aux=True)
+    return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.logits)
+
+
+def train_step(
+    target_graphdef, target_params, head_graphdef, params, frozen, opt_state, batch: Batch, *, tx, num_steps: int
+):
+    """One optimizer step; returns (params, opt_state, loss, metrics)."""
+    target = nnx.merge(target_graphdef, target_params)
+    features, teacher = target_teacher(target, batch.ids)
+    next_ids = jnp.concatenate([batch.ids[:, 1:], jnp.zeros_like(batch.ids[:, :1])], axis=1)
+
+    def loss_fn(params):
+        head = nnx.merge(head_graphdef, params, frozen)
+        logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps)
+        draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
+        return ttt_loss(logits, teacher, batch.loss_mask, draft_ids)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, metrics
+
+
+def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
+    devices = devices if devices is not None else jax.devices()[: data * fsdp]
+    return jax.make_mesh(
+        (data, fsdp), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices
+    )
+
+
+def param_sharding(mesh: Mesh, tree):
+    """FSDP: each array split over 'fsdp' along its first axis that divides evenly; small ones replicated."""
+    fsdp = mesh.shape["fsdp"]
+
+    def spec(x):
+        for axis, size in enumerate(x.shape):
+            if size % fsdp == 0 and size >= fsdp:
+                parts = [None] * x.ndim
+                parts[axis] = "fsdp"
+                return NamedSharding(mesh, P(*parts))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(spec, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch rows over both axes (FSDP shards data too), sequence whole."""
+    return NamedSharding(mesh, P(("data", "fsdp"), None))
