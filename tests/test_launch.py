@@ -1,0 +1,96 @@
+"""The training launcher: checkpoints, exact resume after SIGKILL, metrics, export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hf_tiny import make_tiny
+from train.data import read_shards, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("launch")
+    make_tiny("smollm2_tied", base / "target", seed=1)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 97, rng.integers(12, 30)).tolist() for _ in range(24)]
+    (base / "data").mkdir()
+    write_shard(base / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
+                [True] * len(seqs))
+    return base
+
+
+def config(base: Path, name: str, steps: int) -> Path:
+    cfg = {
+        "target": str(base / "target"), "data": str(base / "data"), "out": str(base / name),
+        "head": {"draft_vocab_size": 48, "intermediate_size": 96},
+        "train": {"num_draft_steps": 3, "batch_size": 4, "seq_len": 24, "steps": steps, "seed": 0,
+                  "checkpoint_every": 2, "keep_checkpoints": 2, "log_every": 1, "eval_every": 0},
+        "optim": {"learning_rate": 0.003, "warmup_steps": 2},
+    }
+    path = base / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(cfg: Path, *overrides, wait=True):
+    cmd = [sys.executable, "-m", "train.launch", "--config", str(cfg), *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def test_data_shards_round_trip(setup):
+    seqs = read_shards(setup / "data")
+    assert len(seqs) == 24 and all(m[:5].sum() == 0 and m[5:].all() for _, m in seqs)
+
+
+def test_killed_run_resumes_exactly(setup):
+    launch(config(setup, "straight", 10))
+    straight = losses(setup / "straight")
+    assert sorted(straight) == list(range(10))
+    exported = json.loads((setup / "straight" / "head-speculators" / "config.json").read_text())
+    assert exported["draft_vocab_size"] == 48 and (setup / "straight" / "head-sglang" / "model.safetensors").is_file()
+
+    proc = launch(config(setup, "killed", 10), wait=False)
+    ckpts = setup / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 4 for p in ckpts.iterdir())):
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    launch(config(setup, "killed", 10))  # resumes from the last complete checkpoint
+    resumed = losses(setup / "killed")
+    assert sorted(resumed) == list(range(10))
+    for step in range(10):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=1e-6)
+    kept = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert kept == [8, 10]  # keep the last 2
+
+
+def test_bad_override(setup, capsys):
+    from train.launch import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(config(setup, "x", 1)), "train.steps"])
+    assert exc.value.code == 2 and "is not key=value" in capsys.readouterr().err
