@@ -94,3 +94,16 @@ def test_bad_override(setup, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--config", str(config(setup, "x", 1)), "train.steps"])
     assert exc.value.code == 2 and "is not key=value" in capsys.readouterr().err
+
+
+def test_offline_features_train_like_online(setup):
+    from train.data import main as data_main
+
+    assert data_main(["features", "--target", str(setup / "target"), "--data", str(setup / "data")]) == 0
+    seqs = read_shards(setup / "data", with_features=True)
+    assert seqs[0][2].shape == (len(seqs[0][0]), 3 * 64) and seqs[0][3].shape == (len(seqs[0][0]), 64)
+    launch(config(setup, "online", 3))
+    launch(config(setup, "offline", 3), "train.features=offline")
+    online, offline = losses(setup / "online"), losses(setup / "offline")
+    for step in range(3):  # bfloat16 features vs float32 ones
+        assert offline[step] == pytest.approx(online[step], rel=2e-2)

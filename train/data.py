@@ -4,12 +4,16 @@ On-disk format (one directory per dataset):
   meta.json            target name, chat template flag, generation settings, shard size, prompt order seed
   shard-00000.npz      tokens [N] int32 (sequences concatenated), offsets [n+1] int64, prompt_lens [n] int32,
                        ids [n] str, finished [n] bool (the response ended with a stop token)
+  features-00000.npz   optional (`python -m train.data features`): aux [N, n_aux·H] and hidden [N, H] bfloat16, the
+                       target's EAGLE-3 features and final pre-norm hidden state for every token of the shard, for
+                       offline training of heads for small targets (the teacher logits are lm_head(norm(hidden)))
 Sequence i is tokens[offsets[i]:offsets[i+1]]: the chat-formatted prompt followed by the target's greedy response;
 its loss mask is 1 on the response (positions ≥ prompt_lens[i]). Shards are written atomically (temporary file,
 then rename) and cover fixed slices of a seeded shuffle of the prompts, so a killed run resumes by skipping the
 shards that exist, and host h of n takes shards h, h+n, ... .
 
   python -m train.data generate --prompts ../shared/data/train_prompts.jsonl --out DIR [--limit N] ...
+  python -m train.data features --data DIR [--target DIR]
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import os
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def load_prompts(path: str | Path, seed: int, exclude: list[str | Path] = ()) -> list[tuple[str, str]]:
@@ -53,19 +60,65 @@ def write_shard(path: Path, sequences: list[list[int]], prompt_lens: list[int], 
     os.replace(tmp, path)
 
 
-def read_shards(directory: str | Path) -> list[tuple[np.ndarray, np.ndarray]]:
-    """All (tokens, loss_mask) sequences of a dataset directory, in shard order."""
+def shard_files(directory: str | Path) -> list[Path]:
+    return [p for p in sorted(Path(directory).glob("shard-*.npz")) if not p.name.endswith(".tmp.npz")]
+
+
+def features_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.replace("shard-", "features-"))
+
+
+def read_shards(directory: str | Path, with_features: bool = False) -> list[tuple]:
+    """All (tokens, loss_mask) sequences of a dataset directory, in shard order; with_features adds each
+    sequence's (aux, hidden) arrays from the features files (an error if a shard has none)."""
     out = []
-    for path in sorted(Path(directory).glob("shard-*.npz")):
-        if path.name.endswith(".tmp.npz"):
-            continue
+    for path in shard_files(directory):
+        feats = None
+        if with_features:
+            if not features_path(path).is_file():
+                raise JaxspecError(f"{path.name} has no features file (run python -m train.data features)")
+            feats = np.load(features_path(path))
         with np.load(path) as shard:
             tokens, offsets, plens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
             for i in range(len(plens)):
-                seq = tokens[offsets[i] : offsets[i + 1]]
+                a, b = offsets[i], offsets[i + 1]
+                seq = tokens[a:b]
                 mask = (np.arange(len(seq)) >= plens[i]).astype(np.int32)
-                out.append((seq, mask))
+                if feats is None:
+                    out.append((seq, mask))
+                else:  # stored as raw bfloat16 bits
+                    out.append((seq, mask, feats["aux"][a:b].view(BF16), feats["hidden"][a:b].view(BF16)))
     return out
+
+
+def compute_features(args) -> None:
+    """Run the target once over every shard and store its features and final hidden states (bfloat16)."""
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from jaxspec.cli_common import resolve_target
+    from jaxspec.checkpoints.hf import load_target
+
+    target = load_target(resolve_target(args.target))
+    todo = [p for p in shard_files(args.data) if not features_path(p).exists()]
+    for path in tqdm(todo, desc="features", unit="shard"):
+        with np.load(path) as shard:
+            tokens, offsets = shard["tokens"], shard["offsets"]
+        aux_out = np.zeros((len(tokens), len(target.config.aux_layer_ids) * target.config.hidden_size), BF16)
+        hid_out = np.zeros((len(tokens), target.config.hidden_size), BF16)
+        for i in range(len(offsets) - 1):
+            a, b = offsets[i], offsets[i + 1]
+            n = int(b - a)
+            bucket = max(16, 1 << (n - 1).bit_length())
+            ids = np.zeros((1, bucket), np.int32)
+            ids[0, :n] = tokens[a:b]
+            out = target(jnp.asarray(ids), jnp.arange(bucket, dtype=jnp.int32)[None], target.init_cache(1, bucket),
+                         return_aux=True, return_hidden=True)
+            aux_out[a:b] = np.asarray(out.aux[0, :n], np.float32).astype(BF16)
+            hid_out[a:b] = np.asarray(out.hidden[0, :n], np.float32).astype(BF16)
+        tmp = features_path(path).with_suffix(".tmp.npz")
+        np.savez(tmp, aux=aux_out.view(np.uint16), hidden=hid_out.view(np.uint16))
+        os.replace(tmp, features_path(path))
 
 
 def generate(args) -> None:
@@ -136,7 +189,16 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--host-index", type=int, default=0)
     g.add_argument("--num-hosts", type=int, default=1)
-    return main_guard(lambda argv: generate(parser.parse_args(argv)) or 0)(argv)
+    f = sub.add_parser("features", help="cache the target's features per shard (offline training, small targets)")
+    add_target_args(f)
+    f.add_argument("--data", required=True, metavar="DIR")
+
+    def run(argv):
+        args = parser.parse_args(argv)
+        (generate if args.command == "generate" else compute_features)(args)
+        return 0
+
+    return main_guard(run)(argv)
 
 
 if __name__ == "__main__":

@@ -39,27 +39,34 @@ def load_config(path: str, overrides: list[str]) -> dict:
 
 
 class Batches:
-    """Fixed-length (ids, loss_mask) batches; the batch of step s depends only on (seed, s)."""
+    """Fixed-length batches (ids, loss_mask[, aux, hidden]); the batch of step s depends only on (seed, s)."""
 
     def __init__(self, sequences, seq_len: int, batch_size: int, seed: int):
         if not sequences:
             raise JaxspecError("the training data holds no sequences")
-        n = len(sequences)
-        self.ids = np.zeros((n, seq_len), np.int32)
-        self.mask = np.zeros((n, seq_len), np.int32)
-        for i, (seq, mask) in enumerate(sequences):
-            k = min(len(seq), seq_len)
-            self.ids[i, :k] = seq[:k]
-            self.mask[i, :k] = mask[:k]
+        self.sequences, self.seq_len = sequences, seq_len
         self.batch_size, self.seed = batch_size, seed
 
-    def __call__(self, step: int):
-        n, b = len(self.ids), self.batch_size
+    def rows(self, step: int) -> list[int]:
+        n, b = len(self.sequences), self.batch_size
         rows = []
         for j in range(step * b, (step + 1) * b):
             epoch, pos = divmod(j, n)
-            rows.append(np.random.default_rng((self.seed, epoch)).permutation(n)[pos])
-        return self.ids[rows], self.mask[rows]
+            rows.append(int(np.random.default_rng((self.seed, epoch)).permutation(n)[pos]))
+        return rows
+
+    def __call__(self, step: int) -> tuple:
+        """Padded (ids, mask) arrays [B, T], plus (aux, hidden) [B, T, *] when the data carries features."""
+        rows = [self.sequences[i] for i in self.rows(step)]
+        out = []
+        for field in range(len(rows[0])):
+            first = rows[0][field]
+            arr = np.zeros((len(rows), self.seq_len, *first.shape[1:]), np.int32 if field < 2 else first.dtype)
+            for i, r in enumerate(rows):
+                k = min(len(r[field]), self.seq_len)
+                arr[i, :k] = r[field][:k]
+            out.append(arr)
+        return tuple(out)
 
 
 def build_head(target, cfg: dict, counts: np.ndarray, seed: int):
@@ -120,15 +127,18 @@ def run(cfg: dict) -> dict:
     from train.vocab import coverage, token_counts
 
     t = cfg["train"]
+    if cfg.get("distributed"):  # multi-host (a TPU slice, several GPU hosts): one process per host
+        jax.distributed.initialize()
     out = Path(cfg["out"]).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target_dir = resolve_target(cfg.get("target"))
     target = load_target(target_dir)
     data_dir = Path(cfg["data"]).expanduser()
-    sequences = read_shards(data_dir)
+    offline = t.get("features", "online") == "offline"
+    sequences = read_shards(data_dir, with_features=offline)
     if not sequences:
         raise JaxspecError(f"no training shards in {str(data_dir)!r} (run python -m train.data generate first)")
-    counts = token_counts((s for s, _ in sequences), (m for _, m in sequences), target.config.vocab_size)
+    counts = token_counts((s[0] for s in sequences), (s[1] for s in sequences), target.config.vocab_size)
     head = build_head(target, cfg, counts, t.get("seed", 0))
     draft_mask = np.zeros(target.config.vocab_size, bool)
     draft_mask[np.asarray(head.to_target_ids(np.arange(head.config.draft_vocab_size)))] = True
@@ -162,8 +172,9 @@ def run(cfg: dict) -> dict:
     params, opt_state = state["params"], state["opt_state"]
     last = {}
     for step in tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step"):
-        ids, mask = batches(step)
-        batch = jax.device_put(Batch(ids, mask), batch_sharding(mesh))
+        arrays = batches(step)
+        ids = arrays[0]
+        batch = jax.device_put(Batch(*arrays), batch_sharding(mesh))
         begin = time.perf_counter()
         params, opt_state, loss, metrics = step_fn(tparams, params=params, frozen=frozen, opt_state=opt_state, batch=batch)
         loss = float(loss)

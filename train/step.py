@@ -44,6 +44,9 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 class Batch(NamedTuple):
     ids: jax.Array  # [B, T] int32 token ids (prompt + response)
     loss_mask: jax.Array  # [B, T] int32, 1 on assistant tokens
+    # Offline training: the target's cached features and final hidden states; None = computed online.
+    aux: jax.Array | None = None  # [B, T, n_aux * H]
+    hidden: jax.Array | None = None  # [B, T, H]
 
 
 def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
@@ -67,7 +70,10 @@ def train_step(
 ):
     """One optimizer step; returns (params, opt_state, loss, metrics)."""
     target = nnx.merge(target_graphdef, target_params)
-    features, teacher = target_teacher(target, batch.ids)
+    if batch.aux is None:
+        features, teacher = target_teacher(target, batch.ids)
+    else:  # offline: only the target's final norm and lm_head run
+        features, teacher = batch.aux, target.logits(batch.hidden.astype(target.dtype))
     next_ids = jnp.concatenate([batch.ids[:, 1:], jnp.zeros_like(batch.ids[:, :1])], axis=1)
 
     def loss_fn(params):

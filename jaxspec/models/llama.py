@@ -114,6 +114,7 @@ class TargetOutput(NamedTuple):
     logits: jax.Array  # [B, T or n, vocab] float32
     aux: jax.Array | None  # [B, T, n_aux * hidden] in the model dtype, or None
     cache: kvc.KVCache
+    hidden: jax.Array | None = None  # [B, T or n, hidden] before the final norm, when asked for
 
 
 class LlamaModel(nnx.Module):
@@ -156,6 +157,7 @@ class LlamaModel(nnx.Module):
         block_mask: jax.Array | None = None,  # [B, T, T] bool among the new tokens; None = causal
         logit_indices: jax.Array | None = None,  # [B, n] which of the T positions get logits; None = all
         return_aux: bool = False,
+        return_hidden: bool = False,  # also return the final hidden state (offline training features)
     ) -> TargetOutput:
         cfg = self.config
         b, t = tokens.shape
@@ -174,4 +176,5 @@ class LlamaModel(nnx.Module):
         if logit_indices is not None:
             x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)  # [B, n, H]
         features = jnp.concatenate([aux[i] for i in cfg.aux_layer_ids], axis=-1) if return_aux else None
-        return TargetOutput(self.logits(x), features, cache._replace(k=tuple(ks), v=tuple(vs)))
+        hidden = x if return_hidden else None
+        return TargetOutput(self.logits(x), features, cache._replace(k=tuple(ks), v=tuple(vs)), hidden)
