@@ -66,3 +66,31 @@ def test_loss_matches_a_direct_computation():
         want += 0.8**step * num / max(den, 1)
     assert float(loss) == pytest.approx(want, rel=1e-5)
     assert 1.0 <= float(metrics["tau"]) <= 1.0 + k
+
+
+def test_ttt_steps_equal_inference_drafting():
+    """Step k, row t of TTT is exactly what the engine's head computes when drafting k tokens after anchor t
+    (catch-up over the real pairs 0..t, then steps fed with its own state), given the same tokens."""
+    from jaxspec.models import kv_cache as kvc
+
+    head = Eagle3Head(CFG, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(5)
+    embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    t_len, steps = 12, 4
+    feats = jnp.asarray(rng.normal(size=(1, t_len, 72)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 50, (1, t_len + steps)), jnp.int32)  # x_1 .. : the token after each position
+    ttt = ttt_logits(head, embed, feats, ids[:, :t_len], steps)
+    for anchor in (0, 5, 7):
+        n = anchor + 1
+        cache = head.init_cache(1, 32)
+        pos = jnp.arange(n, dtype=jnp.int32)[None]
+        logits, out, cache = head(ids[:, :n], head.project(feats[:, :n]), pos, cache, embed)
+        cache = kvc.advance(cache, n)
+        np.testing.assert_allclose(np.asarray(logits[0, -1]), np.asarray(ttt[0][0, anchor]), atol=1e-5)
+        state = out[:, -1:]
+        for k in range(1, steps):
+            tok = ids[:, anchor + k : anchor + k + 1]  # x_{t+1+k}
+            logits, out, cache = head(tok, state, cache.lengths[:, None], cache, embed)
+            cache = kvc.advance(cache, 1)
+            state = out
+            np.testing.assert_allclose(np.asarray(logits[0, 0]), np.asarray(ttt[k][0, anchor]), atol=1e-5)
