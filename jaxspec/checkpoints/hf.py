@@ -107,8 +107,13 @@ def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: Ta
 def load_target(
     model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None
 ) -> LlamaModel:
-    """Build a LlamaModel from a Hugging Face directory, casting every tensor to `dtype` as it is read."""
+    """Build a LlamaModel from a Hugging Face directory (or one converted to orbax by `jaxspec.convert target`),
+    casting every tensor to `dtype` as it is read."""
     model_dir = Path(model_dir)
+    from jaxspec.checkpoints.orbax_target import is_orbax_target, load_target_orbax
+
+    if is_orbax_target(model_dir):
+        return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
     model = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
