@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.checkpoints.hf import numpy_dtype
+from jaxspec.checkpoints.hf import assign, numpy_dtype
 from jaxspec.config import HeadConfig, TargetConfig, _rope_from_hf
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle3 import Buffer, Eagle3Head
@@ -198,12 +198,7 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
                 raise JaxspecError("d2t maps draft ids outside the target vocabulary (corrupt head?)")
             param.set_value(jnp.asarray(d2t.astype(np.int32)))
             continue
-        array = tensors[key].T if transposed else tensors[key]
-        if tuple(array.shape) != tuple(param.shape):
-            want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
-            got = tuple(reversed(array.shape)) if transposed else tuple(array.shape)
-            raise JaxspecError(f"draft head tensor {key!r} has shape {got}, but its config implies {want}")
-        param.set_value(jnp.asarray(np.ascontiguousarray(array, dtype=np_dtype)))
+        assign(param, tensors[key], transposed, np_dtype, f"draft head tensor {key!r}", "its config")
     return head
 
 

@@ -130,11 +130,15 @@ def load_target(
                 array = handles[path].get_tensor(key)
             except (SafetensorError, OSError, ValueError) as e:
                 raise JaxspecError(f"cannot read tensor {key!r} from {str(path)!r}: {e}") from None
-            if transposed:
-                array = array.T
-            if tuple(array.shape) != tuple(param.shape):
-                want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
-                got = tuple(reversed(array.shape)) if transposed else tuple(array.shape)
-                raise JaxspecError(f"tensor {key!r} has shape {got}, but config.json implies {want}")
-            param.set_value(jnp.asarray(np.ascontiguousarray(array, dtype=np_dtype)))
+            assign(param, array, transposed, np_dtype, f"tensor {key!r}", "config.json")
     return model
+
+
+def assign(param: nnx.Variable, array: np.ndarray, transposed: bool, np_dtype, what: str, source: str) -> None:
+    """Set a parameter from a checkpoint array (stored [out, in] when transposed), checking its shape."""
+    array = array.T if transposed else array
+    if tuple(array.shape) != tuple(param.shape):
+        want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
+        got = tuple(reversed(array.shape)) if transposed else tuple(array.shape)
+        raise JaxspecError(f"{what} has shape {got}, but {source} implies {want}")
+    param.set_value(jnp.asarray(np.ascontiguousarray(array, dtype=np_dtype)))
