@@ -72,13 +72,6 @@ class TargetConfig:
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * h) + embed + h
-
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
@@ -113,10 +106,6 @@ class HeadConfig:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:
             raise JaxspecError(f"draft_vocab_size={self.draft_vocab_size} exceeds the vocabulary {self.vocab_size}")
-
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:

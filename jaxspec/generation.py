@@ -74,8 +74,9 @@ class TargetGenerator:
         """Cache slots needed beyond prompt + max-new-tokens (a verify window writes ahead)."""
         return 0
 
-    def _row_stats(self, st, row: int) -> dict:
-        return {}
+    def _batch_stats(self, st, n_rows: int) -> list[dict]:
+        """Engine-specific statistics per row, read from the final state once per batch."""
+        return [{} for _ in range(n_rows)]
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
         limit = self.config.context_length
@@ -154,10 +155,10 @@ class TargetGenerator:
         tokens, counts = np.asarray(st.tokens), np.asarray(st.num_generated)
         stop = set(int(s) for s in stop_ids)
         out = []
-        for i, p in enumerate(batch):
+        for i, (p, stats) in enumerate(zip(batch, self._batch_stats(st, len(batch)))):
             ids = tokens[i, : counts[i]].tolist()
             finished = bool(ids) and ids[-1] in stop
-            out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), self._row_stats(st, i)))
+            out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), stats))
         return out
 
     @staticmethod

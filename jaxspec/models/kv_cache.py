@@ -23,10 +23,6 @@ class KVCache(NamedTuple):
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
     shape = (batch, num_kv_heads, capacity, head_dim)

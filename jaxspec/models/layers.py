@@ -1,7 +1,5 @@
-"""Layer math shared by the target and the draft head, as pure functions of arrays.
-
-Weights keep the Hugging Face layout ([out, in] for projections) so that loading is a copy and sharding rules read
-like the checkpoint. Norms, RoPE and softmax run in float32 whatever the model dtype.
+"""Layer math shared by the target and the draft head, as pure functions of arrays (the modules holding the
+weights are in llama.py). Norms, RoPE and softmax run in float32 whatever the model dtype.
 """
 
 from __future__ import annotations
@@ -17,12 +15,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
-
-
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x @ weight.T (+ bias), weight in the [out, in] layout of PyTorch checkpoints."""
-    y = jnp.einsum("...i,oi->...o", x, weight)
-    return y if bias is None else y + bias
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -56,9 +48,3 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(b, t, hq, d)
 
-
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, biases=(None, None, None)) -> jax.Array:
-    """The Llama MLP: down(silu(gate(x)) * up(x))."""
-    g = linear(x, gate, biases[0])
-    u = linear(x, up, biases[1])
-    return linear(jax.nn.silu(g) * u, down, biases[2])

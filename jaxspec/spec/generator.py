@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxspec.checkpoints.heads import validate_head
@@ -54,14 +53,16 @@ class SpeculativeGenerator(TargetGenerator):
     def extra_capacity(self) -> int:
         return self.num_draft + 1
 
-    def _row_stats(self, st, row: int) -> dict:
-        calls = int(np.asarray(st.verify_calls)[row])
-        generated = int(np.asarray(st.num_generated)[row])
-        accepted = np.asarray(st.accepted)[row]
-        return {
-            # tokens per target verify call, bonus included (the first token comes from the prefill)
-            "mean_accepted_length": round((generated - 1) / calls, 4) if calls else 0.0,
-            "acceptance_per_position": [round(float(x) / calls, 4) if calls else 0.0 for x in accepted],
-            "target_calls": calls + 1,
-            "draft_calls": calls * self.num_draft + 1,
-        }
+    def _batch_stats(self, st, n_rows: int) -> list[dict]:
+        calls, generated, accepted = jax.device_get((st.verify_calls, st.num_generated, st.accepted))
+        stats = []
+        for row in range(n_rows):
+            c = int(calls[row])
+            stats.append({
+                # tokens per target verify call, bonus included (the first token comes from the prefill)
+                "mean_accepted_length": round((int(generated[row]) - 1) / c, 4) if c else 0.0,
+                "acceptance_per_position": [round(float(x) / c, 4) if c else 0.0 for x in accepted[row]],
+                "target_calls": c + 1,
+                "draft_calls": c * self.num_draft + 1,
+            })
+        return stats
