@@ -92,30 +92,49 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
 
 
 def compute_features(args) -> None:
-    """Run the target once over every shard and store its features and final hidden states (bfloat16)."""
+    """Run the target over every shard and store its features and final hidden states (bfloat16).
+
+    Sequences are sorted by length and run in batches padded to a power-of-two length, one compiled forward per
+    (batch, length) bucket."""
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
     from tqdm import tqdm
 
     from jaxspec.cli_common import resolve_target
     from jaxspec.checkpoints.hf import load_target
 
     target = load_target(resolve_target(args.target))
+    graphdef, state = nnx.split(target)
+
+    @jax.jit
+    def forward(state, ids):  # [B, T] → aux [B, T, n_aux·H], hidden [B, T, H], both bfloat16
+        model = nnx.merge(graphdef, state)
+        b, t = ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        out = model(ids, positions, model.init_cache(b, t), return_aux=True, return_hidden=True)
+        return out.aux.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
+
+    cfg = target.config
     todo = [p for p in shard_files(args.data) if not features_path(p).exists()]
     for path in tqdm(todo, desc="features", unit="shard"):
         with np.load(path) as shard:
             tokens, offsets = shard["tokens"], shard["offsets"]
-        aux_out = np.zeros((len(tokens), len(target.config.aux_layer_ids) * target.config.hidden_size), BF16)
-        hid_out = np.zeros((len(tokens), target.config.hidden_size), BF16)
-        for i in range(len(offsets) - 1):
-            a, b = offsets[i], offsets[i + 1]
-            n = int(b - a)
-            bucket = max(16, 1 << (n - 1).bit_length())
-            ids = np.zeros((1, bucket), np.int32)
-            ids[0, :n] = tokens[a:b]
-            out = target(jnp.asarray(ids), jnp.arange(bucket, dtype=jnp.int32)[None], target.init_cache(1, bucket),
-                         return_aux=True, return_hidden=True)
-            aux_out[a:b] = np.asarray(out.aux[0, :n], np.float32).astype(BF16)
-            hid_out[a:b] = np.asarray(out.hidden[0, :n], np.float32).astype(BF16)
+        aux_out = np.zeros((len(tokens), len(cfg.aux_layer_ids) * cfg.hidden_size), BF16)
+        hid_out = np.zeros((len(tokens), cfg.hidden_size), BF16)
+        lengths = np.diff(offsets)
+        order = np.argsort(lengths)
+        for start in range(0, len(order), args.batch_size):
+            rows = order[start : start + args.batch_size]
+            bucket = max(16, 1 << (int(lengths[rows].max()) - 1).bit_length())
+            ids = np.zeros((args.batch_size, bucket), np.int32)  # fixed batch: one compile per length bucket
+            for j, i in enumerate(rows):
+                ids[j, : lengths[i]] = tokens[offsets[i] : offsets[i + 1]]
+            aux, hid = (np.asarray(x) for x in forward(state, jnp.asarray(ids)))
+            for j, i in enumerate(rows):
+                a, b = offsets[i], offsets[i + 1]
+                aux_out[a:b] = aux[j, : lengths[i]]
+                hid_out[a:b] = hid[j, : lengths[i]]
         tmp = features_path(path).with_suffix(".tmp.npz")
         np.savez(tmp, aux=aux_out.view(np.uint16), hidden=hid_out.view(np.uint16))
         os.replace(tmp, features_path(path))
@@ -192,6 +211,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("features", help="cache the target's features per shard (offline training, small targets)")
     add_target_args(f)
     f.add_argument("--data", required=True, metavar="DIR")
+    f.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
 
     def run(argv):
         args = parser.parse_args(argv)

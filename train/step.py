@@ -57,12 +57,21 @@ def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
     return nnx.split(head, trainable, ...)
 
 
-def target_teacher(target: LlamaModel, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The frozen target's features [B, T, 3H] and logits [B, T, V] for a batch of sequences."""
+def target_features(target: LlamaModel, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The frozen target's EAGLE-3 features [B, T, 3H] and final pre-norm hidden states [B, T, H]."""
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(ids, positions, target.init_cache(b, t), return_aux=True)
-    return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.logits)
+    out = target(ids, positions, target.init_cache(b, t), return_aux=True, return_hidden=True)
+    return out.aux, out.hidden  # the full-vocabulary logits are unused and compiled away
+
+
+def teacher_logits(target: LlamaModel, hidden: jax.Array, draft_ids: jax.Array) -> jax.Array:
+    """The target's logits [B, T, V_d] on the draft vocabulary's columns only: the loss renormalizes over them,
+    so the other (V − V_d) columns, most of the LM head's cost, are never computed."""
+    h = target.norm(hidden.astype(target.dtype))
+    table = target.embed_tokens[...] if target.lm_head is None else target.lm_head.kernel[...].T  # [V, H]
+    rows = jnp.take(table, draft_ids, axis=0)  # [V_d, H]
+    return jnp.einsum("bth,vh->btv", h, rows, preferred_element_type=jnp.float32)
 
 
 def train_step(
@@ -71,16 +80,19 @@ def train_step(
     """One optimizer step; returns (params, opt_state, loss, metrics)."""
     target = nnx.merge(target_graphdef, target_params)
     if batch.aux is None:
-        features, teacher = target_teacher(target, batch.ids)
-    else:  # offline: only the target's final norm and lm_head run
-        features, teacher = batch.aux, target.logits(batch.hidden.astype(target.dtype))
+        features, hidden = target_features(target, batch.ids)
+    else:  # offline: only the target's final norm and the draft columns of its lm_head run
+        features, hidden = batch.aux, batch.hidden
+    features, hidden = jax.lax.stop_gradient(features.astype(target.dtype)), jax.lax.stop_gradient(hidden)
+    head0 = nnx.merge(head_graphdef, params, frozen)
+    draft_ids = head0.to_target_ids(jnp.arange(head0.config.draft_vocab_size, dtype=jnp.int32))  # [V_d]
+    teacher = teacher_logits(target, hidden, draft_ids)
     next_ids = jnp.concatenate([batch.ids[:, 1:], jnp.zeros_like(batch.ids[:, :1])], axis=1)
 
     def loss_fn(params):
         head = nnx.merge(head_graphdef, params, frozen)
         logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps)
-        draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
-        return ttt_loss(logits, teacher, batch.loss_mask, draft_ids)
+        return ttt_loss(logits, teacher, batch.loss_mask)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

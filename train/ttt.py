@@ -130,9 +130,8 @@ def ttt_logits_reference(head: Eagle3Head, embed_table, features, next_ids, num_
 
 def ttt_loss(
     step_logits: list[jax.Array],  # K × [B, T, V_d]
-    target_logits: jax.Array,  # [B, T, V] the target's logits at each position (predicting the next token)
+    teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
     loss_mask: jax.Array,  # [B, T] 1 where the token at that position is trained on (assistant tokens)
-    draft_ids: jax.Array,  # [V_d] target id of each draft token (i + d2t[i])
     decay: float = 0.8,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Σ_k decay^k · soft cross-entropy(target restricted to the draft vocabulary, draft), with accuracies.
@@ -140,8 +139,8 @@ def ttt_loss(
     Step k, row t is taught by the target's distribution at position t+1+k (which predicts x_{t+2+k}) and counts
     where loss_mask[t+2+k] is set.
     """
-    b, t, _ = target_logits.shape
-    teacher = jax.nn.softmax(target_logits[..., draft_ids].astype(jnp.float32), axis=-1)  # [B, T, V_d] renormalized
+    b, t, _ = teacher_logits.shape
+    teacher = jax.nn.softmax(teacher_logits.astype(jnp.float32), axis=-1)  # [B, T, V_d] renormalized on the draft vocab
     teacher_best = jnp.argmax(teacher, axis=-1)
     total = 0.0
     metrics = {}
