@@ -1,5 +1,7 @@
 """The tree-attention Pallas kernel (interpret mode on CPU) against its jax.numpy reference, on fresh random inputs."""
 
+import zlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch,t,hq,hkv,d,capacity,dtype,kind", CASES)
 def test_kernel_matches_reference(batch, t, hq, hkv, d, capacity, dtype, kind):
-    rng = np.random.default_rng(abs(hash((batch, t, hq, d, capacity, kind))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{batch}-{t}-{hq}-{d}-{capacity}-{kind}".encode()))
     dt = jnp.dtype(dtype)
 
     def arr(*shape):
