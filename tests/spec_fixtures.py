@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 
+from fit_head import fit_head, head_config_for
 from flax import nnx
 
-from fit_head import fit_head, head_config_for
 from jaxspec.config import TargetConfig
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from hf_tiny import make_tiny
+
 from jaxspec import generate
 
 
@@ -59,12 +59,12 @@ def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_json_stats_with_a_draft_head(tiny_dir, tmp_path, capsys, monkeypatch):
+    from fit_head import head_config_for
     from flax import nnx
 
-    from fit_head import head_config_for
     from jaxspec import prompts as prompts_mod
-    from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.hf import load_target
     from jaxspec.models.eagle3 import Eagle3Head
 
     target = load_target(tiny_dir)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from hf_tiny import make_tiny
+
 from jaxspec import generation
 from jaxspec.checkpoints.hf import load_target
 from jaxspec.errors import JaxspecError

@@ -22,7 +22,7 @@ H, V, VD, I = 32, 120, 40, 48
 
 def synthetic_tensors(layout: str, rng, with_embed=False) -> dict[str, np.ndarray]:
     """Tensors named, shaped and typed as the published heads are (bfloat16 weights, int64 d2t, bool t2d)."""
-    bf16 = lambda *shape: rng.normal(0, 0.05, shape).astype(ml_dtypes.bfloat16)  # noqa: E731
+    bf16 = lambda *shape: rng.normal(0, 0.05, shape).astype(ml_dtypes.bfloat16)
     prefix = "layers.0." if layout == "speculators" else "midlayer."
     t = {
         "fc.weight": bf16(H, 3 * H),

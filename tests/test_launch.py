@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from hf_tiny import make_tiny
+
 from train.data import read_shards, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,12 +1,13 @@
 """Logit and aux-feature parity of the NNX target against transformers (PyTorch, float32)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import jax.numpy as jnp
-
 from hf_tiny import FAMILIES, make_tiny
+
 from jaxspec.checkpoints.hf import load_target
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_and_aux_match_transformers(family, tmp_path):

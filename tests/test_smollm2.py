@@ -78,9 +78,9 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
 def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):
+    from fit_head import head_config_for
     from flax import nnx
 
-    from fit_head import head_config_for
     from jaxspec.models.eagle3 import Eagle3Head
     from jaxspec.spec.generator import SpeculativeGenerator
 

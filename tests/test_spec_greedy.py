@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
-
 from flax import nnx
+from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.generation import TargetGenerator
 from jaxspec.spec.generator import SpeculativeGenerator
-from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +87,7 @@ def test_step_compiles_once_per_bucket(monkeypatch):
 )
 def test_head_variants_keep_output_exact(variant, reference):
     from fit_head import head_config_for
+
     from jaxspec.models.eagle3 import Eagle3Head
 
     target = tiny_target()

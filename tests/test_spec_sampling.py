@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from spec_fixtures import fitted_head, tiny_target
 
 from jaxspec.generation import TargetGenerator
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.spec.generator import SpeculativeGenerator
-from spec_fixtures import fitted_head, tiny_target
 
 VOCAB, N = 16, 20000
 PROMPT = [3, 7, 1, 12]

@@ -6,12 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from fit_head import head_config_for
-from jaxspec.models.eagle3 import Eagle3Head
+from flax import nnx
 from spec_fixtures import tiny_target
-from train.step import Batch, OptimConfig, batch_sharding, make_mesh, make_optimizer, param_sharding, split_head, train_step
+
+from jaxspec.models.eagle3 import Eagle3Head
+from train.step import (
+    Batch,
+    OptimConfig,
+    batch_sharding,
+    make_mesh,
+    make_optimizer,
+    param_sharding,
+    split_head,
+    train_step,
+)
 
 
 def setup(freeze_lm_head=False):

@@ -101,8 +101,8 @@ def compute_features(args) -> None:
     from flax import nnx
     from tqdm import tqdm
 
-    from jaxspec.cli_common import resolve_target
     from jaxspec.checkpoints.hf import load_target
+    from jaxspec.cli_common import resolve_target
 
     target = load_target(resolve_target(args.target))
     graphdef, state = nnx.split(target)

@@ -122,7 +122,14 @@ def run(cfg: dict) -> dict:
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards
     from train.step import (
-        Batch, OptimConfig, batch_sharding, make_mesh, make_optimizer, param_sharding, split_head, train_step,
+        Batch,
+        OptimConfig,
+        batch_sharding,
+        make_mesh,
+        make_optimizer,
+        param_sharding,
+        split_head,
+        train_step,
     )
     from train.vocab import coverage, token_counts
 
