@@ -67,7 +67,8 @@ class TargetGenerator:
         # What the jitted functions take first: graphdefs (static) interleaved with their parameters.
         self._models: tuple = (self.graphdef, self.params)
         self._prefill_fn, self._step_fn = _prefill, _decode
-        self._extra_static: dict = {}
+        self._extra_static: dict = {}  # static arguments of both prefill and step
+        self._step_static: dict = {}  # of the step only
 
     @property
     def extra_capacity(self) -> int:
@@ -137,7 +138,7 @@ class TargetGenerator:
         prefill = self._compiled_fn("prefill", self._prefill_fn, *args, **static)
         step = self._compiled_fn(
             "step", self._step_fn, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
-            **self._extra_static,
+            **self._extra_static, **self._step_static,
         )
         params = [m for m in self._models if isinstance(m, nnx.State)]
 

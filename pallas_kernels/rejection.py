@@ -25,6 +25,7 @@ Entries past a are -1.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Literal
 
 import jax
@@ -159,3 +160,21 @@ def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_d
 def chain_parents(batch: int, num_nodes: int) -> jax.Array:
     """Parent pointers of a chain: node n's parent is n − 1."""
     return jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32) - 1, (batch, num_nodes))
+
+
+_announced: set[str] = set()
+
+
+def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int):
+    """Dispatch: the Pallas kernel on GPU, the jax.numpy reference elsewhere (said once in the log)."""
+    from pallas_kernels.tree_attention import kernel_platform
+
+    if kernel_platform() is None:
+        backend = jax.default_backend()
+        if backend not in _announced:
+            _announced.add(backend)
+            logging.getLogger(__name__).info(
+                "draft verification: no Pallas kernel enabled for %s; using the jax.numpy reference", backend
+            )
+        return verify_reference(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth)
+    return verify(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth)

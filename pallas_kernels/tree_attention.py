@@ -6,7 +6,8 @@ head) that new token t sees where `mask[b, t, w]` is set: a causal mask for chai
 
     out[b, t, h] = softmax over {slots s < lengths[b]} ∪ {w : mask[b, t, w]} of q·k / sqrt(D), applied to v
 
-A row that sees nothing gets zeros. GQA: query head h reads KV head h // (Hq / Hkv).
+A row that sees nothing gets zeros. Cache slots past the committed length must hold finite values (caches are
+zero-initialized and only written with finite K/V; the kernel ignores even non-finite ones there). GQA: query head h reads KV head h // (Hq / Hkv).
 
 `tree_attention` is one Pallas kernel per (sequence, KV head): the T·G query rows of a KV head (GQA groups absorb
 T) first attend to the window, then walk the committed prefix block by block with an online softmax, reading only
@@ -40,19 +41,21 @@ def tree_attention_reference(
     """→ [B, T, Hq, D] in q's dtype. Plain jax.numpy; the specification of the kernel."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
-    # float32 math on the inputs' values (for bfloat16: exact products, float32 accumulation, like the kernel)
+    # float32 math on the inputs' values (for bfloat16: exact products, float32 accumulation, like the kernel).
+    # Prefix and window are scored separately and share one softmax, so the cache is never copied.
     qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)  # [B, T, Hkv, G, D]
-    keys = jnp.concatenate([k_cache, k_win], axis=2).astype(jnp.float32)  # [B, Hkv, S + W, D]
-    values = jnp.concatenate([v_cache, v_win], axis=2).astype(jnp.float32)
     prefix = jnp.arange(s)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
     visible = jnp.concatenate([jnp.broadcast_to(prefix, (b, t, s)), mask], axis=2)  # [B, T, S + W]
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, keys) * d**-0.5
+    scores = jnp.concatenate([
+        jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(jnp.float32)),
+        jnp.einsum("btkgd,bksd->bkgts", qg, k_win.astype(jnp.float32)),
+    ], axis=-1) * d**-0.5  # [B, Hkv, G, T, S + W]
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)
-    values = jnp.where(visible.any(axis=1)[:, None, :, None], values, 0)  # never-visible slots may hold garbage
     probs = probs.astype(v_cache.dtype).astype(jnp.float32)  # the kernel feeds probabilities to the MXU in v's dtype
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, values)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], v_cache.astype(jnp.float32))
+    out = out + jnp.einsum("bkgts,bksd->btkgd", probs[..., s:], v_win.astype(jnp.float32))
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 

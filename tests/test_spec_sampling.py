@@ -10,6 +10,7 @@ from spec_fixtures import fitted_head, tiny_target
 from jaxspec.generation import TargetGenerator
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.spec.generator import SpeculativeGenerator
+from jaxspec.spec.tree import TreeConfig
 
 VOCAB, N = 16, 20000
 PROMPT = [3, 7, 1, 12]
@@ -72,3 +73,15 @@ def test_joint_distribution_and_acceptance_rate(sampling):
     rate = np.mean([c.stats["acceptance_per_position"][0] for c in spec])
     assert 0.05 < expected < 0.95, expected  # both branches (accept, resample) are exercised 
     assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / N) + 1e-3
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(1.5, top_k=6)], ids=str)
+def test_tree_sampling_is_lossless(sampling):
+    """Trees verified with the target-only sibling walk: the first two tokens follow the target's joint."""
+    target, head = tiny_target(**SHAPE), fitted_head(**SHAPE)
+    joint, _, _ = exact_joint(sampling)
+    gen = SpeculativeGenerator(target, head, tree=TreeConfig(8, 3, 3), batch_size=N)
+    spec = gen.generate([PROMPT] * N, max_new_tokens=2, sampling=sampling, seed=13)
+    assert chi_square_p(first_two(spec), joint) > 0.01
+    first_accepted = np.mean([c.stats["acceptance_per_position"][0] for c in spec])
+    assert 0.05 < first_accepted < 0.98  # both branches (a child accepted, the residual draw) are exercised

@@ -65,12 +65,12 @@ def test_kernel_matches_reference(batch, t, hq, hkv, d, capacity, dtype, kind):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
-def test_rows_that_see_nothing_are_zero_and_garbage_past_the_length_is_ignored():
+def test_rows_that_see_nothing_are_zero_and_slots_past_the_length_are_ignored():
     rng = np.random.default_rng(7)
     b, t, h, d, s = 2, 4, 2, 64, 32
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
-    k_cache = jnp.full((b, h, s, d), jnp.nan, jnp.float32).at[:, :, :5].set(1.0)  # NaN past the committed slots
-    v_cache = jnp.full((b, h, s, d), jnp.nan, jnp.float32).at[:, :, :5].set(2.0)
+    k_cache = jnp.full((b, h, s, d), 1e4, jnp.float32).at[:, :, :5].set(1.0)  # large values past the committed slots
+    v_cache = jnp.full((b, h, s, d), 1e4, jnp.float32).at[:, :, :5].set(2.0)
     k_win = jnp.asarray(rng.normal(size=(b, h, t, d)), jnp.float32)
     v_win = jnp.asarray(rng.normal(size=(b, h, t, d)), jnp.float32)
     lengths = jnp.asarray([0, 5], jnp.int32)
@@ -80,6 +80,10 @@ def test_rows_that_see_nothing_are_zero_and_garbage_past_the_length_is_ignored()
         assert not np.isnan(out).any()
         np.testing.assert_array_equal(out[0], 0.0)  # no prefix, no window entry visible
         assert np.abs(out[1]).max() > 0
+        assert np.abs(out).max() < 100  # nothing of the 1e4 slots leaked in
+    poisoned = (jnp.full_like(k_cache, jnp.nan).at[:, :, :5].set(1.0), jnp.full_like(v_cache, jnp.nan).at[:, :, :5].set(2.0))
+    out = tree_attention(q, *poisoned, lengths, k_win, v_win, mask, interpret=True)  # the kernel: even NaN there
+    np.testing.assert_allclose(np.asarray(out), np.asarray(tree_attention_reference(q, k_cache, v_cache, lengths, k_win, v_win, mask)), atol=1e-5)
 
 
 def test_reference_equals_the_models_full_mask_attention():

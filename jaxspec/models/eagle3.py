@@ -36,10 +36,10 @@ class Eagle3Layer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask):
+    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0):
         normed_state = self.hidden_norm(state)
         u = jnp.concatenate([self.input_layernorm(emb), normed_state], axis=-1)  # [B, T, 2H]
-        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask)
+        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset)
         y = (normed_state if self.cfg.norm_before_residual else state) + attn
         return y + self.mlp(self.post_attention_layernorm(y)), k_cache, v_cache
 
@@ -89,18 +89,23 @@ class Eagle3Head(nnx.Module):
         cache: kvc.KVCache,  # one layer
         embed_table: jax.Array | None,  # [V, H] the target's embeddings, when the head has none
         *,
-        block_mask: jax.Array | None = None,  # [B, T, T]; None = causal
+        block_mask: jax.Array | None = None,  # [B, T, W] over the uncommitted slots from cache.lengths; None = causal
         logit_indices: jax.Array | None = None,  # [B, n] positions that get logits; None = all
+        write_offset: int | jax.Array = 0,  # new entries go to slots lengths + write_offset + t (tree levels)
     ) -> tuple[jax.Array, jax.Array, kvc.KVCache]:
-        """→ (draft logits [B, T or n, V_d] float32, new state [B, T, H] before the final norm, cache)."""
+        """→ (draft logits [B, T or n, V_d] float32, new state [B, T, H] before the final norm, cache).
+
+        A tree level passes write_offset = where its entries start in the window and a block_mask over the whole
+        window (W slots: the earlier levels' entries and its own), so each node sees exactly its ancestors."""
         b, t = tokens.shape
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_table
         emb = jnp.take(table, tokens, axis=0).astype(self.dtype)
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
-        mask = kvc.block_attention_mask(cache.lengths, cache.capacity, block_mask)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.config)))
-        out, k, v = self.midlayer(emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, mask)
+        out, k, v = self.midlayer(
+            emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, block_mask, write_offset
+        )
         picked = out if logit_indices is None else jnp.take_along_axis(out, logit_indices[:, :, None], axis=1)
         logits = self.lm_head(self.norm(picked)).astype(jnp.float32)
         return logits, out, cache._replace(k=(k,), v=(v,))

@@ -58,9 +58,34 @@ def causal_block_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
+def read_window(cache: jax.Array, lengths: jax.Array, width: int) -> jax.Array:
+    """The uncommitted slots [lengths[b], lengths[b] + width) of a layer's cache [B, Hkv, S, D] → [B, Hkv, W, D]
+    (slots past the capacity read the last one; callers mask them)."""
+    slots = jnp.minimum(lengths[:, None] + jnp.arange(width)[None, :], cache.shape[2] - 1)  # [B, W]
+    return jnp.take_along_axis(cache, slots[:, None, :, None], axis=2)
+
+
 def write_block(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
     """Write new [B, T, Hkv, D] into a layer's cache [B, Hkv, S, D] at slots lengths[b] + t; out of range drops."""
     b, t = new.shape[:2]
     rows = jnp.arange(b)[:, None]  # [B, 1]
     slots = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
     return cache.at[rows, :, slots].set(new.astype(cache.dtype), mode="drop")
+
+
+def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
+    """Move the accepted tree path's entries to contiguous slots: slot lengths + path[b, j] → lengths + j for
+    every layer (path [B, D+1] of node indices, -1 past the accepted length: those slots stay). All reads happen
+    before the writes, and path[j] ≥ j, so no entry is overwritten before it is read."""
+    b, width = path.shape
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    src = lengths[:, None] + jnp.where(path >= 0, path, j)  # [B, D+1]
+    dst = lengths[:, None] + j
+    rows = jnp.arange(b)[:, None]
+
+    def move(layer):  # [B, Hkv, S, D]
+        src_c = jnp.minimum(src, layer.shape[2] - 1)
+        moved = jnp.take_along_axis(layer, src_c[:, None, :, None], axis=2)  # [B, Hkv, D+1, Dh]
+        return layer.at[rows, :, dst].set(moved.transpose(0, 2, 1, 3), mode="drop")
+
+    return cache._replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))

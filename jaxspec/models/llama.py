@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
-from jaxspec.models.layers import apply_rope, attention, rms_norm, rope_cos_sin
+from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
+from pallas_kernels.tree_attention import attend
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
@@ -68,8 +69,9 @@ class Attention(nnx.Module):
         sin: jax.Array,  # [B, T, D]
         k_cache: jax.Array,  # [B, Hkv, S, D]
         v_cache: jax.Array,  # [B, Hkv, S, D]
-        lengths: jax.Array,  # [B] committed tokens; the new ones go to slots lengths + t
-        mask: jax.Array,  # [B, T, S]
+        lengths: jax.Array,  # [B] committed tokens, seen by every new token
+        mask: jax.Array,  # [B, T, W] which of the W uncommitted slots [lengths, lengths + W) each new token sees
+        write_offset: int | jax.Array = 0,  # the new tokens go to slots lengths + write_offset + t
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
@@ -79,9 +81,14 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache = kvc.write_block(k_cache, k, lengths)
-        v_cache = kvc.write_block(v_cache, v, lengths)
-        out = attention(q, k_cache, v_cache, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
+        k_cache = kvc.write_block(k_cache, k, lengths + write_offset)
+        v_cache = kvc.write_block(v_cache, v, lengths + write_offset)
+        if isinstance(write_offset, int) and write_offset == 0 and mask.shape[-1] == t:  # the window is the new tokens
+            k_win, v_win = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        else:  # a window of earlier uncommitted entries too (the head's tree levels)
+            k_win = kvc.read_window(k_cache, lengths, mask.shape[-1])
+            v_win = kvc.read_window(v_cache, lengths, mask.shape[-1])
+        out = attend(q, k_cache, v_cache, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), k_cache, v_cache
 
 
@@ -154,7 +161,7 @@ class LlamaModel(nnx.Module):
         positions: jax.Array,  # [B, T] int32
         cache: kvc.KVCache,
         *,
-        block_mask: jax.Array | None = None,  # [B, T, T] bool among the new tokens; None = causal
+        block_mask: jax.Array | None = None,  # [B, T, T] bool among the new tokens (a tree's ancestors); None = causal
         logit_indices: jax.Array | None = None,  # [B, n] which of the T positions get logits; None = all
         return_aux: bool = False,
         return_hidden: bool = False,  # also return the final hidden state (offline training features)
@@ -163,14 +170,13 @@ class LlamaModel(nnx.Module):
         b, t = tokens.shape
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
-        mask = kvc.block_attention_mask(cache.lengths, cache.capacity, block_mask)  # [B, T, S]
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)))
         x = self.embed(tokens).astype(self.dtype)  # [B, T, H]
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if return_aux and i in cfg.aux_layer_ids:
                 aux[i] = x  # hidden_states[i]: the input of layer i
-            x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask)
+            x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask)
             ks.append(k)
             vs.append(v)
         if logit_indices is not None:

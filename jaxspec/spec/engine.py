@@ -22,6 +22,8 @@ from flax import nnx
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
 from jaxspec.spec.accept import greedy_accept, sampling_accept
+from jaxspec.spec.tree import TreeConfig, draft_tree
+from pallas_kernels.rejection import verify_draft
 
 
 class SpecState(NamedTuple):
@@ -120,7 +122,40 @@ def _propose(head, logits: jax.Array, sampling: SamplingConfig, key: jax.Array, 
     return head.to_target_ids(draft), q
 
 
+def _catch_up(head, st: SpecState, embed):
+    """The head consumes the pending pairs in one forward: (logits after the last one [B, V_d], its state [B, H],
+    the head cache committed through them, the committed length before)."""
+    h0 = st.head_cache.lengths
+    width = st.pending_tok.shape[1]
+    positions = h0[:, None] + jnp.arange(width, dtype=jnp.int32)
+    last = (st.num_pending - 1)[:, None]
+    logits, out, head_cache = head(
+        st.pending_tok, head.project(st.pending_feat), positions, st.head_cache, embed, logit_indices=last
+    )
+    state = jnp.take_along_axis(out, last[:, :, None], axis=1)[:, 0]  # [B, H]
+    return logits[:, 0], state, kvc.advance(head_cache, st.num_pending), h0
+
+
+def _commit(st: SpecState, new: SpecState, target_cache, head_cache, a, emitted, features, running) -> SpecState:
+    """Shared end of a step: commit a + 1 target entries, make the accepted pairs pending, count acceptances."""
+    count = a + 1
+    keep = running[:, None] > 0
+    emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
+    width = st.accepted.shape[1]
+    return new._replace(
+        target_cache=kvc.advance(target_cache, count * running),
+        head_cache=head_cache,
+        last_token=jnp.where(running > 0, jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0], st.last_token),
+        pending_feat=jnp.where(keep[:, :, None], features, st.pending_feat),
+        pending_tok=jnp.where(keep, emitted, st.pending_tok),
+        num_pending=jnp.where(running > 0, count, st.num_pending),
+        verify_calls=st.verify_calls + running,
+        accepted=st.accepted + ((jnp.arange(width)[None, :] < a[:, None]) & keep).astype(jnp.int32),
+    )
+
+
 def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int, sampling: SamplingConfig) -> SpecState:
+    """One chain step: catch-up and K drafts, verify K+1 tokens, accept, commit."""
     b = st.last_token.shape[0]
     k = num_draft
     vocab = target.config.vocab_size
@@ -129,15 +164,8 @@ def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int
     keys = jax.random.split(st.key, k + 3)
 
     # Draft 1: the head catches up on the pending pairs in one forward.
-    h0 = st.head_cache.lengths
-    positions = h0[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    last = (st.num_pending - 1)[:, None]
-    logits, out, head_cache = head(
-        st.pending_tok, head.project(st.pending_feat), positions, st.head_cache, embed, logit_indices=last
-    )
-    head_cache = kvc.advance(head_cache, st.num_pending)
-    state = jnp.take_along_axis(out, last[:, :, None], axis=1)[:, 0]  # [B, H]
-    draft, q = _propose(head, logits[:, 0], sampling, keys[0], vocab)
+    logits0, state, head_cache, h0 = _catch_up(head, st, embed)
+    draft, q = _propose(head, logits0, sampling, keys[0], vocab)
 
     # Drafts 2..K: the head feeds its own state back.
     def draft_step(carry, step_key):
@@ -163,20 +191,40 @@ def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int
         uniforms = jax.random.uniform(keys[k], (b, k))
         a, emitted = sampling_accept(drafts, p, qs, uniforms, keys[k + 1])
 
-    count = a + 1
-    new = _emit(st, emitted, count, eos_ids)
-    keep = running[:, None] > 0
-    return new._replace(
-        target_cache=kvc.advance(verify.cache, count * running),
-        head_cache=head_cache,
-        last_token=jnp.where(running > 0, jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0], st.last_token),
-        pending_feat=jnp.where(keep[:, :, None], verify.aux, st.pending_feat),
-        pending_tok=jnp.where(keep, emitted, st.pending_tok),
-        num_pending=jnp.where(running > 0, count, st.num_pending),
-        key=keys[k + 2],
-        verify_calls=st.verify_calls + running,
-        accepted=st.accepted + ((jnp.arange(k)[None, :] < a[:, None]) & keep).astype(jnp.int32),
-    )
+    new = _emit(st, emitted, a + 1, eos_ids)._replace(key=keys[k + 2])
+    return _commit(st, new, verify.cache, head_cache, a, emitted, verify.aux, running)
+
+
+def tree_step(target, head, st: SpecState, eos_ids: jax.Array, *, tree: TreeConfig, sampling: SamplingConfig) -> SpecState:
+    """One tree step: catch-up, expand and select a dynamic tree, verify all its nodes in one target forward with
+    the ancestor mask, walk the accepted path, move its K/V entries to contiguous slots, commit."""
+    b = st.last_token.shape[0]
+    running = (~st.done).astype(jnp.int32)
+    embed = _embed_table(target, head)
+    key, k_uniform, k_noise = jax.random.split(st.key, 3)
+
+    logits0, state0, head_cache, h0 = _catch_up(head, st, embed)
+    dt = draft_tree(head, embed, logits0, state0, head_cache, tree)
+    head_cache = head_cache._replace(lengths=h0 + st.num_pending * running)  # drop the tree levels' entries
+    tokens = dt.tokens.at[:, 0].set(st.last_token)  # [B, N]
+    m = st.target_cache.lengths
+    verify = target(tokens, m[:, None] + dt.depths, st.target_cache, block_mask=dt.mask, return_aux=True)
+
+    n, depth = tokens.shape[1], tree.depth
+    if sampling.greedy:
+        a, emitted, path = verify_draft(
+            tokens, dt.parents, verify.logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth
+        )
+    else:
+        p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
+        uniforms = jax.random.uniform(k_uniform, (b, n))
+        noise = jax.random.exponential(k_noise, (b, p.shape[-1]), jnp.float32)
+        a, emitted, path = verify_draft(tokens, dt.parents, p, uniforms, noise, mode="tree", max_depth=depth)
+
+    target_cache = kvc.compact(verify.cache, m, path)
+    features = jnp.take_along_axis(verify.aux, jnp.maximum(path, 0)[:, :, None], axis=1)  # [B, D+1, F]
+    new = _emit(st, emitted, a + 1, eos_ids)._replace(key=key)
+    return _commit(st, new, target_cache, head_cache, a, emitted, features, running)
 
 
 def spec_steps(
@@ -190,8 +238,10 @@ def spec_steps(
     num_steps: int,
     num_draft: int,
     sampling: SamplingConfig,
+    tree: TreeConfig | None = None,
 ) -> SpecState:
-    """Up to `num_steps` speculative steps, stopping once every row is done."""
+    """Up to `num_steps` speculative steps (chains of `num_draft`, or trees; then num_draft = tree.depth sizes the
+    state), stopping once every row is done."""
     target = nnx.merge(target_graphdef, target_params)
     head = nnx.merge(head_graphdef, head_params)
 
@@ -201,6 +251,8 @@ def spec_steps(
 
     def body(carry):
         i, st = carry
+        if tree is not None:
+            return i + 1, tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling)
         return i + 1, spec_step(target, head, st, eos_ids, num_draft=num_draft, sampling=sampling)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]

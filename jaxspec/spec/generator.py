@@ -11,6 +11,7 @@ from jaxspec.generation import TargetGenerator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec import engine
+from jaxspec.spec.tree import TreeConfig
 
 _prefill = jax.jit(
     engine.prefill,
@@ -18,7 +19,7 @@ _prefill = jax.jit(
 )
 _steps = jax.jit(
     engine.spec_steps,
-    static_argnames=("target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling"),
+    static_argnames=("target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree"),
     donate_argnums=(4,),
 )
 
@@ -35,23 +36,40 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
 
 
 class SpeculativeGenerator(TargetGenerator):
-    """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts; output equals target-only
-    generation under greedy decoding and follows the same distribution under sampling."""
+    """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts, or EAGLE-2 dynamic trees when
+    `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
+    under sampling."""
 
-    def __init__(self, model: LlamaModel, head: Eagle3Head, *, num_draft: int, batch_size: int = 1, chunk_steps: int = 4):
-        if num_draft < 1:
+    def __init__(
+        self,
+        model: LlamaModel,
+        head: Eagle3Head,
+        *,
+        num_draft: int = 5,
+        tree: TreeConfig | None = None,
+        batch_size: int = 1,
+        chunk_steps: int = 4,
+    ):
+        if tree is None and num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
         check_head_fits(model, head)
+        if tree is not None and tree.top_k > head.config.draft_vocab_size:
+            raise JaxspecError(f"tree TOPK={tree.top_k} exceeds the head's draft vocabulary ({head.config.draft_vocab_size})")
         super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps)
         self.head_graphdef, self.head_params = nnx.split(head)
-        self.num_draft = num_draft
+        self.tree = tree
+        self.num_draft = tree.depth if tree is not None else num_draft  # the longest acceptable run of drafts
         self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
         self._prefill_fn, self._step_fn = _prefill, _steps
-        self._extra_static = {"num_draft": num_draft}
+        self._extra_static = {"num_draft": self.num_draft}
+        self._step_static = {"tree": tree}
 
     @property
     def extra_capacity(self) -> int:
-        return self.num_draft + 1
+        """Slots past the committed length one step may write: the verify block, and the head's tree levels."""
+        if self.tree is None:
+            return self.num_draft + 1
+        return max(self.tree.total_tokens, self.tree.depth + 1 + self.tree.window)
 
     def _batch_stats(self, st, n_rows: int) -> list[dict]:
         calls, generated, accepted = jax.device_get((st.verify_calls, st.num_generated, st.accepted))
@@ -63,6 +81,6 @@ class SpeculativeGenerator(TargetGenerator):
                 "mean_accepted_length": round((int(generated[row]) - 1) / c, 4) if c else 0.0,
                 "acceptance_per_position": [round(float(x) / c, 4) if c else 0.0 for x in accepted[row]],
                 "target_calls": c + 1,
-                "draft_calls": c * self.num_draft + 1,
+                "draft_calls": c * (self.num_draft if self.tree is None else self.tree.depth) + 1,
             })
         return stats

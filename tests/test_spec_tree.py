@@ -1,0 +1,111 @@
+"""EAGLE-2 dynamic trees: construction, KV compaction, and greedy output equal to target-only output."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
+
+from jaxspec.errors import JaxspecError
+from jaxspec.generation import TargetGenerator
+from jaxspec.models import kv_cache as kvc
+from jaxspec.spec.generator import SpeculativeGenerator
+from jaxspec.spec.tree import TreeConfig, draft_tree, tree_from_parents
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [c.token_ids for c in TargetGenerator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+
+
+def mean_accepted(completions) -> float:
+    return float(np.mean([c.stats["mean_accepted_length"] for c in completions]))
+
+
+@pytest.mark.parametrize("head_kind", ["random", "fitted"])
+@pytest.mark.parametrize("tree", [TreeConfig(16, 4, 4), TreeConfig(8, 3, 2), TreeConfig(2, 1, 1)], ids=lambda t: t.spec)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_tree_greedy_equals_target_only(head_kind, tree, batch, reference):
+    head = random_head() if head_kind == "random" else fitted_head()
+    got = SpeculativeGenerator(tiny_target(), head, tree=tree, batch_size=batch).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    assert all(len(c.stats["acceptance_per_position"]) == tree.depth for c in got)
+    if head_kind == "fitted" and tree.depth >= 3:
+        assert mean_accepted(got) > 3
+
+
+def test_a_tree_accepts_more_than_a_chain_of_the_same_depth(reference):
+    chain = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=5, batch_size=4)
+    tree = SpeculativeGenerator(tiny_target(), fitted_head(), tree=TreeConfig(24, 5, 4), batch_size=4)
+    got_chain, got_tree = (g.generate(PROMPTS, max_new_tokens=30) for g in (chain, tree))
+    assert [c.token_ids for c in got_tree] == [c.token_ids for c in got_chain] == reference
+    assert mean_accepted(got_tree) > mean_accepted(got_chain) + 0.2
+
+
+def test_eos_and_budget_inside_a_tree_step(reference):
+    gen = SpeculativeGenerator(tiny_target(), fitted_head(), tree=TreeConfig(12, 4, 3), batch_size=4)
+    for eos in sorted({t for ref in reference for t in ref[1:8]}):
+        got = gen.generate(PROMPTS, max_new_tokens=30, stop_ids=[eos])
+        for ref, c in zip(reference, got):
+            assert c.token_ids == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+    for budget in (1, 2, 3, 5, 7):
+        got = gen.generate(PROMPTS, max_new_tokens=budget)
+        assert [c.token_ids for c in got] == [ref[:budget] for ref in reference]
+
+
+def test_draft_tree_is_a_valid_tree_with_best_first_nodes():
+    target, head = tiny_target(), fitted_head()
+    cfg = TreeConfig(10, 3, 3)
+    b = 2
+    logits0 = jnp.asarray(np.random.default_rng(0).normal(size=(b, head.config.draft_vocab_size)), jnp.float32)
+    state0 = jnp.asarray(np.random.default_rng(1).normal(size=(b, head.config.hidden_size)), jnp.float32)
+    cache = kvc.advance(head.init_cache(b, 64), jnp.asarray([5, 9]))
+    dt = draft_tree(head, target.embed_tokens[...], logits0, state0, cache, cfg)
+    parents, depths, mask = (np.asarray(x) for x in (dt.parents, dt.depths, dt.mask))
+    assert parents.shape == (b, cfg.total_tokens) and (parents[:, 0] == -1).all()
+    for row in range(b):
+        for i in range(1, cfg.total_tokens):
+            assert 0 <= parents[row, i] < i and depths[row, i] == depths[row, parents[row, i]] + 1
+            assert 1 <= depths[row, i] <= cfg.depth
+            want = {i}
+            j = parents[row, i]
+            while j >= 0:
+                want.add(j)
+                j = parents[row, j]
+            assert set(np.flatnonzero(mask[row, i]).tolist()) == want
+        # siblings carry distinct tokens (top-k of one distribution)
+        tok = np.asarray(dt.tokens[row])
+        for p in set(parents[row, 1:].tolist()):
+            kids = tok[1:][parents[row, 1:] == p]
+            assert len(set(kids.tolist())) == len(kids)
+    # the first level holds the head's top tokens after the root
+    top = np.argsort(-np.asarray(logits0), axis=1)[:, :1]
+    first = np.asarray(head.to_target_ids(jnp.asarray(top)))
+    for row in range(b):
+        assert first[row, 0] in np.asarray(dt.tokens[row])[depths[row] == 1]
+
+
+def test_tree_from_parents_masks():
+    parents = jnp.asarray([[-1, 0, 0, 1, 3, 2]])
+    dt = tree_from_parents(jnp.zeros((1, 6), jnp.int32), parents, 4)
+    assert np.asarray(dt.depths)[0].tolist() == [0, 1, 1, 2, 3, 2]
+    assert np.flatnonzero(np.asarray(dt.mask)[0, 4]).tolist() == [0, 1, 3, 4]
+
+
+def test_compact_moves_the_accepted_path_to_contiguous_slots():
+    rng = np.random.default_rng(3)
+    layer = jnp.asarray(rng.normal(size=(2, 2, 16, 4)), jnp.float32)
+    cache = kvc.KVCache((layer,), (layer * 2,), jnp.asarray([3, 5], jnp.int32))
+    path = jnp.asarray([[0, 2, 5, -1], [0, 1, 3, 6]], jnp.int32)
+    out = kvc.compact(cache, cache.lengths, path)
+    k = np.asarray(out.k[0])
+    for row, (m, p) in enumerate([(3, [0, 2, 5]), (5, [0, 1, 3, 6])]):
+        for j, node in enumerate(p):
+            np.testing.assert_array_equal(k[row, :, m + j], np.asarray(layer)[row, :, m + node])
+        np.testing.assert_array_equal(k[row, :, : m], np.asarray(layer)[row, :, : m])  # committed prefix untouched
+    np.testing.assert_array_equal(np.asarray(out.v[0]), 2 * k)
+
+
+@pytest.mark.parametrize("spec,message", [("8,2", "TOTAL,DEPTH,TOPK"), ("40,2,3", "fewer than"), ("1,3,3", ">= 2")])
+def test_tree_config_errors(spec, message):
+    with pytest.raises(JaxspecError, match=message):
+        TreeConfig.parse(spec)
