@@ -3,7 +3,7 @@ Hugging Face transformers on the same checkpoint, prompts and lengths), in one p
 
 Examples:
   python -m jaxspec.bench --prompts-file mt_bench.jsonl --limit 10 --max-new-tokens 64 --compare-hf
-  python -m jaxspec.bench --draft HEAD_DIR --prompts-file mt_bench.jsonl --num-speculative-tokens 5
+  python -m jaxspec.bench --draft HEAD_DIR --prompts-file mt_bench.jsonl --num-speculative-tokens 5 --tree 24,5,6
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jaxspec.cli_common import (
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
+    parse_tree,
     resolve_target,
 )
 
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--batch-size", type=int, default=1, metavar="B")
+    parser.add_argument(
+        "--tree", type=parse_tree, action="append", default=[], metavar="TOTAL,DEPTH,TOPK",
+        help="also measure EAGLE-2 dynamic trees with this budget, next to the chain (repeatable)",
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -103,6 +108,7 @@ def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> d
     state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
     draft = _best_time(jax.jit(head_forward), hp, hcache, jnp.zeros((batch, 1), jnp.int32), state)
     return {
+        "verified_tokens": k + 1,
         "target_decode_ms": round(decode * 1e3, 2),
         "target_verify_ms": round(verify * 1e3, 2),
         "verify_over_decode": round(verify / decode, 3),
@@ -178,26 +184,30 @@ def main(argv: list[str] | None = None) -> int:
         from jaxspec.spec.generator import SpeculativeGenerator
 
         head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
-        k = args.num_speculative_tokens
-        spec = SpeculativeGenerator(model, head, num_draft=k, batch_size=args.batch_size)
-        spec.generate(encoded[: args.batch_size], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-        spec_out = spec.generate(encoded, max_new_tokens=args.max_new_tokens, stop_ids=stops)
-        s_seconds = sum(c.seconds for i, c in enumerate(spec_out) if i % args.batch_size == 0)
-        s_tokens = sum(c.num_generated for c in spec_out)
-        calls = sum(c.stats["target_calls"] - 1 for c in spec_out)
-        accepted = np.sum([np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in spec_out], 0)
-        result["speculative"] = {
-            "draft": str(args.draft),
-            "num_speculative_tokens": k,
-            "tokens": s_tokens,
-            "seconds": round(s_seconds, 3),
-            "tokens_per_second": round(s_tokens / s_seconds, 2),
-            "mean_accepted_length": round((s_tokens - len(spec_out)) / calls, 3),
-            "acceptance_per_position": [round(float(a) / calls, 3) for a in accepted],
-            "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}/{len(prompts)}",
-            **component_timings(model, head, k, args.batch_size),
-        }
-        result["speedup_vs_target_only"] = round((s_tokens / s_seconds) / (tokens / seconds), 3)
+        result["speculative"] = []
+        for tree in [None, *args.tree]:
+            spec = SpeculativeGenerator(
+                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size
+            )
+            spec.generate(encoded[: args.batch_size], max_new_tokens=args.max_new_tokens, stop_ids=stops)
+            spec_out = spec.generate(encoded, max_new_tokens=args.max_new_tokens, stop_ids=stops)
+            s_seconds = sum(c.seconds for i, c in enumerate(spec_out) if i % args.batch_size == 0)
+            s_tokens = sum(c.num_generated for c in spec_out)
+            calls = sum(c.stats["target_calls"] - 1 for c in spec_out)
+            per_row = [np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in spec_out]
+            verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
+            result["speculative"].append({
+                "method": f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}",
+                "draft": str(args.draft),
+                "tokens": s_tokens,
+                "seconds": round(s_seconds, 3),
+                "tokens_per_second": round(s_tokens / s_seconds, 2),
+                "speedup_vs_target_only": round((s_tokens / s_seconds) / (tokens / seconds), 3),
+                "mean_accepted_length": round((s_tokens - len(spec_out)) / calls, 3),
+                "acceptance_per_position": [round(float(a) / calls, 3) for a in np.sum(per_row, 0)],
+                "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}/{len(prompts)}",
+                **component_timings(model, head, verified - 1, args.batch_size),
+            })
     if args.compare_hf:
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
         same = sum(o == c.token_ids for o, c in zip(hf_outputs, completions))
@@ -215,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(r: dict) -> str:
     rows = [("jaxspec target-only", r["jaxspec"])]
-    if "speculative" in r:
-        rows.append((f"jaxspec EAGLE-3 chain K={r['speculative']['num_speculative_tokens']}", r["speculative"]))
+    for sp in r.get("speculative", []):
+        rows.append((f"jaxspec EAGLE-3 {sp['method']}", sp))
     if "transformers" in r:
         rows.append(("transformers generate", r["transformers"]))
     lines = [
@@ -232,15 +242,15 @@ def _table(r: dict) -> str:
         f"| roofline (weights {roof['weight_bytes'] / 1e6:.0f} MB / {roof['measured_read_gb_per_s']} GB/s) | | | "
         f"{roof['tokens_per_second']} |"
     )
-    if "speculative" in r:
-        sp = r["speculative"]
+    for sp in r.get("speculative", []):
         lines += [
             "",
-            f"speculative / target-only: {r['speedup_vs_target_only']}x; mean accepted length "
+            f"{sp['method']}: {sp['speedup_vs_target_only']}x target-only; mean accepted length "
             f"{sp['mean_accepted_length']}; acceptance per position {sp['acceptance_per_position']}; identical "
             f"outputs {sp['identical_outputs']}",
-            f"one target decode {sp['target_decode_ms']} ms; verify of K+1 tokens {sp['target_verify_ms']} ms "
-            f"({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms ({sp['head_step_over_decode']}x)",
+            f"  one target decode {sp['target_decode_ms']} ms; verify of {sp['verified_tokens']} tokens "
+            f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
+            f"({sp['head_step_over_decode']}x)",
         ]
     if "speedup_vs_transformers" in r:
         lines += ["", f"jaxspec / transformers: {r['speedup_vs_transformers']}x "

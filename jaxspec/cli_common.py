@@ -45,6 +45,17 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_tree(text: str):
+    """argparse type for --tree TOTAL,DEPTH,TOPK (a clean one-line error on bad input)."""
+    from jaxspec.errors import JaxspecError
+    from jaxspec.spec.tree import TreeConfig
+
+    try:
+        return TreeConfig.parse(text)
+    except JaxspecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.generation import default_dtype

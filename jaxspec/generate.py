@@ -19,6 +19,7 @@ from jaxspec.cli_common import (
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
+    parse_tree,
     resolve_target,
 )
 
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_target_args(parser)
     add_draft_args(parser)
+    parser.add_argument(
+        "--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
+        help="draft EAGLE-2 dynamic trees instead of chains: TOTAL tokens verified per step (root included), "
+        "DEPTH levels, TOPK children per expanded node (e.g. 32,6,8)",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt")
     source.add_argument(
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
         head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
         generator = SpeculativeGenerator(
-            model, head, num_draft=args.num_speculative_tokens, batch_size=args.batch_size
+            model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size
         )
     else:
         generator = TargetGenerator(model, batch_size=args.batch_size)

@@ -58,26 +58,59 @@ def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):
         assert r["stats"]["tokens_per_second"] > 0
 
 
-def test_json_stats_with_a_draft_head(tiny_dir, tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_head(tiny_dir, tmp_path_factory):
     from fit_head import head_config_for
     from flax import nnx
 
-    from jaxspec import prompts as prompts_mod
     from jaxspec.checkpoints.heads import export_head
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.models.eagle3 import Eagle3Head
 
     target = load_target(tiny_dir)
     head = Eagle3Head(head_config_for(target), rngs=nnx.Rngs(0))
-    export_head(head, tmp_path / "head", layout="sglang", target=target.config, dtype="float32")
+    path = tmp_path_factory.mktemp("tiny_head") / "head"
+    export_head(head, path, layout="sglang", target=target.config, dtype="float32")
+    return path
+
+
+@pytest.mark.parametrize("extra, positions", [(["--num-speculative-tokens", "3"], 3), (["--tree", "6,3,2"], 3)])
+def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, capsys, monkeypatch):
+    from jaxspec import prompts as prompts_mod
+
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
-    code = generate.main(["--target", str(tiny_dir), "--draft", str(tmp_path / "head"), "--prompt", "abc", "--raw",
-                          "--json", "--max-new-tokens", "6", "--num-speculative-tokens", "3"])
+    code = generate.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompt", "abc", "--raw",
+                          "--json", "--max-new-tokens", "6", *extra])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and 1 <= record["num_generated"] == len(record["token_ids"]) <= 6  # the config has EOS id 2
     stats = record["stats"]
     assert {"mean_accepted_length", "acceptance_per_position", "target_calls", "draft_calls"} <= set(stats)
-    assert len(stats["acceptance_per_position"]) == 3 and stats["target_calls"] >= 1
+    assert len(stats["acceptance_per_position"]) == positions and stats["target_calls"] >= 1
+
+
+def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
+    from jaxspec import bench
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    monkeypatch.setattr(bench, "measure_bandwidth_gbs", lambda: 10.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "xy"}\n{"id": "b", "prompt": "zzz"}\n')
+    code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompts-file", str(prompts), "--raw",
+                       "--max-new-tokens", "5", "--num-speculative-tokens", "2", "--tree", "5,2,2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
+    methods = {sp["method"]: sp for sp in result["speculative"]}
+    assert set(methods) == {"chain K=2", "tree 5,2,2"}
+    for sp in methods.values():
+        assert sp["identical_outputs"] == "2/2" and sp["tokens_per_second"] > 0
+    assert methods["tree 5,2,2"]["verified_tokens"] == 5
+
+
+@pytest.mark.parametrize("tree", ["8,2", "40,2,3", "a,b,c"])
+def test_bad_tree_spec(tree, tiny_dir, capsys):
+    code, _, err = run(capsys, "--target", str(tiny_dir), "--prompt", "hi", "--tree", tree)
+    assert code == 2 and "--tree" in err
 
 
 @pytest.mark.parametrize(
