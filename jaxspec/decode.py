@@ -58,7 +58,7 @@ def prefill(
     cache = model.init_cache(b, capacity)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last_index = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
-    out = model(prompt, positions, cache, logit_indices=last_index)
+    out = model(prompt, positions, cache, logit_indices=last_index, empty_cache=True)
     cache = kvc.advance(out.cache, prompt_lens)
     key, sub = jax.random.split(key)
     first = sample(out.logits[:, 0], sampling, sub)

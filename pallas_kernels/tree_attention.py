@@ -119,6 +119,9 @@ def tree_attention(
 
     `poison` (tests): a [B, Hkv, R, D] buffer the kernel writes into in place, to show every output is written."""
     b, t, hq, d = q.shape
+    if k_cache.shape[2] == 0:  # no committed prefix (a prefill): an all-masked stand-in block
+        k_cache = v_cache = jnp.zeros((b, k_cache.shape[1], 8, d), k_cache.dtype)
+        lengths = jnp.zeros_like(lengths)
     hkv, s, w = k_cache.shape[1], k_cache.shape[2], k_win.shape[2]
     g = hq // hkv
     # Rows of KV head h are ordered (t, g): row r is query token r // G. Rows and window are padded to powers of

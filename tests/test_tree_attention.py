@@ -105,3 +105,19 @@ def test_reference_equals_the_models_full_mask_attention():
     want = attention(q, k_full, v_full, kvc.block_attention_mask(lengths, s, mask))
     got = tree_attention_reference(q, k_cache, v_cache, lengths, k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3), mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_an_empty_prefix_is_the_window_alone():
+    """The prefill form (no committed cache passed at all) equals a zero-length committed prefix."""
+    rng = np.random.default_rng(5)
+    b, t, hq, hkv, d = 2, 8, 4, 2, 64
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.float32)
+    k_win = jnp.asarray(rng.normal(size=(b, hkv, t, d)), jnp.float32)
+    v_win = jnp.asarray(rng.normal(size=(b, hkv, t, d)), jnp.float32)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    lengths = jnp.zeros((b,), jnp.int32)
+    full = jnp.asarray(rng.normal(size=(b, hkv, 16, d)), jnp.float32)
+    want = tree_attention_reference(q, full, full, lengths, k_win, v_win, mask)
+    empty = full[:, :, :0]
+    np.testing.assert_allclose(np.asarray(tree_attention_reference(q, empty, empty, lengths, k_win, v_win, mask)), np.asarray(want), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(tree_attention(q, empty, empty, lengths, k_win, v_win, mask, interpret=True)), np.asarray(want), atol=1e-5)

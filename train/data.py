@@ -112,7 +112,7 @@ def compute_features(args) -> None:
         model = nnx.merge(graphdef, state)
         b, t = ids.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        out = model(ids, positions, model.init_cache(b, t), return_aux=True, return_hidden=True)
+        out = model(ids, positions, model.init_cache(b, t), return_aux=True, return_hidden=True, empty_cache=True)
         return out.aux.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
 
     cfg = target.config

@@ -61,7 +61,7 @@ def target_features(target: LlamaModel, ids: jax.Array) -> tuple[jax.Array, jax.
     """The frozen target's EAGLE-3 features [B, T, 3H] and final pre-norm hidden states [B, T, H]."""
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(ids, positions, target.init_cache(b, t), return_aux=True, return_hidden=True)
+    out = target(ids, positions, target.init_cache(b, t), return_aux=True, return_hidden=True, empty_cache=True)
     return out.aux, out.hidden  # the full-vocabulary logits are unused and compiled away
 
 

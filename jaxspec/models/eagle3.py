@@ -36,10 +36,10 @@ class Eagle3Layer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0):
+    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0, empty_cache=False):
         normed_state = self.hidden_norm(state)
         u = jnp.concatenate([self.input_layernorm(emb), normed_state], axis=-1)  # [B, T, 2H]
-        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset)
+        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset, empty_cache)
         y = (normed_state if self.cfg.norm_before_residual else state) + attn
         return y + self.mlp(self.post_attention_layernorm(y)), k_cache, v_cache
 
@@ -92,6 +92,7 @@ class Eagle3Head(nnx.Module):
         block_mask: jax.Array | None = None,  # [B, T, W] over the uncommitted slots from cache.lengths; None = causal
         logit_indices: jax.Array | None = None,  # [B, n] positions that get logits; None = all
         write_offset: int | jax.Array = 0,  # new entries go to slots lengths + write_offset + t (tree levels)
+        empty_cache: bool = False,  # nothing committed yet (prefill)
     ) -> tuple[jax.Array, jax.Array, kvc.KVCache]:
         """→ (draft logits [B, T or n, V_d] float32, new state [B, T, H] before the final norm, cache).
 
@@ -104,7 +105,8 @@ class Eagle3Head(nnx.Module):
             block_mask = kvc.causal_block_mask(b, t)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.config)))
         out, k, v = self.midlayer(
-            emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, block_mask, write_offset
+            emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, block_mask, write_offset,
+            empty_cache,
         )
         picked = out if logit_indices is None else jnp.take_along_axis(out, logit_indices[:, :, None], axis=1)
         logits = self.lm_head(self.norm(picked)).astype(jnp.float32)

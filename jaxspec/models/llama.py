@@ -72,6 +72,7 @@ class Attention(nnx.Module):
         lengths: jax.Array,  # [B] committed tokens, seen by every new token
         mask: jax.Array,  # [B, T, W] which of the W uncommitted slots [lengths, lengths + W) each new token sees
         write_offset: int | jax.Array = 0,  # the new tokens go to slots lengths + write_offset + t
+        empty_cache: bool = False,  # nothing is committed (a prefill): attend to the new tokens only
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
@@ -88,7 +89,8 @@ class Attention(nnx.Module):
         else:  # a window of earlier uncommitted entries too (the head's tree levels)
             k_win = kvc.read_window(k_cache, lengths, mask.shape[-1])
             v_win = kvc.read_window(v_cache, lengths, mask.shape[-1])
-        out = attend(q, k_cache, v_cache, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
+        k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
+        out = attend(q, k_pre, v_pre, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), k_cache, v_cache
 
 
@@ -110,8 +112,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask):
-        attn, k_cache, v_cache = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, mask)
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False):
+        attn, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache
+        )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_cache, v_cache
@@ -165,6 +169,7 @@ class LlamaModel(nnx.Module):
         logit_indices: jax.Array | None = None,  # [B, n] which of the T positions get logits; None = all
         return_aux: bool = False,
         return_hidden: bool = False,  # also return the final hidden state (offline training features)
+        empty_cache: bool = False,  # promise that nothing is committed yet (prefill): skips attending to the cache
     ) -> TargetOutput:
         cfg = self.config
         b, t = tokens.shape
@@ -176,7 +181,7 @@ class LlamaModel(nnx.Module):
         for i, layer in enumerate(self.layers):
             if return_aux and i in cfg.aux_layer_ids:
                 aux[i] = x  # hidden_states[i]: the input of layer i
-            x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask)
+            x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache)
             ks.append(k)
             vs.append(v)
         if logit_indices is not None:

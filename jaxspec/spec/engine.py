@@ -82,14 +82,16 @@ def prefill(
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last = jnp.maximum(prompt_lens - 1, 0)
-    out = target(prompt, positions, target.init_cache(b, capacity), logit_indices=last[:, None], return_aux=True)
+    out = target(
+        prompt, positions, target.init_cache(b, capacity), logit_indices=last[:, None], return_aux=True, empty_cache=True
+    )
     key, sub = jax.random.split(key)
     first = sample(out.logits[:, 0], sampling, sub)
     # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
     next_tokens = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     _, _, head_cache = head(
         next_tokens, head.project(out.aux), positions, head.init_cache(b, capacity), _embed_table(target, head),
-        logit_indices=jnp.zeros((b, 1), jnp.int32),
+        logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
     )
     g_last = jnp.take_along_axis(out.aux, last[:, None, None], axis=1)  # [B, 1, F]
     width = num_draft + 1
