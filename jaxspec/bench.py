@@ -25,6 +25,7 @@ from jaxspec.cli_common import (
     load_target_and_tokenizer,
     main_guard,
     parse_tree,
+    resolve_draft,
     resolve_target,
 )
 
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(args.draft))
+    draft = resolve_draft(args)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft))
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
 
@@ -180,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_second": round(args.batch_size * bandwidth * 1e9 / weight_bytes, 2),
         },
     }
-    if args.draft:
+    if draft:
         from jaxspec.spec.generator import SpeculativeGenerator
 
-        head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
+        head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         result["speculative"] = []
         for tree in [None, *args.tree]:
             spec = SpeculativeGenerator(
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
                 "method": f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}",
-                "draft": str(args.draft),
+                "draft": str(draft),
                 "tokens": s_tokens,
                 "seconds": round(s_seconds, 3),
                 "tokens_per_second": round(s_tokens / s_seconds, 2),

@@ -35,7 +35,12 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
         metavar="PATH",
-        help="EAGLE-3 head directory (EAGLE, SpecForge/SGLang or vLLM speculators layout); omit for target-only",
+        help="EAGLE-3 head directory (EAGLE, SpecForge/SGLang or vLLM speculators layout); default: the shipped "
+        "head for the built-in target, none (target-only) for other targets",
+    )
+    parser.add_argument(
+        "--no-draft", action="store_true",
+        help="target-only generation (with the built-in target, its shipped head is the default draft)",
     )
     parser.add_argument(
         "--num-speculative-tokens", type=int, default=5, metavar="K", help="drafts per verify step (default: 5)"
@@ -54,6 +59,23 @@ def parse_tree(text: str):
         return TreeConfig.parse(text)
     except JaxspecError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def resolve_draft(args) -> str | None:
+    """The head to draft with: --draft; else, for the built-in target, the head shipped with jaxspec; else none."""
+    from jaxspec.checkpoints.builtin import default_head_dir
+
+    if args.no_draft:
+        if args.draft:
+            raise JaxspecError("--draft and --no-draft contradict each other; pass one")
+        return None
+    if args.draft:
+        return args.draft
+    if args.target is None and (default_head_dir() / "config.json").is_file():
+        print(f"draft: the built-in EAGLE-3 head ({default_head_dir().name}); --no-draft for target-only",
+              file=sys.stderr)
+        return str(default_head_dir())
+    return None
 
 
 def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):

@@ -20,6 +20,7 @@ from jaxspec.cli_common import (
     load_target_and_tokenizer,
     main_guard,
     parse_tree,
+    resolve_draft,
     resolve_target,
 )
 
@@ -65,15 +66,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
-    aux_ids = head_aux_layer_ids(args.draft)
+    draft = resolve_draft(args)
+    aux_ids = head_aux_layer_ids(draft)
     target_dir = resolve_target(args.target)
     model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=aux_ids)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
-    if args.draft:
+    if draft:
         from jaxspec.spec.generator import SpeculativeGenerator
 
-        head = load_head_for(args.draft, model, args.dtype, args.allow_pickle)
+        head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         generator = SpeculativeGenerator(
             model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size
         )

@@ -166,7 +166,7 @@ _announced: set[str] = set()
 
 
 def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int):
-    """Dispatch: the Pallas kernel on GPU, the jax.numpy reference elsewhere (said once in the log)."""
+    """Dispatch: the Pallas kernel on a validated backend, the jax.numpy reference elsewhere (said once in the log)."""
     from pallas_kernels.tree_attention import kernel_platform
 
     if kernel_platform() is None:

@@ -91,3 +91,48 @@ def test_speculative_greedy_with_random_head_equals_target_only(target_dir, mode
     ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
     got = SpeculativeGenerator(model, head, num_draft=3, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+
+QUESTIONS = [
+    "Explain speculative decoding in one sentence.",
+    "Write a short poem about the sea.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "List three tips for staying focused while studying.",
+]
+
+
+def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
+    """The README's main command: the built-in target drafts with the shipped head, and the text is the target's."""
+    import json
+
+    from jaxspec import generate
+
+    assert (builtin.default_head_dir() / "config.json").is_file()
+    runs = {}
+    for extra in ([], ["--no-draft"]):
+        assert generate.main(["--prompt", QUESTIONS[2], "--max-new-tokens", "48", "--json", *extra]) == 0
+        runs[bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    spec, plain = runs[False], runs[True]
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["mean_accepted_length"] > 1.5  # a trained head, not a random one
+    assert "mean_accepted_length" not in plain["stats"]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch):
+    from jaxspec.checkpoints.heads import load_head
+    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.spec.tree import TreeConfig
+
+    tok = load_tokenizer(target_dir)
+    stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
+    prompts = [encode_prompt(tok, text, raw=False) for text in QUESTIONS]
+    head = load_head(builtin.default_head_dir(), model.config, dtype="float32")
+    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=40, stop_ids=stops)
+    tree = SpeculativeGenerator(model, head, tree=TreeConfig(16, 5, 4), batch_size=batch)
+    got = tree.generate(prompts, max_new_tokens=40, stop_ids=stops)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    chain = SpeculativeGenerator(model, head, num_draft=5, batch_size=batch).generate(prompts, max_new_tokens=40, stop_ids=stops)
+    assert [c.token_ids for c in chain] == [c.token_ids for c in ref]
+    mean = lambda cs: np.mean([c.stats["mean_accepted_length"] for c in cs])  # noqa: E731
+    assert mean(got) > mean(chain)  # same head, same depth: the tree accepts more

@@ -25,3 +25,10 @@ def test_map_selects_most_frequent_sorted_and_round_trips():
 def test_bad_size():
     with pytest.raises(JaxspecError, match="draft vocabulary size 0"):
         build_vocab_map(np.ones(10), 0)
+
+
+def test_prior_breaks_ties_among_unseen_tokens():
+    counts = np.array([0, 5, 0, 0, 3, 0])
+    prior = np.array([0, 9, 1, 7, 3, 2])
+    d2t, t2d = build_vocab_map(counts, 4, prior)
+    assert np.flatnonzero(t2d).tolist() == [1, 3, 4, 5]  # 1 and 4 by count, then the unseen 3 and 5 by prior

@@ -77,7 +77,8 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
         if with_features:
             if not features_path(path).is_file():
                 raise JaxspecError(f"{path.name} has no features file (run python -m train.data features)")
-            feats = np.load(features_path(path))
+            with np.load(features_path(path)) as f:  # each access of an npz member reads it again: once per shard
+                feats = {"aux": f["aux"].view(BF16), "hidden": f["hidden"].view(BF16)}
         with np.load(path) as shard:
             tokens, offsets, plens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
             for i in range(len(plens)):
@@ -87,7 +88,7 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
                 if feats is None:
                     out.append((seq, mask))
                 else:  # stored as raw bfloat16 bits
-                    out.append((seq, mask, feats["aux"][a:b].view(BF16), feats["hidden"][a:b].view(BF16)))
+                    out.append((seq, mask, feats["aux"][a:b], feats["hidden"][a:b]))
     return out
 
 

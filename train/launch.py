@@ -69,7 +69,7 @@ class Batches:
         return tuple(out)
 
 
-def build_head(target, cfg: dict, counts: np.ndarray, seed: int):
+def build_head(target, cfg: dict, counts: np.ndarray, seed: int, prior: np.ndarray | None = None):
     import jax.numpy as jnp
     from flax import nnx
 
@@ -80,7 +80,7 @@ def build_head(target, cfg: dict, counts: np.ndarray, seed: int):
     t = target.config
     hcfg = cfg.get("head", {})
     vd = int(hcfg.get("draft_vocab_size") or t.vocab_size)
-    d2t, _ = build_vocab_map(counts, vd)
+    d2t, _ = build_vocab_map(counts, vd, prior)
     head_cfg = HeadConfig(
         hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
         intermediate_size=int(hcfg.get("intermediate_size") or t.intermediate_size), vocab_size=t.vocab_size,
@@ -150,7 +150,9 @@ def run(cfg: dict) -> dict:
     vocab = target.config.vocab_size
     counts = token_counts((s[0] for i, s in enumerate(sequences) if i % 20), (s[1] for i, s in enumerate(sequences) if i % 20), vocab)
     held_out = token_counts((s[0] for s in sequences[::20]), (s[1] for s in sequences[::20]), vocab)
-    head = build_head(target, cfg, counts, t.get("seed", 0))
+    # Prompt tokens too rank the tokens responses never used (a small dataset leaves many such ties).
+    every_token = token_counts((s[0] for i, s in enumerate(sequences) if i % 20), (np.ones_like(s[0]) for i, s in enumerate(sequences) if i % 20), vocab)
+    head = build_head(target, cfg, counts, t.get("seed", 0), prior=every_token)
     draft_mask = np.zeros(vocab, bool)
     draft_mask[np.asarray(head.to_target_ids(np.arange(head.config.draft_vocab_size)))] = True
     print(f"{len(sequences)} sequences, {int(counts.sum() + held_out.sum())} response tokens; draft vocabulary "

@@ -19,12 +19,16 @@ def token_counts(sequences, masks, vocab_size: int) -> np.ndarray:
     return counts
 
 
-def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d2t [V_d] int64, t2d [V] bool) from token counts; ties broken by the lower token id."""
+def build_vocab_map(
+    counts: np.ndarray, draft_vocab_size: int, prior: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t [V_d] int64, t2d [V] bool) from token counts; ties (notably the many tokens never seen in responses of
+    a small dataset) broken by `prior` counts (e.g. over prompt text too), then by the lower token id."""
     vocab = counts.shape[0]
     if not 0 < draft_vocab_size <= vocab:
         raise JaxspecError(f"draft vocabulary size {draft_vocab_size} must be in 1..{vocab}")
-    order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, then lower id
+    prior = np.zeros_like(counts) if prior is None else prior
+    order = np.lexsort((np.arange(vocab), -prior, -counts))  # most frequent first, then prior, then lower id
     selected = np.sort(order[:draft_vocab_size])
     d2t = (selected - np.arange(draft_vocab_size)).astype(np.int64)
     t2d = np.zeros(vocab, bool)

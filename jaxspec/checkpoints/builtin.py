@@ -36,6 +36,12 @@ def default_target_dir() -> Path:
     return cache_root() / NAME
 
 
+def default_head_dir() -> Path:
+    """The EAGLE-3 head trained by jaxspec for the built-in target, shipped inside the package (speculators layout;
+    its training config and log sit beside it)."""
+    return Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-instruct-eagle3"
+
+
 def is_built(path: Path) -> bool:
     return (path / _DONE_MARKER).is_file()
 
