@@ -107,3 +107,13 @@ def test_offline_features_train_like_online(setup):
     online, offline = losses(setup / "online"), losses(setup / "offline")
     for step in range(3):  # bfloat16 features vs float32 ones
         assert offline[step] == pytest.approx(online[step], rel=2e-2)
+
+
+def test_tensorboard_scalars_follow_the_jsonl_log(setup):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    launch(config(setup, "board", 2))
+    events = EventAccumulator(str(setup / "board" / "tensorboard"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(s, pytest.approx(v)) for s, v in sorted(losses(setup / "board").items())]

@@ -2,7 +2,8 @@
 
 Reads self-distilled shards (train/data.py), builds the draft vocabulary from their response tokens, trains with the
 frozen target computing features online, checkpoints with orbax (a killed run resumes exactly: the batch of step
-s is a pure function of the seed and s), logs metrics to <out>/metrics.jsonl, measures real mean accepted length
+s is a pure function of the seed and s), logs metrics to <out>/metrics.jsonl (and TensorBoard when tensorboardX is
+installed), measures real mean accepted length
 with the speculative engine every eval_every steps, and exports the head in the speculators and SGLang layouts.
 """
 
@@ -111,6 +112,15 @@ def evaluate(target, head, tokenizer, target_dir, cfg: dict) -> float:
     return (sum(c.num_generated for c in out) - len(out)) / max(calls, 1)
 
 
+def _tensorboard(out: Path):
+    """A TensorBoard writer on <out>/tensorboard when tensorboardX is installed (the JSONL log is always written)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
 def run(cfg: dict) -> dict:
     import jax
     from flax import nnx
@@ -183,6 +193,7 @@ def run(cfg: dict) -> dict:
         donate_argnames=("params", "opt_state"),
     )
     metrics_file = (out / "metrics.jsonl").open("a")
+    board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
     last = {}
     for step in tqdm(range(start, t["steps"]), initial=start, total=t["steps"], desc="train", unit="step"):
@@ -202,10 +213,17 @@ def run(cfg: dict) -> dict:
         if step % t.get("log_every", 10) == 0 or "eval_mean_accepted_length" in record or step == t["steps"] - 1:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            if board is not None:
+                for name, value in record.items():
+                    if name != "step":
+                        board.add_scalar(f"train/{name}", value, step)
+                board.flush()
         if (step + 1) % t.get("checkpoint_every", 100) == 0 or step == t["steps"] - 1:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state}, {"next_step": step + 1})
         last = record
     metrics_file.close()
+    if board is not None:
+        board.close()
     ckpt.close()
     head = nnx.merge(hgd, params, frozen)
     for layout in ("speculators", "sglang"):
