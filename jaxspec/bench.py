@@ -4,6 +4,8 @@ Hugging Face transformers on the same checkpoint, prompts and lengths), in one p
 Examples:
   python -m jaxspec.bench --prompts-file mt_bench.jsonl --limit 10 --max-new-tokens 64 --compare-hf
   python -m jaxspec.bench --draft HEAD_DIR --prompts-file mt_bench.jsonl --num-speculative-tokens 5 --tree 24,5,6
+  python -m jaxspec.bench --suite mt_bench --batch-sizes 1,4,16 --chain-lengths 3,5 --tree 16,5,4 --compare-hf
+      (writes results.json, results.md and PNG plots to bench-results/mt_bench/)
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import platform
 import sys
 import time
 
-import numpy as np
-
-
+from jaxspec.bench_suite import measure, speculative_stats
 from jaxspec.cli_common import (
     add_draft_args,
+    add_mesh_args,
     add_target_args,
     head_aux_layer_ids,
     load_head_for,
@@ -26,8 +27,10 @@ from jaxspec.cli_common import (
     main_guard,
     parse_tree,
     resolve_draft,
+    resolve_mesh,
     resolve_target,
 )
+from jaxspec.prompts import SUITES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_target_args(parser)
     add_draft_args(parser)
-    parser.add_argument("--prompts-file", required=True, metavar="FILE.jsonl")
+    add_mesh_args(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts-file", metavar="FILE.jsonl", help="one run: target-only, the chain and --tree budgets")
+    source.add_argument(
+        "--suite", metavar="NAME|FILE",
+        help=f"the suite: {', '.join(SUITES)} (shipped with jaxspec or its dependencies) or a prompts file; "
+        "every method at every --batch-sizes, written as JSON, Markdown and PNG plots to --out",
+    )
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], metavar="B,...",
+                        help="suite: batch sizes (default: 1,4,16)")
+    parser.add_argument("--chain-lengths", type=_int_list, metavar="K,...",
+                        help="suite: chain lengths to measure (default: 3,5)")
+    parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
     parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--batch-size", type=int, default=1, metavar="B")
@@ -51,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def measure_bandwidth_gbs(nbytes: int = 1 << 29) -> float:
@@ -142,34 +167,39 @@ def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, lis
     return seconds, sum(len(o) for o in outputs), outputs
 
 
+def _machine() -> str:
+    import jax
+
+    return f"{platform.machine()} {jax.devices()[0].device_kind}, {jax.device_count()} device(s), JAX {jax.__version__}"
+
+
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import jax
 
     from jaxspec.generation import TargetGenerator
-    from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
+    from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
 
-    prompts = read_prompts_file(args.prompts_file)
+    prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
         prompts = prompts[: args.limit]
+    mesh = resolve_mesh(args)
     target_dir = resolve_target(args.target)
     draft = resolve_draft(args)
     model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft))
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
+    head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
+    if args.suite:
+        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
 
-    gen = TargetGenerator(model, batch_size=args.batch_size)
-    gen.generate(encoded[: args.batch_size], max_new_tokens=args.max_new_tokens, stop_ids=stops)  # compile + warm
-    completions = gen.generate(encoded, max_new_tokens=args.max_new_tokens, stop_ids=stops)
-    seconds = sum(c.seconds for i, c in enumerate(completions) if i % args.batch_size == 0)
-    tokens = sum(c.num_generated for c in completions)
-
+    gen = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
+    completions, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     bandwidth = measure_bandwidth_gbs()
     result = {
-        "machine": f"{platform.machine()} {jax.devices()[0].device_kind}, {jax.device_count()} device(s), "
-        f"JAX {jax.__version__}",
+        "machine": _machine(),
         "target": target_dir.name,
         "dtype": str(model.dtype),
         "prompts": len(prompts),
@@ -182,21 +212,15 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_second": round(args.batch_size * bandwidth * 1e9 / weight_bytes, 2),
         },
     }
-    if draft:
+    if head is not None:
         from jaxspec.spec.generator import SpeculativeGenerator
 
-        head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         result["speculative"] = []
         for tree in [None, *args.tree]:
             spec = SpeculativeGenerator(
-                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size
+                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh
             )
-            spec.generate(encoded[: args.batch_size], max_new_tokens=args.max_new_tokens, stop_ids=stops)
-            spec_out = spec.generate(encoded, max_new_tokens=args.max_new_tokens, stop_ids=stops)
-            s_seconds = sum(c.seconds for i, c in enumerate(spec_out) if i % args.batch_size == 0)
-            s_tokens = sum(c.num_generated for c in spec_out)
-            calls = sum(c.stats["target_calls"] - 1 for c in spec_out)
-            per_row = [np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in spec_out]
+            spec_out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops)
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
                 "method": f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}",
@@ -205,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": round(s_seconds, 3),
                 "tokens_per_second": round(s_tokens / s_seconds, 2),
                 "speedup_vs_target_only": round((s_tokens / s_seconds) / (tokens / seconds), 3),
-                "mean_accepted_length": round((s_tokens - len(spec_out)) / calls, 3),
-                "acceptance_per_position": [round(float(a) / calls, 3) for a in np.sum(per_row, 0)],
+                **speculative_stats(spec_out, spec.num_draft),
                 "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}/{len(prompts)}",
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
@@ -222,6 +245,81 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(_table(result))
+    return 0
+
+
+def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int:
+    """Every method at every batch size on one prompt set; the report goes to --out."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from jaxspec.bench_suite import write_report
+    from jaxspec.errors import JaxspecError
+    from jaxspec.generation import TargetGenerator
+    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.spec.tree import TreeConfig
+
+    methods: list = []
+    if head is not None:
+        methods = [("chain", k) for k in (args.chain_lengths or [3, 5])]
+        methods += [("tree", t) for t in (args.tree or [TreeConfig(16, 5, 4)])]
+    elif args.chain_lengths or args.tree:
+        raise JaxspecError("--chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
+    if args.compare_hf:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise JaxspecError("--compare-hf needs torch and transformers (pip install 'jaxspec[test]')") from None
+    suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
+    runs = []
+    bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
+    for b in args.batch_sizes:
+        bar.set_postfix_str(f"batch {b} target-only")
+        base, tokens, seconds = measure(TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens,
+                                        stops)
+        base_tps = tokens / seconds
+        runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
+                     "tokens_per_second": round(base_tps, 2), "speedup_vs_target_only": 1.0})
+        bar.update()
+        for kind, value in methods:
+            name = f"chain K={value}" if kind == "chain" else f"tree {value.spec}"
+            bar.set_postfix_str(f"batch {b} {name}")
+            spec = SpeculativeGenerator(
+                model, head, num_draft=value if kind == "chain" else 1, tree=value if kind == "tree" else None,
+                batch_size=b, mesh=mesh,
+            )
+            out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops)
+            runs.append({
+                "batch_size": b, "method": name, "tokens": s_tokens, "seconds": round(s_seconds, 3),
+                "tokens_per_second": round(s_tokens / s_seconds, 2),
+                "speedup_vs_target_only": round(s_tokens / s_seconds / base_tps, 3),
+                **speculative_stats(out, spec.num_draft),
+                "identical_outputs": f"{sum(a.token_ids == c.token_ids for a, c in zip(out, base))}/{len(encoded)}",
+            })
+            bar.update()
+    if args.compare_hf:
+        bar.set_postfix_str("batch 1 transformers")
+        hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
+        base_1 = next((r for r in runs if r["batch_size"] == 1 and r["method"] == "target-only"), None)
+        row = {"batch_size": 1, "method": "transformers generate", "tokens": hf_tokens, "seconds": round(hf_seconds, 3),
+               "tokens_per_second": round(hf_tokens / hf_seconds, 2)}
+        if base_1:
+            row["speedup_vs_target_only"] = round(hf_tokens / hf_seconds / base_1["tokens_per_second"], 3)
+        runs.append(row)
+        bar.update()
+    bar.close()
+    import jax
+
+    result = {
+        "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
+        "draft": Path(draft).name if draft else "", "prompts": len(encoded),
+        "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
+    }
+    out_dir = Path(args.out or Path("bench-results") / suite)
+    paths = write_report(result, out_dir)
+    print(json.dumps(result, indent=2) if args.json else (out_dir / "results.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 
 

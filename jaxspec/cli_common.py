@@ -135,3 +135,29 @@ def main_guard(main):
             sys.exit(130)
 
     return wrapper
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mesh", metavar="data=D,model=M",
+        help="shard over a device mesh: batch rows over D devices, attention heads, MLP width and vocabulary over "
+        "M (tensor parallel); D*M devices are used, M must divide the query and KV head counts",
+    )
+    parser.add_argument(
+        "--distributed", action="store_true",
+        help="multi-host: call jax.distributed.initialize() first (coordinator from the TPU/SLURM environment or "
+        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); the mesh then spans every host's devices",
+    )
+
+
+def resolve_mesh(args):
+    """The (data, model) mesh the flags ask for, or None for one device."""
+    import jax
+
+    from jaxspec.sharding import MeshConfig, make_mesh
+
+    if args.distributed:
+        jax.distributed.initialize()
+    if not args.mesh:
+        return None
+    return make_mesh(MeshConfig.parse(args.mesh))

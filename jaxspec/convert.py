@@ -5,6 +5,8 @@
       a Hugging Face target → an orbax checkpoint that reloads fast (and sharded); --target accepts it everywhere
   python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
       an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
+  python -m jaxspec.convert head --draft DIR --out DIR --layout speculators|sglang|eagle [--target DIR]
+      an EAGLE-3 head from any of the three layouts into another (checked against the target on the way)
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft vocabulary (0 = the target's)")
     rand.add_argument("--layout", choices=("speculators", "sglang"), default="speculators")
     rand.add_argument("--seed", type=int, default=0)
+    head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
+    head.add_argument("--draft", metavar="DIR", required=True, help="the head, in any layout (detected)")
+    head.add_argument("--out", metavar="DIR", required=True)
+    head.add_argument("--layout", choices=("speculators", "sglang", "eagle"), required=True)
+    head.add_argument("--target", metavar="DIR", help="its target (default: the built-in SmolLM2-135M-Instruct)")
+    head.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    head.add_argument("--allow-pickle", action="store_true", help="allow a head stored as pickled .bin")
     return parser
 
 
@@ -51,7 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         _convert_target(args)
     elif args.command == "random-head":
         _random_head(args)
+    elif args.command == "head":
+        _convert_head(args)
     return 0
+
+
+def _convert_head(args) -> None:
+    from jaxspec.checkpoints.heads import export_head, load_head
+    from jaxspec.cli_common import resolve_target
+    from jaxspec.config import load_target_config
+
+    target = load_target_config(resolve_target(args.target))
+    head = load_head(args.draft, target, dtype=args.dtype, allow_pickle=args.allow_pickle)
+    print(export_head(head, args.out, layout=args.layout, target=target, dtype=args.dtype))
 
 
 def _convert_target(args) -> None:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, sample
+from jaxspec.sharding import constrain_cache, constrain_state
 
 
 class DecodeState(NamedTuple):
@@ -55,7 +56,7 @@ def prefill(
 ) -> DecodeState:
     model = nnx.merge(graphdef, params)
     b, t = prompt.shape
-    cache = model.init_cache(b, capacity)
+    cache = constrain_cache(model.init_cache(b, capacity))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last_index = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
     out = model(prompt, positions, cache, logit_indices=last_index, empty_cache=True)
@@ -71,7 +72,7 @@ def prefill(
         max_new=max_new,
         key=key,
     )
-    return _emit(st, first, eos_ids)
+    return constrain_state(_emit(st, first, eos_ids))
 
 
 def decode_steps(
@@ -94,7 +95,7 @@ def decode_steps(
         cache = kvc.advance(out.cache, (~st.done).astype(jnp.int32))
         key, sub = jax.random.split(st.key)
         token = sample(out.logits[:, 0], sampling, sub)
-        return i + 1, _emit(st._replace(cache=cache, key=key), token, eos_ids)
+        return i + 1, constrain_state(_emit(st._replace(cache=cache, key=key), token, eos_ids))
 
     def cond(carry):
         i, st = carry

@@ -14,6 +14,7 @@ import sys
 
 from jaxspec.cli_common import (
     add_draft_args,
+    add_mesh_args,
     add_target_args,
     head_aux_layer_ids,
     load_head_for,
@@ -21,6 +22,7 @@ from jaxspec.cli_common import (
     main_guard,
     parse_tree,
     resolve_draft,
+    resolve_mesh,
     resolve_target,
 )
 
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_target_args(parser)
     add_draft_args(parser)
+    add_mesh_args(parser)
     parser.add_argument(
         "--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
         help="draft EAGLE-2 dynamic trees instead of chains: TOTAL tokens verified per step (root included), "
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    mesh = resolve_mesh(args)
     draft = resolve_draft(args)
     aux_ids = head_aux_layer_ids(draft)
     target_dir = resolve_target(args.target)
@@ -77,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         generator = SpeculativeGenerator(
-            model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size
+            model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size,
+            mesh=mesh,
         )
     else:
-        generator = TargetGenerator(model, batch_size=args.batch_size)
+        generator = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
     generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
 
     stream = not args.json and args.batch_size == 1

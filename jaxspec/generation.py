@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec import decode
+from jaxspec import decode, sharding
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
@@ -55,11 +55,17 @@ _decode = jax.jit(decode.decode_steps, static_argnames=("graphdef", "num_steps",
 class TargetGenerator:
     """Generates continuations of tokenized prompts with the target alone, `batch_size` rows at a time."""
 
-    def __init__(self, model: LlamaModel, *, batch_size: int = 1, chunk_steps: int = 16):
+    def __init__(
+        self, model: LlamaModel, *, batch_size: int = 1, chunk_steps: int = 16, mesh: jax.sharding.Mesh | None = None
+    ):
         if batch_size < 1:
             raise JaxspecError(f"batch size must be >= 1, got {batch_size}")
         self.config = model.config
+        self.mesh = mesh  # None: one device; else params, caches and batch rows are split over its (data, model) axes
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            sharding.check_fits(mesh, {"target": model.config}, batch_size)
+            self.params = sharding.shard_params(self.params, mesh)
         self.batch_size = batch_size
         self.chunk_steps = chunk_steps
         self.compile_seconds = 0.0
@@ -95,7 +101,8 @@ class TargetGenerator:
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
         if key not in self._compiled:
             start = time.perf_counter()
-            self._compiled[key] = fn.lower(*self._models, *args, **static).compile()
+            with sharding.mesh_context(self.mesh):
+                self._compiled[key] = fn.lower(*self._models, *args, **static).compile()
             self.compile_seconds += time.perf_counter() - start
         return self._compiled[key]
 

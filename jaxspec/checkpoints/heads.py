@@ -203,12 +203,18 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
 
 
 def export_head(head: Eagle3Head, out_dir: str | Path, *, layout: str, target: TargetConfig, dtype="bfloat16") -> Path:
-    """Write a head as config.json + model.safetensors in the speculators or SGLang layout."""
+    """Write a head as config.json + model.safetensors in the speculators, SGLang/SpecForge or EAGLE layout."""
     from safetensors.numpy import save_file
 
-    if layout not in ("speculators", "sglang"):
-        raise JaxspecError(f"export layout must be 'speculators' or 'sglang', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise JaxspecError(f"export layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     cfg = head.config
+    if layout == "eagle" and cfg.aux_layer_ids not in (None, tuple(target.aux_layer_ids)):
+        raise JaxspecError(
+            f"the EAGLE layout cannot record which target layers a head reads, and this head reads "
+            f"{tuple(cfg.aux_layer_ids)} instead of the default {tuple(target.aux_layer_ids)}; export it as "
+            "'sglang' or 'speculators'"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     np_dtype = numpy_dtype(dtype)
@@ -223,8 +229,8 @@ def export_head(head: Eagle3Head, out_dir: str | Path, *, layout: str, target: T
             t2d[np.arange(cfg.draft_vocab_size) + value] = True
             tensors["t2d"] = t2d
             continue
-        if key == "embed_tokens.weight" and layout == "sglang":
-            continue  # SGLang heads share the target's embeddings
+        if key == "embed_tokens.weight" and layout in ("sglang", "eagle"):
+            continue  # SGLang and EAGLE heads share the target's embeddings
         value = value.T if transposed else value
         if layout == "speculators" and key.startswith("midlayer."):
             key = "layers.0." + key[len("midlayer.") :]
@@ -268,6 +274,13 @@ def export_head(head: Eagle3Head, out_dir: str | Path, *, layout: str, target: T
             "norm_before_residual": cfg.norm_before_residual,
             "target_hidden_size": cfg.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(aux),
+        }
+    elif layout == "eagle":  # the EAGLE repo: a flat Llama config, default aux layers
+        config = {
+            **layer,
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "norm_before_residual": cfg.norm_before_residual,
         }
     else:
         config = {

@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
+from jaxspec.sharding import constrain_cache, constrain_state
 from jaxspec.spec.accept import greedy_accept, sampling_accept
 from jaxspec.spec.tree import TreeConfig, draft_tree
 from pallas_kernels.rejection import verify_draft
@@ -83,14 +84,14 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last = jnp.maximum(prompt_lens - 1, 0)
     out = target(
-        prompt, positions, target.init_cache(b, capacity), logit_indices=last[:, None], return_aux=True, empty_cache=True
+        prompt, positions, constrain_cache(target.init_cache(b, capacity)), logit_indices=last[:, None], return_aux=True, empty_cache=True
     )
     key, sub = jax.random.split(key)
     first = sample(out.logits[:, 0], sampling, sub)
     # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
     next_tokens = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     _, _, head_cache = head(
-        next_tokens, head.project(out.aux), positions, head.init_cache(b, capacity), _embed_table(target, head),
+        next_tokens, head.project(out.aux), positions, constrain_cache(head.init_cache(b, capacity)), _embed_table(target, head),
         logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
     )
     g_last = jnp.take_along_axis(out.aux, last[:, None, None], axis=1)  # [B, 1, F]
@@ -110,7 +111,7 @@ def prefill(
         verify_calls=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b, num_draft), jnp.int32),
     )
-    return _emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids)
+    return constrain_state(_emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
 
 
 def _propose(head, logits: jax.Array, sampling: SamplingConfig, key: jax.Array, vocab: int):
@@ -254,7 +255,9 @@ def spec_steps(
     def body(carry):
         i, st = carry
         if tree is not None:
-            return i + 1, tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling)
-        return i + 1, spec_step(target, head, st, eos_ids, num_draft=num_draft, sampling=sampling)
+            st = tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling)
+        else:
+            st = spec_step(target, head, st, eos_ids, num_draft=num_draft, sampling=sampling)
+        return i + 1, constrain_state(st)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]

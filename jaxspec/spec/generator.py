@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from jaxspec import sharding
 from jaxspec.checkpoints.heads import validate_head
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import TargetGenerator
@@ -49,14 +50,18 @@ class SpeculativeGenerator(TargetGenerator):
         tree: TreeConfig | None = None,
         batch_size: int = 1,
         chunk_steps: int = 4,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         if tree is None and num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
         check_head_fits(model, head)
         if tree is not None and tree.top_k > head.config.draft_vocab_size:
             raise JaxspecError(f"tree TOPK={tree.top_k} exceeds the head's draft vocabulary ({head.config.draft_vocab_size})")
-        super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps)
+        super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps, mesh=mesh)
         self.head_graphdef, self.head_params = nnx.split(head)
+        if mesh is not None:
+            sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
+            self.head_params = sharding.shard_params(self.head_params, mesh)
         self.tree = tree
         self.num_draft = tree.depth if tree is not None else num_draft  # the longest acceptable run of drafts
         self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)

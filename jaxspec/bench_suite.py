@@ -1,0 +1,123 @@
+"""The benchmark suite behind `python -m jaxspec.bench --suite`: target-only, chains and trees over a grid of batch
+sizes on one prompt set, in one process, written as JSON, a Markdown table and PNG plots.
+
+Every method at a batch size runs on the same prompts with the same greedy settings; speed-ups are against
+target-only at that batch size, and `identical_outputs` counts prompts whose speculative output equals target-only
+token for token (it should be all of them: greedy speculative decoding is exact).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxspec.generation import Completion, TargetGenerator
+
+
+def measure(gen: TargetGenerator, encoded: Sequence[Sequence[int]], max_new_tokens: int, stops) -> tuple:
+    """(completions, tokens, seconds) of one timed pass; a first batch is generated before it to compile and warm
+    up (other shape buckets compile during the pass, outside the timed part of their batch)."""
+    gen.generate(encoded[: gen.batch_size], max_new_tokens=max_new_tokens, stop_ids=stops)
+    out = gen.generate(encoded, max_new_tokens=max_new_tokens, stop_ids=stops)
+    seconds = sum(c.seconds for i, c in enumerate(out) if i % gen.batch_size == 0)
+    return out, sum(c.num_generated for c in out), seconds
+
+
+def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
+    """Mean accepted length (tokens per verify, bonus included), acceptance rate by draft position, and how many
+    verify steps accepted 0..depth drafts (accepted drafts are a prefix of the path, so steps that accepted at
+    least j drafts = times position j was accepted)."""
+    calls = sum(c.stats["target_calls"] - 1 for c in out)
+    at_least = np.sum([np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in out], 0)
+    at_least = np.rint(np.concatenate([[calls], at_least, [0]])).astype(int)  # [depth + 2]
+    tokens = sum(c.num_generated for c in out)
+    return {
+        "mean_accepted_length": round((tokens - len(out)) / max(calls, 1), 3),
+        "acceptance_per_position": [round(float(a) / max(calls, 1), 3) for a in at_least[1 : depth + 1]],
+        "accepted_drafts_histogram": (at_least[:-1] - at_least[1:]).tolist(),  # steps with a = 0..depth
+        "verify_steps": int(calls),
+    }
+
+
+def write_report(result: dict, out_dir: Path) -> list[Path]:
+    """results.json, results.md and the plots; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "results.md").write_text(markdown(result) + "\n")
+    return [out_dir / "results.json", out_dir / "results.md", *plot(result, out_dir)]
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"{r['suite']}: {r['target']} ({r['dtype']}), {r['prompts']} prompts, {r['max_new_tokens']} new tokens, "
+        f"greedy; machine: {r['machine']}",
+        "",
+        "| batch | method | tokens/s | × target-only | mean accepted length | identical outputs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in r["runs"]:
+        tau = run.get("mean_accepted_length", "")
+        lines.append(
+            f"| {run['batch_size']} | {run['method']} | {run['tokens_per_second']} | "
+            f"{run.get('speedup_vs_target_only', '')} | {tau} | {run.get('identical_outputs', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(r: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    runs = r["runs"]
+    methods = list(dict.fromkeys(run["method"] for run in runs))
+    batches = sorted({run["batch_size"] for run in runs})
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        by_batch = {run["batch_size"]: run["tokens_per_second"] for run in runs if run["method"] == method}
+        xs = [j + i * width for j, b in enumerate(batches) if b in by_batch]
+        ax.bar(xs, [by_batch[b] for b in batches if b in by_batch], width, label=method)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(batches))], [str(b) for b in batches])
+    ax.set(xlabel="batch size", ylabel="tokens/s", title=f"{r['suite']}: {r['target']}")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "tokens_per_second.png"))
+
+    spec = [run for run in runs if "acceptance_per_position" in run and run["batch_size"] == batches[0]]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in spec:
+            rates = run["acceptance_per_position"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=run["method"])
+        ax.set(xlabel="draft position (tree depth)", ylabel="fraction of verify steps accepting it", ylim=(0, 1),
+               title="acceptance by draft position")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "acceptance_by_position.png"))
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        width = 0.8 / len(spec)
+        for i, run in enumerate(spec):
+            hist = np.asarray(run["accepted_drafts_histogram"], float)
+            ax.bar(np.arange(1, len(hist) + 1) + i * width, hist / hist.sum(), width, label=run["method"])
+        ax.set(xlabel="tokens per verify step (accepted drafts + 1)", ylabel="fraction of steps",
+               title="distribution of accepted lengths")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "accepted_lengths.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,158 @@
+"""Sharded inference over a `jax.sharding.Mesh` with a data axis (batch rows) and a model axis (tensor parallel).
+
+Placement is Megatron-style and written as `PartitionSpec`s, so that XLA's SPMD partitioner inserts the
+collectives: q/k/v, gate/up and the LM heads are split by output features (attention heads, MLP width, vocabulary),
+o_proj and down_proj by input features, embeddings by vocabulary; norms and the head's fc are replicated. KV caches
+are [batch, kv_heads, slots, head_dim] split as (data, model): each device holds its rows' entries for its own KV
+heads, and every update in the jitted step keeps that sharding. The Pallas kernels run per shard in
+`jax.shard_map` (pallas_kernels/*); the generators compile under `jax.set_mesh(mesh)` so that they can find it.
+
+Query and KV head counts must divide the model axis (an error says which sizes would work; padding heads would
+waste the memory tensor parallelism is for). A vocabulary or MLP width that does not divide it stays replicated,
+said once in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.errors import JaxspecError
+from jaxspec.models import kv_cache as kvc
+
+log = logging.getLogger(__name__)
+
+DATA, MODEL = "data", "model"
+_SPLIT_OUT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})  # kernel [in, out]
+_SPLIT_IN = frozenset({"o_proj", "down_proj"})
+CACHE_SPEC = P(DATA, MODEL, None, None)  # [batch, kv_heads, slots, head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    model: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """'data=2,model=4' (either may be left out: 1)."""
+        sizes = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name.strip() not in (DATA, MODEL) or not value.strip().isdigit() or int(value) < 1:
+                raise JaxspecError(f"--mesh expects data=D,model=M with positive integers, got {text!r}")
+            sizes[name.strip()] = int(value)
+        return cls(**sizes)
+
+
+def make_mesh(cfg: MeshConfig) -> jax.sharding.Mesh:
+    """A (data, model) mesh over the first data·model devices (all processes' devices after
+    `jax.distributed.initialize`)."""
+    n = jax.device_count()
+    if cfg.size > n:
+        raise JaxspecError(
+            f"--mesh data={cfg.data},model={cfg.model} needs {cfg.size} devices, but {n} are visible "
+            f"({jax.default_backend()}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={cfg.size} simulates them)"
+        )
+    auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates shardings (make_mesh defaults to Explicit axes)
+    return jax.make_mesh((cfg.data, cfg.model), (DATA, MODEL), axis_types=auto, devices=jax.devices()[: cfg.size])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_fits(mesh: jax.sharding.Mesh, configs: dict, batch_size: int) -> None:
+    """Head counts must divide the model axis and the batch the data axis; `configs` maps a name ('target',
+    'draft head') to a TargetConfig or HeadConfig."""
+    m, d = mesh.shape[MODEL], mesh.shape[DATA]
+    if batch_size % d:
+        raise JaxspecError(f"--batch-size {batch_size} is not a multiple of the mesh's data axis ({d})")
+    for name, cfg in configs.items():
+        if cfg.num_heads % m or cfg.num_kv_heads % m:
+            fits = [x for x in _divisors(cfg.num_kv_heads) if cfg.num_heads % x == 0]
+            raise JaxspecError(
+                f"the {name} has {cfg.num_heads} query and {cfg.num_kv_heads} KV heads, which the mesh's model axis "
+                f"({m}) does not divide; use model in {fits}"
+            )
+
+
+def _names(path) -> list[str]:
+    """Module path of a leaf of an nnx.State (its Variable's own `.value` key dropped)."""
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return names[:-1] if names and names[-1] == "value" else names
+
+
+def param_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
+    """The PartitionSpec of one parameter, from its module path (Hugging Face names) and shape."""
+    leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+    if leaf == "embed_tokens" and len(shape) == 2:
+        spec, dim = P(MODEL, None), 0
+    elif owner in _SPLIT_OUT and leaf == "kernel":
+        spec, dim = P(None, MODEL), 1
+    elif owner in _SPLIT_OUT and leaf == "bias":
+        spec, dim = P(MODEL), 0
+    elif owner in _SPLIT_IN and leaf == "kernel":
+        spec, dim = P(MODEL, None), 0
+    else:
+        return P()
+    if shape[dim] % model_size:
+        log.info("%s %s: dimension %d does not divide the model axis (%d); replicated", ".".join(names), shape,
+                 shape[dim], model_size)
+        return P()
+    return spec
+
+
+def shard_params(params, mesh: jax.sharding.Mesh):
+    """Place an nnx.State of parameters on the mesh by `param_spec`."""
+
+    def place(path, x):
+        return jax.device_put(x, NamedSharding(mesh, param_spec(_names(path), x.shape, mesh.shape[MODEL])))
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def _mesh_axes_set() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and {DATA, MODEL} <= set(mesh.axis_names)
+
+
+def constrain_cache(cache: kvc.KVCache) -> kvc.KVCache:
+    """Inside jit: keep a KV cache split as (data, model) when a mesh with those axes is set, else unchanged."""
+    if not _mesh_axes_set():
+        return cache
+    wsc = jax.lax.with_sharding_constraint
+    return kvc.KVCache(
+        tuple(wsc(x, CACHE_SPEC) for x in cache.k), tuple(wsc(x, CACHE_SPEC) for x in cache.v), wsc(cache.lengths, P(DATA))
+    )
+
+
+def constrain_state(state):
+    """Inside jit: a decode state (a NamedTuple of per-row arrays and caches) with its caches split as (data,
+    model) and every other per-row array split over data. Applied where a state is returned, so that a step's
+    output has the shardings its compiled input has (the step runs again on its own output)."""
+    if not _mesh_axes_set():
+        return state
+
+    def one(x):
+        if isinstance(x, kvc.KVCache):
+            return constrain_cache(x)
+        if x.ndim == 0 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        return jax.lax.with_sharding_constraint(x, P(DATA))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, kvc.KVCache))
+
+
+def mesh_context(mesh: jax.sharding.Mesh | None):
+    """`jax.set_mesh(mesh)` for tracing and compiling, or nothing without a mesh."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
