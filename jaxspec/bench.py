@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     mesh = resolve_mesh(args)
     target_dir = resolve_target(args.target)
     draft = resolve_draft(args)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft))
+    model, tokenizer = load_target_and_tokenizer(
+        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft), mesh=mesh
+    )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None

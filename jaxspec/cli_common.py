@@ -102,14 +102,15 @@ def head_aux_layer_ids(draft: str | None):
     return head_config_from_hf(json.loads(config.read_text()))[1].aux_layer_ids
 
 
-def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None):
-    """(model, tokenizer) from a directory, with a note on stderr of how long loading took."""
+def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None):
+    """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
+    restored straight into the mesh's shardings)."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
 
     start = time.perf_counter()
-    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids)
+    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = resolve_draft(args)
     aux_ids = head_aux_layer_ids(draft)
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=aux_ids)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     if draft:
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         generator = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
     generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
+    generator.on_compile = lambda msg: print(msg, file=sys.stderr)
 
     stream = not args.json and args.batch_size == 1
     streamer = _Streamer(tokenizer, prompts) if stream else None

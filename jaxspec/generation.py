@@ -75,6 +75,7 @@ class TargetGenerator:
         self._prefill_fn, self._step_fn = _prefill, _decode
         self._extra_static: dict = {}  # static arguments of both prefill and step
         self._step_static: dict = {}  # of the step only
+        self.on_compile: Callable[[str], None] | None = None  # told what compiles and how long it took (CLIs: stderr)
 
     @property
     def extra_capacity(self) -> int:
@@ -100,10 +101,16 @@ class TargetGenerator:
         """AOT-compile once per static shape; compile time is kept apart from generation time."""
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
         if key not in self._compiled:
+            if self.on_compile is not None:
+                capacity = static.get("capacity", "")
+                self.on_compile(f"compiling the {name} (batch {self.batch_size}{f', cache {capacity}' if capacity else ''})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
                 self._compiled[key] = fn.lower(*self._models, *args, **static).compile()
-            self.compile_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            if self.on_compile is not None:
+                self.on_compile(f"compiled the {name} in {seconds:.1f}s")
         return self._compiled[key]
 
     def generate(

@@ -112,13 +112,18 @@ def param_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
     return spec
 
 
+def param_shardings(params, mesh: jax.sharding.Mesh):
+    """NamedShardings by `param_spec` for a pytree of parameters (an nnx.State or its pure dict; arrays or
+    ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(_names(path), x.shape, mesh.shape[MODEL])), params
+    )
+
+
 def shard_params(params, mesh: jax.sharding.Mesh):
-    """Place an nnx.State of parameters on the mesh by `param_spec`."""
-
-    def place(path, x):
-        return jax.device_put(x, NamedSharding(mesh, param_spec(_names(path), x.shape, mesh.shape[MODEL])))
-
-    return jax.tree_util.tree_map_with_path(place, params)
+    """Place parameters on the mesh by `param_spec` (arrays already placed so are left where they are)."""
+    shardings = jax.tree.leaves(param_shardings(params, mesh))
+    return jax.tree.unflatten(jax.tree.structure(params), map(jax.device_put, jax.tree.leaves(params), shardings))
 
 
 def _mesh_axes_set() -> bool:

@@ -144,3 +144,20 @@ def test_dimensions_the_model_axis_does_not_divide_stay_replicated():
     assert sharding.param_spec(["lm_head", "kernel"], (64, 101), 4) == P()
     assert sharding.param_spec(["lm_head", "kernel"], (64, 104), 4) == P(None, "model")
     assert sharding.param_spec(["layers", "0", "mlp", "down_proj", "bias"], (64,), 4) == P()
+
+
+def test_an_orbax_target_restores_straight_into_the_mesh_shardings(tmp_path):
+    from hf_tiny import make_tiny
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.checkpoints.orbax_target import save_target_orbax
+
+    make_tiny("llama3_scaled", tmp_path / "hf", seed=1)  # 4 query / 2 KV heads
+    out = save_target_orbax(load_target(tmp_path / "hf"), tmp_path / "hf", tmp_path / "orbax")
+    mesh_4x2 = sharding.make_mesh(sharding.MeshConfig(data=4, model=2))
+    model = load_target(out, mesh=mesh_4x2)
+    q = model.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == P(None, "model") and _shard_shapes(q) == {(64, 64 // 2)}
+    reference = TargetGenerator(load_target(tmp_path / "hf"), batch_size=4).generate(PROMPTS, max_new_tokens=12)
+    sharded = TargetGenerator(model, batch_size=4, mesh=mesh_4x2).generate(PROMPTS, max_new_tokens=12)
+    assert _ids(sharded) == _ids(reference)

@@ -105,15 +105,22 @@ def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: Ta
 
 
 def load_target(
-    model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None
+    model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None, mesh=None
 ) -> LlamaModel:
     """Build a LlamaModel from a Hugging Face directory (or one converted to orbax by `jaxspec.convert target`),
-    casting every tensor to `dtype` as it is read."""
+    casting every tensor to `dtype` as it is read. With a (data, model) `mesh`, an orbax checkpoint is restored
+    straight into the mesh's parameter shardings (safetensors are read on the host and placed later)."""
     model_dir = Path(model_dir)
     from jaxspec.checkpoints.orbax_target import is_orbax_target, load_target_orbax
 
     if is_orbax_target(model_dir):
-        return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
+        if mesh is None:
+            return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
+        from jaxspec.sharding import param_shardings
+
+        return load_target_orbax(
+            model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids, shardings=lambda tree: param_shardings(tree, mesh)
+        )
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
     model = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

@@ -47,7 +47,8 @@ def save_target_orbax(model: LlamaModel, source_dir: str | Path, out_dir: str | 
 
 def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shardings=None) -> LlamaModel:
     """Restore a converted target, cast to `dtype` (default: as saved) by orbax while reading; `shardings` (a
-    pytree like the state, of jax.sharding.Sharding) places each array as it is read."""
+    function from the abstract state to a pytree like it of jax.sharding.Sharding) places each array as it is
+    read."""
     path = Path(path).absolute()
     dtype = jnp.dtype(dtype or json.loads((path / MARKER).read_text())["dtype"])
     cfg = load_target_config(path, aux_layer_ids)
@@ -55,7 +56,7 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shard
     graphdef, abstract = nnx.split(model)
     target = nnx.to_pure_dict(abstract)
     if shardings is not None:
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings(target))
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path / "params", target)
     nnx.replace_by_pure_dict(abstract, restored)
