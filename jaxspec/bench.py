@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
 
     gen = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
-    completions, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops)
+    completions, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label="target-only")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     bandwidth = measure_bandwidth_gbs()
     result = {
@@ -222,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
             spec = SpeculativeGenerator(
                 model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh
             )
-            spec_out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops)
+            method = f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}"
+            spec_out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, label=method)
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
-                "method": f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}",
+                "method": method,
                 "draft": str(draft),
                 "tokens": s_tokens,
                 "seconds": round(s_seconds, 3),
@@ -278,8 +279,9 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:
         bar.set_postfix_str(f"batch {b} target-only")
-        base, tokens, seconds = measure(TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens,
-                                        stops)
+        base, tokens, seconds = measure(
+            TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens, stops, f"batch {b} target-only"
+        )
         base_tps = tokens / seconds
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_second": round(base_tps, 2), "speedup_vs_target_only": 1.0})
@@ -291,7 +293,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
                 model, head, num_draft=value if kind == "chain" else 1, tree=value if kind == "tree" else None,
                 batch_size=b, mesh=mesh,
             )
-            out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops)
+            out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
             runs.append({
                 "batch_size": b, "method": name, "tokens": s_tokens, "seconds": round(s_seconds, 3),
                 "tokens_per_second": round(s_tokens / s_seconds, 2),

@@ -19,11 +19,14 @@ if TYPE_CHECKING:
     from jaxspec.generation import Completion, TargetGenerator
 
 
-def measure(gen: TargetGenerator, encoded: Sequence[Sequence[int]], max_new_tokens: int, stops) -> tuple:
+def measure(
+    gen: TargetGenerator, encoded: Sequence[Sequence[int]], max_new_tokens: int, stops, label: str | None = None
+) -> tuple:
     """(completions, tokens, seconds) of one timed pass; a first batch is generated before it to compile and warm
-    up (other shape buckets compile during the pass, outside the timed part of their batch)."""
+    up (other shape buckets compile during the pass, outside the timed part of their batch). `label` names a
+    progress bar."""
     gen.generate(encoded[: gen.batch_size], max_new_tokens=max_new_tokens, stop_ids=stops)
-    out = gen.generate(encoded, max_new_tokens=max_new_tokens, stop_ids=stops)
+    out = gen.generate(encoded, max_new_tokens=max_new_tokens, stop_ids=stops, progress=label)
     seconds = sum(c.seconds for i, c in enumerate(out) if i % gen.batch_size == 0)
     return out, sum(c.num_generated for c in out), seconds
 

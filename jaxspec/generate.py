@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_ids=stops,
         seed=args.seed,
         on_tokens=streamer.on_tokens if streamer else None,
+        progress=None if stream or len(encoded) == 1 else "generate",
     )
     if streamer:
         streamer.finish()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxspec import decode, sharding
 from jaxspec.errors import JaxspecError
@@ -122,17 +123,22 @@ class TargetGenerator:
         stop_ids: Sequence[int] = (),
         seed: int = 0,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        progress: str | None = None,
     ) -> list[Completion]:
-        """Continuations in input order. on_tokens(prompt_index, new_ids) streams tokens as chunks finish."""
+        """Continuations in input order. on_tokens(prompt_index, new_ids) streams tokens as chunks finish;
+        `progress` names a progress bar over prompts on stderr (none by default)."""
         if max_new_tokens < 1:
             raise JaxspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         self.check_lengths([len(p) for p in prompts], max_new_tokens)
         results: list[Completion] = []
         key = jax.random.key(seed)
+        bar = tqdm(total=len(prompts), desc=progress, unit="prompt", disable=progress is None, leave=False)
         for start in range(0, len(prompts), self.batch_size):
             key, sub = jax.random.split(key)
             batch = prompts[start : start + self.batch_size]
             results += self._generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens)
+            bar.update(len(batch))
+        bar.close()
         return results
 
     def _generate_batch(self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens) -> list[Completion]:
