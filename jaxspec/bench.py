@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="suite: chain lengths to measure (default: 3,5)")
     parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
     parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (0 = all)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="B")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
+    parser.add_argument("--batch-size", type=int, default=1, metavar="B", help="one run's batch size (default: 1)")
     parser.add_argument(
         "--tree", type=parse_tree, action="append", default=[], metavar="TOTAL,DEPTH,TOPK",
         help="also measure EAGLE-2 dynamic trees with this budget, next to the chain (repeatable)",
