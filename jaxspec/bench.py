@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_args(parser)
     add_mesh_args(parser)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompts-file", metavar="FILE.jsonl", help="one run: target-only, the chain and --tree budgets")
+    source.add_argument(
+        "--prompts-file", metavar="FILE.jsonl", help="one run: target-only, the chain and --tree budgets"
+    )
     source.add_argument(
         "--suite", metavar="NAME|FILE",
         help=f"the suite: {', '.join(SUITES)} (shipped with jaxspec or its dependencies) or a prompts file; "
@@ -233,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_second": round(s_tokens / s_seconds, 2),
                 "speedup_vs_target_only": round((s_tokens / s_seconds) / (tokens / seconds), 3),
                 **speculative_stats(spec_out, spec.num_draft),
-                "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}/{len(prompts)}",
+                "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}"
+                f"/{len(prompts)}",
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
     if args.compare_hf:
@@ -280,7 +283,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     for b in args.batch_sizes:
         bar.set_postfix_str(f"batch {b} target-only")
         base, tokens, seconds = measure(
-            TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens, stops, f"batch {b} target-only"
+            TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens, stops,
+            f"batch {b} target-only",
         )
         base_tps = tokens / seconds
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),

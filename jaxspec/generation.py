@@ -103,8 +103,8 @@ class TargetGenerator:
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
         if key not in self._compiled:
             if self.on_compile is not None:
-                capacity = static.get("capacity", "")
-                self.on_compile(f"compiling the {name} (batch {self.batch_size}{f', cache {capacity}' if capacity else ''})...")
+                cache = f", cache {static['capacity']}" if "capacity" in static else ""
+                self.on_compile(f"compiling the {name} (batch {self.batch_size}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
                 self._compiled[key] = fn.lower(*self._models, *args, **static).compile()

