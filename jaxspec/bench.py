@@ -30,6 +30,7 @@ from jaxspec.cli_common import (
     resolve_mesh,
     resolve_target,
 )
+from jaxspec.errors import JaxspecError
 from jaxspec.prompts import SUITES
 
 
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tree", type=parse_tree, action="append", default=[], metavar="TOTAL,DEPTH,TOPK",
         help="also measure EAGLE-2 dynamic trees with this budget, next to the chain (repeatable)",
+    )
+    parser.add_argument(
+        "--accept-prob", type=float, metavar="P",
+        help="benchmark only: chains accept each draft with probability P whatever the target says, so speed can be "
+        "read at a chosen mean accepted length (1 + P + ... + P^K) with any head, even random weights; the output "
+        "is NOT the target's",
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -150,8 +157,6 @@ def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, lis
         import torch
         import transformers
     except ImportError:
-        from jaxspec.errors import JaxspecError
-
         raise JaxspecError("--compare-hf needs torch and transformers (pip install 'jaxspec[test]')") from None
     model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     outputs, seconds = [], 0.0
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
+    if args.accept_prob is not None and (head is None or (args.tree and not args.suite)):
+        raise JaxspecError("--accept-prob needs a draft head and applies to chains only (drop --tree)")
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
 
@@ -222,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         result["speculative"] = []
         for tree in [None, *args.tree]:
             spec = SpeculativeGenerator(
-                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh
+                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh,
+                forced_accept_prob=args.accept_prob,
             )
             method = f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}"
+            method += _forced(args)
             spec_out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, label=method)
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
@@ -254,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _forced(args) -> str:
+    return "" if args.accept_prob is None else f" (forced p={args.accept_prob})"
+
+
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out."""
     from pathlib import Path
@@ -261,7 +274,6 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     from tqdm import tqdm
 
     from jaxspec.bench_suite import write_report
-    from jaxspec.errors import JaxspecError
     from jaxspec.generation import TargetGenerator
     from jaxspec.spec.generator import SpeculativeGenerator
     from jaxspec.spec.tree import TreeConfig
@@ -269,7 +281,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     methods: list = []
     if head is not None:
         methods = [("chain", k) for k in (args.chain_lengths or [3, 5])]
-        methods += [("tree", t) for t in (args.tree or [TreeConfig(16, 5, 4)])]
+        if args.accept_prob is None:  # forced acceptance is for chains
+            methods += [("tree", t) for t in (args.tree or [TreeConfig(16, 5, 4)])]
     elif args.chain_lengths or args.tree:
         raise JaxspecError("--chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
     if args.compare_hf:
@@ -291,11 +304,11 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
                      "tokens_per_second": round(base_tps, 2), "speedup_vs_target_only": 1.0})
         bar.update()
         for kind, value in methods:
-            name = f"chain K={value}" if kind == "chain" else f"tree {value.spec}"
+            name = (f"chain K={value}" if kind == "chain" else f"tree {value.spec}") + _forced(args)
             bar.set_postfix_str(f"batch {b} {name}")
             spec = SpeculativeGenerator(
                 model, head, num_draft=value if kind == "chain" else 1, tree=value if kind == "tree" else None,
-                batch_size=b, mesh=mesh,
+                batch_size=b, mesh=mesh, forced_accept_prob=args.accept_prob,
             )
             out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
             runs.append({

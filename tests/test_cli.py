@@ -250,3 +250,21 @@ def test_convert_a_head_between_layouts_and_generate_with_it(tiny_dir, tiny_head
         outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
     assert outputs[0]["stats"]["acceptance_per_position"] == outputs[1]["stats"]["acceptance_per_position"]
+
+
+def test_bench_forced_acceptance_is_labelled_and_chain_only(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
+    from jaxspec import bench
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    monkeypatch.setattr(bench, "measure_bandwidth_gbs", lambda: 10.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "xy"}\n')
+    base = ["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompts-file", str(prompts), "--raw",
+            "--max-new-tokens", "5", "--num-speculative-tokens", "2", "--accept-prob", "1.0", "--json"]
+    assert bench.main(base) == 0
+    (run,) = json.loads(capsys.readouterr().out)["speculative"]
+    assert run["method"] == "chain K=2 (forced p=1.0)" and run["tokens_per_second"] > 0
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*base, "--tree", "5,2,2"])
+    assert exc.value.code == 2 and "applies to chains only" in capsys.readouterr().err

@@ -5,8 +5,10 @@ import pytest
 from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
+from jaxspec.errors import JaxspecError
 from jaxspec.generation import TargetGenerator
 from jaxspec.spec.generator import SpeculativeGenerator
+from jaxspec.spec.tree import TreeConfig
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,27 @@ def test_head_variants_keep_output_exact(variant, reference):
         head.d2t.set_value(selected - np.arange(40))
     got = SpeculativeGenerator(target, head, num_draft=3, batch_size=4).generate(PROMPTS, max_new_tokens=30)
     assert [c.token_ids for c in got] == reference
+
+
+@pytest.mark.parametrize("prob, k", [(0.6, 4), (1.0, 4), (0.0, 3)])
+def test_forced_acceptance_sets_the_mean_accepted_length(prob, k):
+    """Benchmark-only forced acceptance: a chain accepts 1 + p + ... + p^K tokens per verify on average, whatever the
+    head (here a random one, which accepts ~nothing on its own)."""
+    gen = SpeculativeGenerator(tiny_target(), random_head(), num_draft=k, batch_size=4, forced_accept_prob=prob)
+    max_new = 1 + 40 * (k + 1)  # with p = 1, exactly 40 full steps after the prefill token
+    out = gen.generate(PROMPTS, max_new_tokens=max_new)
+    tokens = sum(c.num_generated - 1 for c in out)
+    calls = sum(c.stats["target_calls"] - 1 for c in out)
+    expected = sum(prob**j for j in range(k + 1))
+    if prob in (0.0, 1.0):
+        assert tokens / calls == expected
+    else:  # ~40 steps per row at p = 0.6: the mean of ~100+ draws of a bounded count, well within 0.25
+        assert abs(tokens / calls - expected) < 0.25
+    assert all(c.num_generated == max_new for c in out)
+
+
+def test_forced_acceptance_is_for_chains_only():
+    with pytest.raises(JaxspecError, match="applies to chains"):
+        SpeculativeGenerator(tiny_target(), random_head(), tree=TreeConfig(6, 3, 2), forced_accept_prob=0.5)
+    with pytest.raises(JaxspecError, match=r"must be in \[0, 1\]"):
+        SpeculativeGenerator(tiny_target(), random_head(), forced_accept_prob=1.5)

@@ -29,6 +29,20 @@ def greedy_accept(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Arra
     return a, emitted
 
 
+def forced_accept(drafts: jax.Array, target_logits: jax.Array, uniforms: jax.Array, prob: float):
+    """Benchmark-only: accept each draft with probability `prob` whatever the target says (the first failure stops
+    the run), then the target's argmax. Lets throughput be measured at a chosen acceptance (a chain's mean accepted
+    length is 1 + prob + ... + prob^K) with any head, e.g. random weights at real shapes. Output is NOT the
+    target's. uniforms [B, K] in [0, 1)."""
+    b, k = drafts.shape
+    a = jnp.sum(jnp.cumprod(uniforms < prob, axis=1), axis=1).astype(jnp.int32)  # [B] leading successes
+    j = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)  # [B, K+1]
+    target = jnp.argmax(target_logits, axis=-1).astype(drafts.dtype)  # [B, K+1]
+    emitted = jnp.where(j < a[:, None], padded, jnp.where(j == a[:, None], target, -1))
+    return a, emitted
+
+
 def sampling_accept(
     drafts: jax.Array,  # [B, K] target ids, sampled from q
     p: jax.Array,  # [B, K+1, V] target probabilities (after temperature / top-k / top-p)

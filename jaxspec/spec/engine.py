@@ -22,7 +22,7 @@ from flax import nnx
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
 from jaxspec.sharding import constrain_cache, constrain_state
-from jaxspec.spec.accept import greedy_accept, sampling_accept
+from jaxspec.spec.accept import forced_accept, greedy_accept, sampling_accept
 from jaxspec.spec.tree import TreeConfig, draft_tree
 from pallas_kernels.rejection import verify_draft
 
@@ -83,16 +83,15 @@ def prefill(
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last = jnp.maximum(prompt_lens - 1, 0)
-    out = target(
-        prompt, positions, constrain_cache(target.init_cache(b, capacity)), logit_indices=last[:, None], return_aux=True, empty_cache=True
-    )
+    target_cache = constrain_cache(target.init_cache(b, capacity))
+    out = target(prompt, positions, target_cache, logit_indices=last[:, None], return_aux=True, empty_cache=True)
     key, sub = jax.random.split(key)
     first = sample(out.logits[:, 0], sampling, sub)
     # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
     next_tokens = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     _, _, head_cache = head(
-        next_tokens, head.project(out.aux), positions, constrain_cache(head.init_cache(b, capacity)), _embed_table(target, head),
-        logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
+        next_tokens, head.project(out.aux), positions, constrain_cache(head.init_cache(b, capacity)),
+        _embed_table(target, head), logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
     )
     g_last = jnp.take_along_axis(out.aux, last[:, None, None], axis=1)  # [B, 1, F]
     width = num_draft + 1
@@ -157,8 +156,12 @@ def _commit(st: SpecState, new: SpecState, target_cache, head_cache, a, emitted,
     )
 
 
-def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int, sampling: SamplingConfig) -> SpecState:
-    """One chain step: catch-up and K drafts, verify K+1 tokens, accept, commit."""
+def spec_step(
+    target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int, sampling: SamplingConfig,
+    forced_accept_prob: float | None = None,
+) -> SpecState:
+    """One chain step: catch-up and K drafts, verify K+1 tokens, accept, commit. `forced_accept_prob` is the
+    benchmark-only acceptance override (`accept.forced_accept`)."""
     b = st.last_token.shape[0]
     k = num_draft
     vocab = target.config.vocab_size
@@ -186,7 +189,9 @@ def spec_step(target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int
     positions = st.target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     verify = target(tokens, positions, st.target_cache, return_aux=True)
 
-    if sampling.greedy:
+    if forced_accept_prob is not None:
+        a, emitted = forced_accept(drafts, verify.logits, jax.random.uniform(keys[k], (b, k)), forced_accept_prob)
+    elif sampling.greedy:
         a, emitted = greedy_accept(drafts, verify.logits)
     else:
         qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, K, V]
@@ -242,6 +247,7 @@ def spec_steps(
     num_draft: int,
     sampling: SamplingConfig,
     tree: TreeConfig | None = None,
+    forced_accept_prob: float | None = None,
 ) -> SpecState:
     """Up to `num_steps` speculative steps (chains of `num_draft`, or trees; then num_draft = tree.depth sizes the
     state), stopping once every row is done."""
@@ -257,7 +263,10 @@ def spec_steps(
         if tree is not None:
             st = tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling)
         else:
-            st = spec_step(target, head, st, eos_ids, num_draft=num_draft, sampling=sampling)
+            st = spec_step(
+                target, head, st, eos_ids, num_draft=num_draft, sampling=sampling,
+                forced_accept_prob=forced_accept_prob,
+            )
         return i + 1, constrain_state(st)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]

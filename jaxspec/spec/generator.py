@@ -20,7 +20,9 @@ _prefill = jax.jit(
 )
 _steps = jax.jit(
     engine.spec_steps,
-    static_argnames=("target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree"),
+    static_argnames=(
+        "target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree", "forced_accept_prob"
+    ),
     donate_argnums=(4,),
 )
 
@@ -51,6 +53,7 @@ class SpeculativeGenerator(TargetGenerator):
         batch_size: int = 1,
         chunk_steps: int = 4,
         mesh: jax.sharding.Mesh | None = None,
+        forced_accept_prob: float | None = None,
     ):
         if tree is None and num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
@@ -67,7 +70,13 @@ class SpeculativeGenerator(TargetGenerator):
         self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
         self._prefill_fn, self._step_fn = _prefill, _steps
         self._extra_static = {"num_draft": self.num_draft}
-        self._step_static = {"tree": tree}
+        if forced_accept_prob is not None:
+            if tree is not None:
+                raise JaxspecError("--accept-prob (forced acceptance, benchmarks only) applies to chains, not --tree")
+            if not 0.0 <= forced_accept_prob <= 1.0:
+                raise JaxspecError(f"--accept-prob must be in [0, 1], got {forced_accept_prob}")
+        self.forced_accept_prob = forced_accept_prob  # benchmarks only: output is not the target's
+        self._step_static = {"tree": tree, "forced_accept_prob": forced_accept_prob}
 
     @property
     def extra_capacity(self) -> int:
