@@ -291,7 +291,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
         except ImportError:
             raise JaxspecError("--compare-hf needs torch and transformers (pip install 'jaxspec[test]')") from None
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
-    runs = []
+    runs, batch_1_outputs = [], None
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:
         bar.set_postfix_str(f"batch {b} target-only")
@@ -300,6 +300,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
             f"batch {b} target-only",
         )
         base_tps = tokens / seconds
+        if b == 1:
+            batch_1_outputs = base
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_second": round(base_tps, 2), "speedup_vs_target_only": 1.0})
         bar.update()
@@ -327,6 +329,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
                "tokens_per_second": round(hf_tokens / hf_seconds, 2)}
         if base_1:
             row["speedup_vs_target_only"] = round(hf_tokens / hf_seconds / base_1["tokens_per_second"], 3)
+            same = sum(o == c.token_ids for o, c in zip(hf_outputs, batch_1_outputs))
+            row["identical_outputs"] = f"{same}/{len(encoded)}"
         runs.append(row)
         bar.update()
     bar.close()

@@ -177,9 +177,12 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
     out = tmp_path / "report"
     code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--suite", "mt_bench", "--limit", "2",
                        "--raw", "--max-new-tokens", "5", "--batch-sizes", "1,2", "--chain-lengths", "2",
-                       "--tree", "5,2,2", "--out", str(out)])
+                       "--tree", "5,2,2", "--compare-hf", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "results.json").read_text())
+    (hf,) = [r for r in result["runs"] if r["method"] == "transformers generate"]
+    assert hf["batch_size"] == 1 and hf["tokens_per_second"] > 0 and hf["identical_outputs"] == "2/2"
+    result["runs"].remove(hf)
     assert result["suite"] == "mt_bench" and result["prompts"] == 2
     runs = {(r["batch_size"], r["method"]): r for r in result["runs"]}
     assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2")}
