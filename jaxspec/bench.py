@@ -11,12 +11,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
 import time
 
-from jaxspec.bench_suite import measure, speculative_stats
+from jaxspec.bench_suite import measure, speculative_row
 from jaxspec.cli_common import (
     add_draft_args,
     add_mesh_args,
@@ -152,12 +153,15 @@ def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> d
     }
 
 
+_NEEDS_TORCH = "--compare-hf needs torch and transformers (pip install 'jaxspec[test]')"
+
+
 def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, list[list[int]]]:
     try:
         import torch
         import transformers
     except ImportError:
-        raise JaxspecError("--compare-hf needs torch and transformers (pip install 'jaxspec[test]')") from None
+        raise JaxspecError(_NEEDS_TORCH) from None
     model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     outputs, seconds = [], 0.0
     with torch.inference_mode():
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
-    if args.accept_prob is not None and (head is None or (args.tree and not args.suite)):
+    if args.accept_prob is not None and (head is None or args.tree):
         raise JaxspecError("--accept-prob needs a draft head and applies to chains only (drop --tree)")
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
@@ -232,20 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                 model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh,
                 forced_accept_prob=args.accept_prob,
             )
-            method = f"chain K={args.num_speculative_tokens}" if tree is None else f"tree {tree.spec}"
-            method += _forced(args)
-            spec_out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, label=method)
+            method = _method_name(args.num_speculative_tokens, tree, args.accept_prob)
+            measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
                 "method": method,
                 "draft": str(draft),
-                "tokens": s_tokens,
-                "seconds": round(s_seconds, 3),
-                "tokens_per_second": round(s_tokens / s_seconds, 2),
-                "speedup_vs_target_only": round((s_tokens / s_seconds) / (tokens / seconds), 3),
-                **speculative_stats(spec_out, spec.num_draft),
-                "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(spec_out, completions))}"
-                f"/{len(prompts)}",
+                **speculative_row(*measured, spec.num_draft, completions, tokens / seconds),
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
     if args.compare_hf:
@@ -263,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _forced(args) -> str:
-    return "" if args.accept_prob is None else f" (forced p={args.accept_prob})"
+def _method_name(num_draft: int, tree, accept_prob: float | None) -> str:
+    name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
+    return name if accept_prob is None else f"{name} (forced p={accept_prob})"
 
 
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int:
@@ -278,59 +276,43 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     from jaxspec.spec.generator import SpeculativeGenerator
     from jaxspec.spec.tree import TreeConfig
 
-    methods: list = []
-    if head is not None:
-        methods = [("chain", k) for k in (args.chain_lengths or [3, 5])]
-        if args.accept_prob is None:  # forced acceptance is for chains
-            methods += [("tree", t) for t in (args.tree or [TreeConfig(16, 5, 4)])]
-    elif args.chain_lengths or args.tree:
+    chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
+    trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
+    methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
+    if head is None and (args.chain_lengths or args.tree):
         raise JaxspecError("--chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
-    if args.compare_hf:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise JaxspecError("--compare-hf needs torch and transformers (pip install 'jaxspec[test]')") from None
+    if args.compare_hf and importlib.util.find_spec("torch") is None:
+        raise JaxspecError(_NEEDS_TORCH)  # before the long runs, not after
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
-    runs, batch_1_outputs = [], None
+    runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:
-        bar.set_postfix_str(f"batch {b} target-only")
-        base, tokens, seconds = measure(
-            TargetGenerator(model, batch_size=b, mesh=mesh), encoded, args.max_new_tokens, stops,
-            f"batch {b} target-only",
-        )
-        base_tps = tokens / seconds
-        if b == 1:
-            batch_1_outputs = base
+        name = f"batch {b} target-only"
+        bar.set_postfix_str(name)
+        base, tokens, seconds = measure(TargetGenerator(model, batch_size=b, mesh=mesh), encoded,
+                                        args.max_new_tokens, stops, name)
+        baselines[b] = (base, tokens / seconds)
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
-                     "tokens_per_second": round(base_tps, 2), "speedup_vs_target_only": 1.0})
+                     "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0})
         bar.update()
-        for kind, value in methods:
-            name = (f"chain K={value}" if kind == "chain" else f"tree {value.spec}") + _forced(args)
+        for num_draft, tree in methods:
+            name = _method_name(num_draft, tree, args.accept_prob)
             bar.set_postfix_str(f"batch {b} {name}")
-            spec = SpeculativeGenerator(
-                model, head, num_draft=value if kind == "chain" else 1, tree=value if kind == "tree" else None,
-                batch_size=b, mesh=mesh, forced_accept_prob=args.accept_prob,
-            )
-            out, s_tokens, s_seconds = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
-            runs.append({
-                "batch_size": b, "method": name, "tokens": s_tokens, "seconds": round(s_seconds, 3),
-                "tokens_per_second": round(s_tokens / s_seconds, 2),
-                "speedup_vs_target_only": round(s_tokens / s_seconds / base_tps, 3),
-                **speculative_stats(out, spec.num_draft),
-                "identical_outputs": f"{sum(a.token_ids == c.token_ids for a, c in zip(out, base))}/{len(encoded)}",
-            })
+            spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
+                                        forced_accept_prob=args.accept_prob)
+            measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
+            runs.append({"batch_size": b, "method": name,
+                         **speculative_row(*measured, spec.num_draft, *baselines[b])})
             bar.update()
     if args.compare_hf:
         bar.set_postfix_str("batch 1 transformers")
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
-        base_1 = next((r for r in runs if r["batch_size"] == 1 and r["method"] == "target-only"), None)
         row = {"batch_size": 1, "method": "transformers generate", "tokens": hf_tokens, "seconds": round(hf_seconds, 3),
                "tokens_per_second": round(hf_tokens / hf_seconds, 2)}
-        if base_1:
-            row["speedup_vs_target_only"] = round(hf_tokens / hf_seconds / base_1["tokens_per_second"], 3)
-            same = sum(o == c.token_ids for o, c in zip(hf_outputs, batch_1_outputs))
-            row["identical_outputs"] = f"{same}/{len(encoded)}"
+        if 1 in baselines:
+            base, base_tps = baselines[1]
+            row["speedup_vs_target_only"] = round(hf_tokens / hf_seconds / base_tps, 3)
+            row["identical_outputs"] = f"{sum(o == c.token_ids for o, c in zip(hf_outputs, base))}/{len(encoded)}"
         runs.append(row)
         bar.update()
     bar.close()

@@ -47,6 +47,19 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
     }
 
 
+def speculative_row(out, tokens: int, seconds: float, depth: int, baseline, baseline_tps: float) -> dict:
+    """One speculative method's figures, against target-only on the same prompts (`baseline` completions and
+    their tokens/s)."""
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 2),
+        "speedup_vs_target_only": round(tokens / seconds / baseline_tps, 3),
+        **speculative_stats(out, depth),
+        "identical_outputs": f"{sum(a.token_ids == b.token_ids for a, b in zip(out, baseline))}/{len(out)}",
+    }
+
+
 def write_report(result: dict, out_dir: Path) -> list[Path]:
     """results.json, results.md and the plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,11 @@ class SpeculativeGenerator(TargetGenerator):
         check_head_fits(model, head)
         if tree is not None and tree.top_k > head.config.draft_vocab_size:
             raise JaxspecError(f"tree TOPK={tree.top_k} exceeds the head's draft vocabulary ({head.config.draft_vocab_size})")
+        if forced_accept_prob is not None:  # benchmarks only: the output is then not the target's
+            if tree is not None:
+                raise JaxspecError("--accept-prob (forced acceptance, benchmarks only) applies to chains, not --tree")
+            if not 0.0 <= forced_accept_prob <= 1.0:
+                raise JaxspecError(f"--accept-prob must be in [0, 1], got {forced_accept_prob}")
         super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps, mesh=mesh)
         self.head_graphdef, self.head_params = nnx.split(head)
         if mesh is not None:
@@ -70,12 +75,6 @@ class SpeculativeGenerator(TargetGenerator):
         self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
         self._prefill_fn, self._step_fn = _prefill, _steps
         self._extra_static = {"num_draft": self.num_draft}
-        if forced_accept_prob is not None:
-            if tree is not None:
-                raise JaxspecError("--accept-prob (forced acceptance, benchmarks only) applies to chains, not --tree")
-            if not 0.0 <= forced_accept_prob <= 1.0:
-                raise JaxspecError(f"--accept-prob must be in [0, 1], got {forced_accept_prob}")
-        self.forced_accept_prob = forced_accept_prob  # benchmarks only: output is not the target's
         self._step_static = {"tree": tree, "forced_accept_prob": forced_accept_prob}
 
     @property
