@@ -6,6 +6,7 @@ Examples:
   python -m jaxspec.bench --draft HEAD_DIR --prompts-file mt_bench.jsonl --num-speculative-tokens 5 --tree 24,5,6
   python -m jaxspec.bench --suite mt_bench --batch-sizes 1,4,16 --chain-lengths 3,5 --tree 16,5,4 --compare-hf
       (writes results.json, results.md and PNG plots to bench-results/mt_bench/)
+  python -m jaxspec.bench --load-time TARGET_ORBAX_DIR --target TARGET_DIR --dtype bfloat16 --mesh data=2,model=4
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the suite: {', '.join(SUITES)} (shipped with jaxspec or its dependencies) or a prompts file; "
         "every method at every --batch-sizes, written as JSON, Markdown and PNG plots to --out",
     )
+    source.add_argument(
+        "--load-time", metavar="ORBAX_DIR",
+        help="time loading --target from its safetensors against ORBAX_DIR, its `jaxspec.convert target` copy "
+        "(onto --mesh when given; median of --repeats)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="--load-time: loads of each (default: 5)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], metavar="B,...",
                         help="suite: batch sizes (default: 1,4,16)")
     parser.add_argument("--chain-lengths", type=_int_list, metavar="K,...",
@@ -192,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.generation import TargetGenerator
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
 
+    if args.load_time:
+        return run_load_time(args)
     prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
         prompts = prompts[: args.limit]
@@ -257,6 +266,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(_table(result))
+    return 0
+
+
+def run_load_time(args) -> int:
+    from pathlib import Path
+
+    from jaxspec.bench_load import load_table, time_loads
+    from jaxspec.generation import default_dtype
+
+    result = time_loads(
+        resolve_target(args.target), Path(args.load_time), dtype=args.dtype or default_dtype(),
+        mesh=resolve_mesh(args), repeats=args.repeats,
+    )
+    result = {"machine": _machine(), "target": resolve_target(args.target).name, **result}
+    print(json.dumps(result, indent=2) if args.json else f"{result['machine']}, {result['target']}\n{load_table(result)}")
     return 0
 
 

@@ -93,7 +93,11 @@ def _convert_target(args) -> None:
     start = time.perf_counter()
     jax.block_until_ready(nnx_leaves(load_target(out, dtype=args.dtype)))
     from_orbax = time.perf_counter() - start
-    print(f"{out}\nload from safetensors {from_hf:.2f}s, reload from orbax {from_orbax:.2f}s", file=sys.stderr)
+    print(
+        f"{out}\nload from safetensors {from_hf:.2f}s, reload from orbax {from_orbax:.2f}s (one cold load each; "
+        f"`python -m jaxspec.bench --load-time {out} --target {source}` compares them properly)",
+        file=sys.stderr,
+    )
     print(out)
 
 

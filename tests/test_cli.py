@@ -271,3 +271,23 @@ def test_bench_forced_acceptance_is_labelled_and_chain_only(tiny_dir, tiny_head,
     with pytest.raises(SystemExit) as exc:
         bench.main([*base, "--tree", "5,2,2"])
     assert exc.value.code == 2 and "applies to chains only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh", [[], ["--mesh", "data=2,model=1"]])
+def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path, capsys):
+    from jaxspec import bench, convert
+
+    out = tmp_path / "orbax"
+    assert convert.main(["target", "--target", str(tiny_dir), "--out", str(out)]) == 0
+    capsys.readouterr()
+    code = bench.main(["--target", str(tiny_dir), "--load-time", str(out), "--repeats", "2", "--json", *mesh])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["identical_parameters"] is True
+    assert result["mesh"] == ({"data": 2, "model": 1} if mesh else None)
+    assert all(len(t) == 2 and min(t) > 0 for t in result["seconds"].values())
+    assert result["orbax_speedup"] == pytest.approx(
+        result["median_seconds"]["safetensors"] / result["median_seconds"]["orbax"], rel=0.05
+    )
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--target", str(tiny_dir), "--load-time", str(tiny_dir)])
+    assert exc.value.code == 2 and "is not an orbax target; make one with" in capsys.readouterr().err

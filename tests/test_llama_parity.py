@@ -72,3 +72,51 @@ def test_orbax_round_trip_gives_identical_logits(dtype, tmp_path):
         np.asarray(model(tokens, positions, model.init_cache(2, 16)).logits),
         np.asarray(again(tokens, positions, again.init_cache(2, 16)).logits),
     )
+
+
+def _shapes(module) -> dict:
+    from flax import nnx
+
+    return {path: (tuple(x.shape), x.dtype) for path, x in nnx.to_flat_state(nnx.state(module))}
+
+
+@pytest.mark.parametrize("family", ["qwen2_bias", "smollm2_tied", "llama3_scaled"])
+def test_loaders_shape_only_build_matches_eval_shape(family, tmp_path):
+    """Loaders build modules with rngs=None (no tracing); they must have exactly nnx.eval_shape's tree."""
+    from fit_head import head_config_for
+    from flax import nnx
+
+    from jaxspec.config import load_target_config
+    from jaxspec.models.eagle3 import Eagle3Head
+    from jaxspec.models.llama import LlamaModel
+
+    make_tiny(family, tmp_path)
+    cfg = load_target_config(tmp_path)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        traced = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        assert _shapes(LlamaModel(cfg, dtype=dtype, rngs=None)) == _shapes(traced)
+        target = load_target(tmp_path)
+        for variant in ({}, {"draft_vocab_size": 32, "fc_norm": True, "has_embed_tokens": True}):
+            hcfg = head_config_for(target, **variant)
+            traced = nnx.eval_shape(lambda: Eagle3Head(hcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+            assert _shapes(Eagle3Head(hcfg, dtype=dtype, rngs=None)) == _shapes(traced)
+
+
+def test_orbax_target_that_does_not_match_gets_a_clear_error(tmp_path):
+    import json
+
+    from jaxspec.checkpoints.orbax_target import save_target_orbax
+    from jaxspec.errors import JaxspecError
+
+    make_tiny("qwen2_bias", tmp_path / "hf")
+    out = save_target_orbax(load_target(tmp_path / "hf"), tmp_path / "hf", tmp_path / "orbax")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    with pytest.raises(JaxspecError, match=r"does not match its config.json: layers\.0\.mlp\.down_proj\.kernel has shape"):
+        load_target(out)
+    (out / "config.json").write_text(json.dumps(config))
+    data = max((p for p in (out / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(JaxspecError, match="cannot restore the orbax target .*convert the target again"):
+        load_target(out)

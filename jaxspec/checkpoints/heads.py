@@ -176,7 +176,7 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
     if layout == "sglang" and cfg.draft_vocab_size != cfg.vocab_size and "d2t" not in tensors:
         raise JaxspecError("SGLang head lacks the d2t tensor its draft vocabulary needs")
 
-    head = nnx.eval_shape(lambda: Eagle3Head(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    head = Eagle3Head(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
     params = head_params(head)
     expected = set(params)
     if cfg.draft_vocab_size == cfg.vocab_size:

@@ -2,8 +2,9 @@
 and restores straight into given shardings (each host reads only its shards).
 
 Layout: the Hugging Face directory's config.json, tokenizer and generation files, plus
-  params/               orbax StandardCheckpointer directory holding the NNX parameter state (model dtype)
-  jaxspec_orbax.json    {"dtype": ...}
+  params/               orbax PyTree checkpoint of the NNX parameter state (model dtype, uncompressed)
+  jaxspec_orbax.json    {"dtype": ..., "shapes": {"layers.0.mlp.down_proj.kernel": [I, H], ...}}, written last
+                        (a directory without it is not a finished conversion)
 """
 
 from __future__ import annotations
@@ -39,10 +40,33 @@ def save_target_orbax(model: LlamaModel, source_dir: str | Path, out_dir: str | 
         if (Path(source_dir) / name).is_file():
             shutil.copy(Path(source_dir) / name, out / name)
     _, state = nnx.split(model)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out / "params", nnx.to_pure_dict(state))
-    (out / MARKER).write_text(json.dumps({"dtype": str(model.dtype)}))
+    # Uncompressed: zstd saves a third of the disk but its decoding dominated the restore (1.4 s vs 1.0 s for
+    # SmolLM2 on 2 CPU cores), and reloading fast is the point of converting.
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckptr:
+        ckptr.save(out / "params", args=ocp.args.PyTreeSave(nnx.to_pure_dict(state)))
+    (out / MARKER).write_text(json.dumps({"dtype": str(model.dtype), "shapes": _shapes(nnx.to_pure_dict(state))}))
     return out
+
+
+def _shapes(tree) -> dict[str, list[int]]:
+    """Parameter name → shape, for checking a checkpoint against its config before orbax reads it."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="."): list(leaf.shape) for path, leaf in leaves}
+
+
+def _check_shapes(path: Path, saved: dict[str, list[int]] | None, expected: dict[str, list[int]]) -> None:
+    if saved is None:  # converted before shapes were recorded: orbax checks the tree itself
+        return
+    problems = [f"{k} is missing" for k in expected if k not in saved]
+    problems += [f"{k} is not in config.json" for k in saved if k not in expected]
+    problems += [f"{k} has shape {saved[k]}, config.json implies {v}" for k, v in expected.items()
+                 if k in saved and saved[k] != v]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise JaxspecError(
+            f"orbax target {str(path)!r} does not match its config.json: {'; '.join(problems[:3])}{more}; "
+            "convert the Hugging Face target again with `python -m jaxspec.convert target`"
+        )
 
 
 def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shardings=None) -> LlamaModel:
@@ -50,16 +74,36 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shard
     function from the abstract state to a pytree like it of jax.sharding.Sharding) places each array as it is
     read."""
     path = Path(path).absolute()
-    dtype = jnp.dtype(dtype or json.loads((path / MARKER).read_text())["dtype"])
+    try:
+        meta = json.loads((path / MARKER).read_text())
+    except json.JSONDecodeError:
+        raise JaxspecError(f"{str(path / MARKER)!r} is corrupt; convert the target again") from None
+    dtype = jnp.dtype(dtype or meta["dtype"])
     cfg = load_target_config(path, aux_layer_ids)
-    model = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
     graphdef, abstract = nnx.split(model)
     target = nnx.to_pure_dict(abstract)
-    if shardings is not None:
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings(target)
-        )
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(path / "params", target)
+    _check_shapes(path, meta.get("shapes"), _shapes(target))
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        placement = jax.tree.map(lambda _: device, target)
+    else:
+        placement = shardings(target)
+    # Explicit restore arguments: StandardCheckpointer would first read every array's metadata to build them.
+    restore_args = jax.tree.map(
+        lambda a, s: ocp.ArrayRestoreArgs(sharding=s, global_shape=a.shape, dtype=a.dtype), target, placement
+    )
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+            restored = ckptr.restore(
+                path / "params", args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+            )
+    except Exception as e:  # orbax wraps tensorstore's errors in bare Exceptions: report the root cause
+        while e.__cause__ is not None:
+            e = e.__cause__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JaxspecError(
+            f"cannot restore the orbax target {str(path)!r} ({first}); convert the target again"
+        ) from None
     nnx.replace_by_pure_dict(abstract, restored)
     return nnx.merge(graphdef, abstract)

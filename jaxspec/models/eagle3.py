@@ -27,7 +27,7 @@ class Buffer(nnx.Variable):
 
 
 class Eagle3Layer(nnx.Module):
-    def __init__(self, cfg: HeadConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: HeadConfig, *, dtype, rngs: nnx.Rngs | None):
         h = cfg.hidden_size
         self.cfg = cfg
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
@@ -45,7 +45,7 @@ class Eagle3Layer(nnx.Module):
 
 
 class Eagle3Head(nnx.Module):
-    def __init__(self, cfg: HeadConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: HeadConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         h, n_feat = cfg.hidden_size, cfg.num_aux * cfg.target_hidden_size
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
