@@ -348,9 +348,10 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
     out_dir = Path(args.out or Path("bench-results") / suite)
-    paths = write_report(result, out_dir)
-    print(json.dumps(result, indent=2) if args.json else (out_dir / "results.md").read_text())
-    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    if jax.process_index() == 0:  # multi-host: every process has the same results; one writes them
+        paths = write_report(result, out_dir)
+        print(json.dumps(result, indent=2) if args.json else (out_dir / "results.md").read_text())
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
 
 

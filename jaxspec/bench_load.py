@@ -44,7 +44,7 @@ def time_loads(hf_dir: Path, orbax_dir: Path, *, dtype: str, mesh=None, repeats:
     seconds: dict[str, list[float]] = {name: [] for name in loaders}
     loaded = {name: jax.block_until_ready(fn()) for name, fn in loaders.items()}  # warm-up: page cache, compiles
     same = all(
-        np.array_equal(np.asarray(a), np.asarray(b))
+        np.array_equal(sharding.to_host(a), sharding.to_host(b))
         for a, b in zip(jax.tree.leaves(loaded["safetensors"]), jax.tree.leaves(loaded["orbax"]), strict=True)
     )
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded["orbax"]))

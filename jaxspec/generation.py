@@ -168,12 +168,12 @@ class TargetGenerator:
         emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
         jax.block_until_ready(st.num_generated)
         prefill_seconds = time.perf_counter() - start
-        while not bool(np.all(np.asarray(st.done))):
+        while not bool(np.all(sharding.to_host(st.done))):
             st = step(*params, st, args[3])
             emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
         seconds = time.perf_counter() - start
 
-        tokens, counts = np.asarray(st.tokens), np.asarray(st.num_generated)
+        tokens, counts = sharding.to_host(st.tokens), sharding.to_host(st.num_generated)
         stop = set(int(s) for s in stop_ids)
         out = []
         for i, (p, stats) in enumerate(zip(batch, self._batch_stats(st, len(batch)))):
@@ -186,9 +186,9 @@ class TargetGenerator:
     def _stream(st, emitted, n_rows, offset, on_tokens):
         if on_tokens is None:
             return emitted
-        counts = np.asarray(st.num_generated)
+        counts = sharding.to_host(st.num_generated)
         if np.any(counts[:n_rows] > emitted[:n_rows]):
-            tokens = np.asarray(st.tokens)
+            tokens = sharding.to_host(st.tokens)
             for i in range(n_rows):
                 if counts[i] > emitted[i]:
                     on_tokens(offset + i, tokens[i, emitted[i] : counts[i]].tolist())

@@ -19,6 +19,8 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +65,11 @@ def make_mesh(cfg: MeshConfig) -> jax.sharding.Mesh:
             f"--mesh data={cfg.data},model={cfg.model} needs {cfg.size} devices, but {n} are visible "
             f"({jax.default_backend()}; on CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={cfg.size} simulates them)"
+        )
+    if jax.process_count() > 1 and cfg.size != n:
+        raise JaxspecError(
+            f"a multi-host --mesh must use every process's devices: data × model = {n} "
+            f"({jax.process_count()} processes × {jax.local_device_count()} devices), got {cfg.size}"
         )
     auto = (jax.sharding.AxisType.Auto,) * 2  # XLA propagates shardings (make_mesh defaults to Explicit axes)
     return jax.make_mesh((cfg.data, cfg.model), (DATA, MODEL), axis_types=auto, devices=jax.devices()[: cfg.size])
@@ -125,6 +132,14 @@ def shard_params(params, mesh: jax.sharding.Mesh):
     """Place parameters on the mesh by `param_spec` (arrays already placed so are left where they are)."""
     shardings = jax.tree.leaves(param_shardings(params, mesh))
     return jax.tree.unflatten(jax.tree.structure(params), map(jax.device_put, jax.tree.leaves(params), shardings))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole array as numpy on this host; on a multi-host mesh gathered from every process (small per-row
+    state only: tokens, counts, flags)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _mesh_axes_set() -> bool:

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from hf_tiny import make_tiny
+from hf_tiny import ByteTokenizer, make_tiny
 
 from jaxspec import generate
 
@@ -22,22 +22,6 @@ def run(capsys, *argv):
         generate.main(list(argv))
     captured = capsys.readouterr()
     return exc.value.code, captured.out, captured.err
-
-
-class ByteTokenizer:
-    """Stands in for a tokenizer: the tiny random checkpoints ship none."""
-
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return type("Encoding", (), {"input_ids": [ord(ch) % 97 for ch in text]})
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-    def get_vocab(self):
-        return {}
 
 
 def test_json_lines_in_input_order(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -85,7 +85,7 @@ class SpeculativeGenerator(TargetGenerator):
         return max(self.tree.total_tokens, self.tree.depth + 1 + self.tree.window)
 
     def _batch_stats(self, st, n_rows: int) -> list[dict]:
-        calls, generated, accepted = jax.device_get((st.verify_calls, st.num_generated, st.accepted))
+        calls, generated, accepted = (sharding.to_host(x) for x in (st.verify_calls, st.num_generated, st.accepted))
         stats = []
         for row in range(n_rows):
             c = int(calls[row])
