@@ -275,11 +275,12 @@ def run_load_time(args) -> int:
     from jaxspec.bench_load import load_table, time_loads
     from jaxspec.generation import default_dtype
 
+    mesh = resolve_mesh(args)
+    target_dir = resolve_target(args.target)
     result = time_loads(
-        resolve_target(args.target), Path(args.load_time), dtype=args.dtype or default_dtype(),
-        mesh=resolve_mesh(args), repeats=args.repeats,
+        target_dir, Path(args.load_time), dtype=args.dtype or default_dtype(), mesh=mesh, repeats=args.repeats
     )
-    result = {"machine": _machine(), "target": resolve_target(args.target).name, **result}
+    result = {"machine": _machine(), "target": target_dir.name, **result}
     print(json.dumps(result, indent=2) if args.json else f"{result['machine']}, {result['target']}\n{load_table(result)}")
     return 0
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
+from pallas_kernels.tree_attention import on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ def param_shardings(params, mesh: jax.sharding.Mesh):
 
 def shard_params(params, mesh: jax.sharding.Mesh):
     """Place parameters on the mesh by `param_spec` (arrays already placed so are left where they are)."""
-    shardings = jax.tree.leaves(param_shardings(params, mesh))
-    return jax.tree.unflatten(jax.tree.structure(params), map(jax.device_put, jax.tree.leaves(params), shardings))
+    return jax.device_put(params, param_shardings(params, mesh))
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -142,14 +142,9 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _mesh_axes_set() -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and {DATA, MODEL} <= set(mesh.axis_names)
-
-
 def constrain_cache(cache: kvc.KVCache) -> kvc.KVCache:
     """Inside jit: keep a KV cache split as (data, model) when a mesh with those axes is set, else unchanged."""
-    if not _mesh_axes_set():
+    if not on_mesh():
         return cache
     wsc = jax.lax.with_sharding_constraint
     return kvc.KVCache(
@@ -163,7 +158,7 @@ def constrain_state(state):
     """Inside jit: a decode state (a NamedTuple of per-row arrays and caches) with its caches split as (data,
     model) and every other per-row array split over data. Applied where a state is returned, so that a step's
     output has the shardings its compiled input has (the step runs again on its own output)."""
-    if not _mesh_axes_set():
+    if not on_mesh():
         return state
 
     def one(x):

@@ -114,13 +114,7 @@ def load_target(
     from jaxspec.checkpoints.orbax_target import is_orbax_target, load_target_orbax
 
     if is_orbax_target(model_dir):
-        if mesh is None:
-            return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids)
-        from jaxspec.sharding import param_shardings
-
-        return load_target_orbax(
-            model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids, shardings=lambda tree: param_shardings(tree, mesh)
-        )
+        return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids, mesh=mesh)
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
     model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below

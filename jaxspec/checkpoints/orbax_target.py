@@ -21,6 +21,7 @@ from flax import nnx
 from jaxspec.config import load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaModel
+from jaxspec.sharding import param_shardings
 
 MARKER = "jaxspec_orbax.json"
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -69,10 +70,9 @@ def _check_shapes(path: Path, saved: dict[str, list[int]] | None, expected: dict
         )
 
 
-def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shardings=None) -> LlamaModel:
-    """Restore a converted target, cast to `dtype` (default: as saved) by orbax while reading; `shardings` (a
-    function from the abstract state to a pytree like it of jax.sharding.Sharding) places each array as it is
-    read."""
+def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, mesh=None) -> LlamaModel:
+    """Restore a converted target, cast to `dtype` (default: as saved) by orbax while reading; with a (data,
+    model) `mesh`, each array is read straight into its `sharding.param_shardings` placement."""
     path = Path(path).absolute()
     try:
         meta = json.loads((path / MARKER).read_text())
@@ -84,11 +84,11 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, shard
     graphdef, abstract = nnx.split(model)
     target = nnx.to_pure_dict(abstract)
     _check_shapes(path, meta.get("shapes"), _shapes(target))
-    if shardings is None:
+    if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         placement = jax.tree.map(lambda _: device, target)
     else:
-        placement = shardings(target)
+        placement = param_shardings(target, mesh)
     # Explicit restore arguments: StandardCheckpointer would first read every array's metadata to build them.
     restore_args = jax.tree.map(
         lambda a, s: ocp.ArrayRestoreArgs(sharding=s, global_shape=a.shape, dtype=a.dtype), target, placement
