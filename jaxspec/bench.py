@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         "is NOT the target's",
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
+    parser.add_argument(
+        "--compare-numerics", action="store_true",
+        help="also time every method with the other --numerics (invariant vs plain), side by side in this run",
+    )
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = resolve_target(args.target)
     draft = resolve_draft(args)
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft), mesh=mesh
+        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft), mesh=mesh, numerics=args.numerics
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 **speculative_row(*measured, spec.num_draft, completions, tokens / seconds),
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
+    if args.compare_numerics:
+        result["numerics_cost"] = numerics_cost(args, model, head, encoded, stops, mesh, result)
     if args.compare_hf:
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
         same = sum(o == c.token_ids for o, c in zip(hf_outputs, completions))
@@ -267,6 +273,42 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(_table(result))
     return 0
+
+
+def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list[dict]:
+    """Every method of this run again with the other numerics, tokens/s both ways. The
+    ratio is plain / invariant, i.e. how much faster dropping invariance would be."""
+    from jaxspec.generation import TargetGenerator
+    from jaxspec.models.numerics import default_numerics
+    from jaxspec.spec.generator import SpeculativeGenerator
+
+    measured = [("target-only", None, result["jaxspec"])] + [
+        (sp["method"], tree, sp) for tree, sp in zip([None, *args.tree], result.get("speculative", []))
+    ]
+    other = "plain" if args.numerics == "invariant" else "invariant"
+    saved = model.numerics
+    model.numerics = None if other == "plain" else default_numerics()
+    rows = []
+    try:
+        for method, tree, first in measured:
+            if method == "target-only":
+                gen = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
+            else:
+                gen = SpeculativeGenerator(
+                    model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size,
+                    mesh=mesh, forced_accept_prob=args.accept_prob,
+                )
+            out, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label=f"{method} ({other})")
+            tps = {args.numerics: first["tokens_per_second"], other: round(tokens / seconds, 2)}
+            rows.append({
+                "method": method,
+                "invariant_tokens_per_second": tps["invariant"],
+                "plain_tokens_per_second": tps["plain"],
+                "plain_over_invariant": round(tps["plain"] / tps["invariant"], 3),
+            })
+    finally:
+        model.numerics = saved
+    return rows
 
 
 def run_load_time(args) -> int:
@@ -385,6 +427,11 @@ def _table(r: dict) -> str:
             f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
             f"({sp['head_step_over_decode']}x)",
         ]
+    if "numerics_cost" in r:
+        lines += ["", "| method | invariant numerics tokens/s | plain numerics tokens/s | plain / invariant |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c['method']} | {c['invariant_tokens_per_second']} | {c['plain_tokens_per_second']} | "
+                  f"{c['plain_over_invariant']} |" for c in r["numerics_cost"]]
     if "speedup_vs_transformers" in r:
         lines += ["", f"jaxspec / transformers: {r['speedup_vs_transformers']}x "
                   f"(identical outputs: {r['transformers']['identical_outputs']})"]

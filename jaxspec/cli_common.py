@@ -22,6 +22,12 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
     )
+    parser.add_argument(
+        "--numerics", choices=("invariant", "plain"), default="invariant",
+        help="invariant (default): each token's logits are the same bits whether it is decoded, verified or batched, "
+        "so greedy speculation equals target-only output in any dtype; plain: XLA's own numerics, faster prefill "
+        "and verify, but bfloat16 speculation can then change the text",
+    )
 
 
 def resolve_target(target: str | None) -> Path:
@@ -103,15 +109,19 @@ def head_aux_layer_ids(draft: str | None):
     return head_config_from_hf(json.loads(config.read_text()))[1].aux_layer_ids
 
 
-def load_target_and_tokenizer(target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None):
+def load_target_and_tokenizer(
+    target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant"
+):
     """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
-    restored straight into the mesh's shardings)."""
+    restored straight into the mesh's shardings). numerics: "invariant" (the model's default) or "plain"."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
 
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
+    if numerics == "plain":
+        model.numerics = None
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config

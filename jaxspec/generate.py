@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     draft = resolve_draft(args)
     aux_ids = head_aux_layer_ids(draft)
     target_dir = resolve_target(args.target)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh)
+    model, tokenizer = load_target_and_tokenizer(
+        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics
+    )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     if draft:

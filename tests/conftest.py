@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -9,3 +10,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free each module's compiled programs when it ends. XLA:CPU maps code memory per compiled program (about 100
+    mappings for a tiny target's prefill, 275 with invariant numerics' loops); one test process compiles hundreds,
+    and past the kernel's limit (vm.max_map_count, 65 530 by default) compilation segfaults."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -136,3 +136,34 @@ def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch)
     assert [c.token_ids for c in chain] == [c.token_ids for c in ref]
     mean = lambda cs: np.mean([c.stats["mean_accepted_length"] for c in cs])  # noqa: E731
     assert mean(got) > mean(chain)  # same head, same depth: the tree accepts more
+
+
+@pytest.fixture(scope="module")
+def bf16_run(target_dir):
+    """SmolLM2 and the shipped head in bfloat16, 10 shipped prompts (5 MT-Bench, 5 GSM8K), target-only output."""
+    from jaxspec.checkpoints.heads import load_head
+    from jaxspec.prompts import suite_prompts
+
+    tok = load_tokenizer(target_dir)
+    texts = [t for _, t in suite_prompts("mt_bench")[:5]] + [t for _, t in suite_prompts("gsm8k")[:5]]
+    prompts, stops = [encode_prompt(tok, text, raw=False) for text in texts], stop_token_ids(tok, target_dir)
+    model = load_target(target_dir, dtype="bfloat16")
+    head = load_head(builtin.default_head_dir(), model.config, dtype="bfloat16")
+    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=48, stop_ids=stops)
+    return model, head, prompts, stops, [c.token_ids for c in ref]
+
+
+@pytest.mark.parametrize("tree", [None, "12,5,3"], ids=["chain", "tree"])
+def test_bfloat16_speculation_with_the_shipped_head_equals_target_only(bf16_run, tree):
+    """bfloat16, the accelerators' default, where the same token used to get other bits in a verify than in a decode
+    step and the texts parted (2/8 prompts identical before batch-invariant numerics): now token for token."""
+    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.spec.tree import TreeConfig
+
+    model, head, prompts, stops, want = bf16_run
+    gen = SpeculativeGenerator(
+        model, head, num_draft=5, tree=None if tree is None else TreeConfig.parse(tree), batch_size=4
+    )
+    got = gen.generate(prompts, max_new_tokens=48, stop_ids=stops)
+    assert [c.token_ids for c in got] == want
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.2

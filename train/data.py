@@ -106,6 +106,7 @@ def compute_features(args) -> None:
     from jaxspec.cli_common import resolve_target
 
     target = load_target(resolve_target(args.target))
+    target.numerics = None  # features are values for training: plain XLA numerics, no batch-invariance needed
     graphdef, state = nnx.split(target)
 
     @jax.jit

@@ -150,6 +150,7 @@ def run(cfg: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target_dir = resolve_target(cfg.get("target"))
     target = load_target(target_dir)
+    target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
     data_dir = Path(cfg["data"]).expanduser()
     offline = t.get("features", "online") == "offline"
     sequences = read_shards(data_dir, with_features=offline)

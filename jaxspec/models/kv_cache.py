@@ -54,6 +54,15 @@ def block_attention_mask(lengths: jax.Array, capacity: int, block_mask: jax.Arra
     return committed | (in_block & allowed)
 
 
+def ancestors_from_mask(block_mask: jax.Array, levels: int) -> jax.Array:
+    """Each new token's ancestor at depth 0..levels-1 from an ancestor mask [B, T, T] (row i: i and its ancestors;
+    a token's depth is how many ancestors it has) → [B, T, levels] int32 block indices, 0 past its depth. What
+    invariant attention reads in position order (pallas_kernels/invariant_attention.py)."""
+    depths = jnp.sum(block_mask, axis=-1) - 1  # [B, T]
+    at_depth = block_mask[:, :, None, :] & (depths[:, None, None, :] == jnp.arange(levels)[None, None, :, None])
+    return jnp.argmax(at_depth, axis=-1).astype(jnp.int32)
+
+
 def causal_block_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 

@@ -17,19 +17,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for `positions` [B, T] → two [B, T, head_dim] float32 arrays."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for `positions` [B, T] → two [B, T, head_dim] float32 arrays. `invariant`: the angle is rounded
+    before cos/sin, so that XLA cannot contract the product into cos/sin's own arithmetic in some programs and not
+    others (seen on XLA:CPU)."""
+    if invariant:
+        from jaxspec.models.numerics import exact_mul
+
+        freqs = exact_mul(positions.astype(jnp.float32)[..., None], inv_freq)  # [B, T, D/2]
+    else:
+        freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face layout) on x [B, T, heads, D] with cos/sin [B, T, D]."""
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, invariant: bool = False) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face layout) on x [B, T, heads, D] with cos/sin [B, T, D]. `invariant`: the two
+    products are rounded before the add (no FMA contraction, which XLA applies or not depending on the program)."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
+    if invariant:
+        from jaxspec.models.numerics import exact_mul
+
+        return exact_mul(x, cos) + exact_mul(rotated, sin)
     return x * cos + rotated * sin
 
 

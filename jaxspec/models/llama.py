@@ -20,6 +20,8 @@ from flax import nnx
 from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxspec.models.numerics import Numerics, default_numerics, invariant_rms_norm, tiled_matmul
+from pallas_kernels.invariant_attention import invariant_attend
 from pallas_kernels.tree_attention import attend
 
 
@@ -38,9 +40,13 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
+        bias = None if self.bias is None else self.bias[...]
+        if numerics is not None:
+            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias, numerics.opaque_loops)
         y = x @ self.kernel[...]
-        return y if self.bias is None else y + self.bias[...]
+        return y if bias is None else y + bias
 
 
 class RMSNorm(nnx.Module):
@@ -48,8 +54,8 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+    def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:
+        return (invariant_rms_norm if invariant else rms_norm)(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -77,17 +83,28 @@ class Attention(nnx.Module):
         mask: jax.Array,  # [B, T, W] which of the W uncommitted slots [lengths, lengths + W) each new token sees
         write_offset: int | jax.Array = 0,  # the new tokens go to slots lengths + write_offset + t
         empty_cache: bool = False,  # nothing is committed (a prefill): attend to the new tokens only
+        numerics: Numerics | None = None,  # batch-invariant numerics (the target); None: fastest (the head)
+        positions: jax.Array | None = None,  # [B, T] the new tokens' positions (invariant numerics)
+        ancestors: jax.Array | None = None,  # [B, T, L] a tree's ancestors by depth (invariant numerics)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        inv = numerics is not None
+        q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.q_norm(q, inv), self.k_norm(k, inv)
+        q, k = apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv)
         k_cache = kvc.write_block(k_cache, k, lengths + write_offset)
         v_cache = kvc.write_block(v_cache, v, lengths + write_offset)
+        if numerics is not None:  # keys read back from the cache in position order (write before read)
+            bk = numerics.key_block
+            out = invariant_attend(
+                q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
+                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.attention,
+            ).reshape(b, t, cfg.num_heads * cfg.head_dim)
+            return self.o_proj(out, numerics), k_cache, v_cache
         if isinstance(write_offset, int) and write_offset == 0 and mask.shape[-1] == t:  # the window is the new tokens
             k_win, v_win = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:  # a window of earlier uncommitted entries too (the head's tree levels)
@@ -105,8 +122,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, numerics)) * self.up_proj(x, numerics), numerics)
 
 
 class DecoderLayer(nnx.Module):
@@ -116,12 +133,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False):
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False, numerics=None,
+                 positions=None, ancestors=None):
+        inv = numerics is not None
         attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache
+            self.input_layernorm(x, inv), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache,
+            numerics=numerics, positions=positions, ancestors=ancestors,
         )
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x, inv), numerics)
         return x, k_cache, v_cache
 
 
@@ -137,11 +157,23 @@ class LlamaModel(nnx.Module):
 
     Attribute names follow the Hugging Face module tree (`model.layers.{i}.self_attn.q_proj` ...), so that a
     checkpoint key maps to a parameter path by name.
+
+    `numerics` (static): batch-invariant numerics by default, so that target-only, chain and tree generation give
+    the same bits (numerics.py); None computes with plain XLA ops, faster, for work that only needs the values
+    (training features, measuring what invariance costs).
     """
 
-    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
+    def __init__(
+        self,
+        cfg: TargetConfig,
+        *,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs | None,
+        numerics: Numerics | None | str = "default",  # "default": default_numerics() of this backend
+    ):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
+        self.numerics = default_numerics() if numerics == "default" else numerics
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -158,10 +190,14 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on pre-norm hidden states [..., H] → float32 logits [..., V]."""
-        h = self.norm(hidden)
+        nm = self.numerics
+        h = self.norm(hidden, nm is not None)
         if self.lm_head is None:
+            if nm is not None:
+                table = self.embed_tokens[...].T  # [H, V]
+                return tiled_matmul(h, table, nm.row_tile, None, nm.opaque_loops).astype(jnp.float32)
             return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...]).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+        return self.lm_head(h, nm).astype(jnp.float32)
 
     def __call__(
         self,
@@ -170,6 +206,8 @@ class LlamaModel(nnx.Module):
         cache: kvc.KVCache,
         *,
         block_mask: jax.Array | None = None,  # [B, T, T] bool among the new tokens (a tree's ancestors); None = causal
+        ancestors: jax.Array | None = None,  # [B, T, L] a tree's ancestor by depth (kv_cache.ancestors_from_mask);
+        # derived from block_mask when not given; with invariant numerics attention reads these, not the mask
         logit_indices: jax.Array | None = None,  # [B, n] which of the T positions get logits; None = all
         return_aux: bool = False,
         return_hidden: bool = False,  # also return the final hidden state (offline training features)
@@ -177,15 +215,20 @@ class LlamaModel(nnx.Module):
     ) -> TargetOutput:
         cfg = self.config
         b, t = tokens.shape
+        if self.numerics is not None and ancestors is None and block_mask is not None:  # a tree given by its mask
+            ancestors = kvc.ancestors_from_mask(block_mask, min(t, self.numerics.key_block))
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
-        cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)))
+        cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)), self.numerics is not None)
         x = self.embed(tokens).astype(self.dtype)  # [B, T, H]
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if return_aux and i in cfg.aux_layer_ids:
                 aux[i] = x  # hidden_states[i]: the input of layer i
-            x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache)
+            x, k, v = layer(
+                x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, self.numerics, positions,
+                ancestors,
+            )
             ks.append(k)
             vs.append(v)
         if logit_indices is not None:

@@ -216,7 +216,9 @@ def tree_step(target, head, st: SpecState, eos_ids: jax.Array, *, tree: TreeConf
     head_cache = head_cache._replace(lengths=h0 + st.num_pending * running)  # drop the tree levels' entries
     tokens = dt.tokens.at[:, 0].set(st.last_token)  # [B, N]
     m = st.target_cache.lengths
-    verify = target(tokens, m[:, None] + dt.depths, st.target_cache, block_mask=dt.mask, return_aux=True)
+    verify = target(
+        tokens, m[:, None] + dt.depths, st.target_cache, block_mask=dt.mask, ancestors=dt.ancestors, return_aux=True
+    )
 
     n, depth = tokens.shape[1], tree.depth
     if sampling.greedy:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
+from jaxspec.models import kv_cache as kvc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class DraftTree(NamedTuple):
     parents: jax.Array  # [B, N] int32, -1 for the root; parents[i] < i
     depths: jax.Array  # [B, N] int32, 0 for the root
     mask: jax.Array  # [B, N, N] bool: node i sees node j iff j is i or an ancestor of i
+    ancestors: jax.Array  # [B, N, depth+1] int32: node i's ancestor at depth j (i itself at its depth; 0 past it)
 
 
 def draft_tree(head, embed_table, logits0: jax.Array, state0: jax.Array, head_cache, cfg: TreeConfig) -> DraftTree:
@@ -121,4 +123,4 @@ def tree_from_parents(tokens: jax.Array, parents: jax.Array, max_depth: int) -> 
     for _ in range(max_depth):  # each round extends every node's known ancestry by one level
         mask = eye | (jnp.take_along_axis(mask, safe[:, :, None], axis=1) & (parents >= 0)[:, :, None])
         depths = jnp.where(parents >= 0, jnp.take_along_axis(depths, safe, axis=1) + 1, 0)
-    return DraftTree(tokens, parents, depths, mask)
+    return DraftTree(tokens, parents, depths, mask, kvc.ancestors_from_mask(mask, max_depth + 1))

@@ -1,0 +1,151 @@
+"""Batch-invariant numerics for the target: a token's logits and features are a function of that token, its
+position and its ancestors' keys/values only, bit for bit, whatever else goes through the target with it.
+
+Why: speculative decoding promises the target's own greedy output, but the same token is computed in different
+company: alone (a decode step), in a block of K+1 (chain verify), among tree siblings (tree verify), in a prefill,
+next to other batch rows. XLA picks reduction orders by shape: measured on XLA:CPU, `x @ w` for rows 0..m-1 gives
+other bits than the first m rows of a larger `x @ w`, and `jnp.sum(x, -1)` changes with the number of rows too. In
+float32 those are last-bit differences that rarely flip an argmax; in bfloat16 they survive the rounding between
+layers and the texts part (the technique: He et al., "Defeating Nondeterminism in LLM Inference", 2025).
+
+What holds on every backend we measured: elementwise ops are invariant, and a dot or reduction of one fixed shape
+gives each row the same bits wherever the row sits and whatever its neighbours hold. So every order-dependent
+reduction of the target is built from those two:
+- matmuls run on fixed tiles of `row_tile` rows (`tiled_matmul`), one dot shape for every call;
+- sums over a feature axis (RMSNorm, softmax denominators) are pairwise halvings of elementwise adds
+  (`halving_sum`), which have no shape-dependent order at all;
+- attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
+- no product meets an add inside one fusion (`exact_mul`), since XLA contracts those into FMAs program by program;
+  dots are fenced by optimization barriers (`fenced`) against algebraic rewrites, and on CPU every matmul tile
+  is a loop body XLA cannot inline, so nothing around it can fuse into it differently from program to program.
+
+The draft head does not use any of this: drafts only change speed, never output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """The fixed shapes that define the target's floating-point operations. Two runs agree bit for bit only with the
+    same Numerics (and the same backend and mesh); it is chosen once per process by backend."""
+
+    row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot
+    key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
+    opaque_loops: bool = False  # tiles always in a loop body XLA cannot inline (see tiled_matmul); for CPU
+    attention: str = "reference"  # "reference" (jax.numpy), "pallas" (compiled kernel), "interpret" (kernel, tests)
+
+    def __post_init__(self):
+        if self.attention not in ("reference", "pallas", "interpret"):
+            raise ValueError(f"Numerics.attention must be reference, pallas or interpret, got {self.attention!r}")
+
+
+def default_numerics(backend: str | None = None) -> Numerics:
+    """One-row tiles on CPU, where a dot's cost grows with its rows (measured, SmolLM2 float32 on 2 cores: decode at
+    29 tokens/s with 1-row tiles, as fast as plain XLA, but 12 with 8-row tiles; prefill and verify pay instead,
+    one matmul call per row). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot takes
+    what a one-row dot takes (0.13 ms on an H100: both read the weights once)."""
+    backend = backend or jax.default_backend()
+    return Numerics(row_tile=1, opaque_loops=True) if backend == "cpu" else Numerics(row_tile=64)
+
+
+def _halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)], constant_values=pad_value)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = combine(x[..., :half], x[..., half:])
+    return x[..., 0]
+
+
+def halving_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by pairwise halving (zero-padded to a power of two): elementwise adds only, so each
+    row's bits never depend on how many rows there are or how XLA tiles a reduction. (No reduce op at all: XLA:CPU
+    hands large reduce fusions to YNNPACK, whose exp/add kernels give other bits than XLA's own.)"""
+    return _halving(x, jnp.add, 0.0)
+
+
+def halving_max(x: jax.Array) -> jax.Array:
+    """Max over the last axis by pairwise halving: exact in any order, and free of reduce ops (see halving_sum)."""
+    return _halving(x, jnp.maximum, -jnp.inf)
+
+
+def fenced(fn, *operands):
+    """fn(*operands) with optimization barriers on both sides. They stop XLA's algebraic simplifier, which runs before
+    the barriers are expanded, from rewriting the dot with its neighbours (seen on XLA:CPU: a broadcast operand
+    folded into a larger dot). They do not stop fusion: XLA:CPU and XLA:GPU both remove barriers before fusing, so
+    what must not fuse is kept apart by other means (exact_mul, tiled_matmul's loops)."""
+    return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(operands)))
+
+
+def exact_mul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b, rounded before anything adds to it. XLA (LLVM) contracts `a * b + c` into one fused multiply-add when
+    both ops land in one fusion, and which ops share a fusion depends on the surrounding program (measured on
+    XLA:CPU: `jit(a * b + c)` equals the FMA; optimization barriers are removed before fusion there). Adding a zero
+    XLA cannot fold (min(|a|, 0)) leaves LLVM only `fma(a, b, 0)`, which is the rounded product, so whatever adds
+    this result next sees the same bits in every program. Every product that meets an add in the invariant path
+    goes through here."""
+    return a * b + jnp.minimum(jnp.abs(a), 0)
+
+
+def data_shards() -> int:
+    """Rows are split over the mesh's `data` axis when one is set; tiles are cut inside each shard."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "data" not in mesh.axis_names:
+        return 1
+    return mesh.shape["data"]
+
+
+def tiled_matmul(
+    x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, opaque_loop: bool = False
+) -> jax.Array:
+    """x [..., K] @ w [K, N] (+ bias) → [..., N] in x's dtype, computed as dots of exactly [row_tile, K] x [K, N] per
+    data shard: rows are zero-padded to whole tiles, and more than one tile runs in a loop, so XLA cannot merge the
+    tiles back into one larger dot. The bias is added inside the tile, next to its dot in every program (XLA:CPU
+    fuses a one-row dot with a following add when they meet, which adds the bias first).
+
+    opaque_loop (CPU): even one tile runs in a loop whose trip count XLA cannot fold, so the tile is always compiled
+    as the same loop body, never inlined among whatever surrounds the call. Not on accelerators, where each trip of
+    a loop with an unknown count waits for the host."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    shards = data_shards()
+    rows = math.prod(lead)
+    per_shard = rows // shards
+    tiles = max(-(-per_shard // row_tile), 1)
+    xs = x.reshape(shards, per_shard, k)
+    xs = jnp.pad(xs, ((0, 0), (0, tiles * row_tile - per_shard), (0, 0)))
+    xs = xs.reshape(shards, tiles, row_tile, k).transpose(1, 0, 2, 3)  # [tiles, shards, row_tile, K]
+
+    def dot(tile):  # [shards, row_tile, K] -> [shards, row_tile, N]
+        y = fenced(jnp.dot, tile, w)
+        return (y if bias is None else y + bias).astype(x.dtype)
+
+    if opaque_loop:
+        probe = xs[0, 0, 0, 0]
+        trips = tiles + (probe != probe).astype(jnp.int32)  # `tiles` for any finite input; XLA cannot fold it
+
+        def body(i, out):
+            return jax.lax.dynamic_update_index_in_dim(out, dot(jax.lax.dynamic_index_in_dim(xs, i, 0, False)), i, 0)
+
+        y = jax.lax.fori_loop(0, trips, body, jnp.zeros((tiles, shards, row_tile, w.shape[-1]), x.dtype))
+    else:
+        y = dot(xs[0])[None] if tiles == 1 else jax.lax.map(dot, xs)
+    y = y.transpose(1, 0, 2, 3).reshape(shards, tiles * row_tile, -1)[:, :per_shard]
+    return y.reshape(*lead, -1)
+
+
+def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Hugging Face computes it (float32, cast back, scale), with the mean of squares by halving."""
+    xf = x.astype(jnp.float32)
+    # a multiply by 1/H, not a division (XLA rewrites divisions case by case); products rounded before adds
+    ms = exact_mul(halving_sum(exact_mul(xf, xf))[..., None], 1.0 / x.shape[-1])
+    xf = xf * jax.lax.rsqrt(ms + eps)
+    return weight * xf.astype(x.dtype)

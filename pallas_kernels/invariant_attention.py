@@ -1,0 +1,255 @@
+"""Attention with canonical, batch-invariant numerics: each query's result is a function of its own q, its position
+p and the keys/values at positions 0..p, bit for bit, whether it is decoded alone, verified in a chain or a tree, or
+prefilled, whatever the batch (jaxspec/models/numerics.py says why).
+
+The caller has written this call's K/V into the cache first (write before read), so a chain's or a prefill's keys
+already sit at their positions. A tree node's ancestors do not (siblings share positions), so for the tail blocks
+(those holding positions ≥ the committed length) each node's ancestors are gathered into position order.
+
+The canonical operations, per (sequence, KV head, query token):
+    keys in blocks of `key_block` at absolute positions [n·Bk, (n+1)·Bk), n = 0, 1, ...
+    per block: s = q_G · k_n as one [G, D] x [D, Bk] dot (G = query heads of the KV head);
+               m_n = max visible s; p = exp((s − m_n)·D^-½) (0 where invisible); l_n = halving sum of p;
+               a_n = p (in v's dtype) · v_n as one [G, Bk] x [Bk, D] dot
+    fold blocks in order: m = max(m, m_n); l = l·e^((m_old−m)·D^-½) + l_n·e^((m_n−m)·D^-½); a likewise;
+    out = a · (1/l). Products are rounded before they are added (no FMA contraction: numerics.exact_mul).
+A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
+capacity) does not matter either.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
+
+NEG_INF = -1e30
+
+
+def block_partial(q, k, v, visible, scale):
+    """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
+
+    q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk] (leading axes broadcast) → m, l [..., G], a [..., G, D].
+    The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
+    are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
+    and on an H100); the kernel runs the same products one program at a time."""
+    # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
+    # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
+    s = fenced(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
+    vis = visible[..., None, :]  # [..., 1, Bk]
+    s = jnp.where(vis, s, NEG_INF)
+    m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
+    p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
+    l = halving_sum(p)
+    a = fenced(
+        functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32), p.astype(v.dtype), v
+    )
+    return m, l, a
+
+
+def merge(state, partial, scale):
+    """Fold the next block's partial into the running (m, l, a): an elementwise left fold, the same in every path."""
+    m_run, l_run, a_run = state
+    m, l, a = partial
+    m_new = jnp.maximum(m_run, m)
+    old, new = jnp.exp(exact_mul(m_run - m_new, scale)), jnp.exp(exact_mul(m - m_new, scale))
+    return (
+        m_new,
+        exact_mul(l_run, old) + exact_mul(l, new),
+        exact_mul(a_run, old[..., None]) + exact_mul(a, new[..., None]),
+    )
+
+
+def finish(state):
+    """a / l with an explicit reciprocal (XLA rewrites `a / broadcast(l)` into a multiply by 1/l in some programs
+    and not in others, seen on XLA:CPU); rows that saw nothing give zeros."""
+    _, l, a = state
+    inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    return a * inv_l[..., None]
+
+
+def invariant_attention_reference(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_cache: jax.Array,  # [B, Hkv, S, D] this call's K/V already written at slots lengths + i
+    v_cache: jax.Array,  # [B, Hkv, S, D]
+    lengths: jax.Array,  # [B] committed slots
+    positions: jax.Array,  # [B, T] each query's absolute position (its slot, for chains and prefills)
+    ancestors: jax.Array | None = None,  # [B, T, L] tree: block index of query t's ancestor at depth j (itself at
+    # j = depth_t; entries past it are ignored); None: the new tokens sit at their positions (chain, prefill, decode)
+    *,
+    key_block: int = 64,
+    num_blocks: int | None = None,  # static bound on the blocks any query can see (prefills: ceil(T / Bk))
+) -> jax.Array:
+    """→ [B, T, Hq, D] in q's dtype."""
+    b, t, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    bk = key_block
+    nb = -(-s // bk) if num_blocks is None else num_blocks
+    if nb * bk > s:  # whole blocks only: the padding is never visible
+        pad = ((0, 0), (0, 0), (0, nb * bk - s), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    k_blocks = k_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
+    v_blocks = v_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)[:, :, :, None]  # [B, H, T, 1, G, D]
+    scale = d**-0.5
+    slots = jnp.arange(nb * bk, dtype=jnp.int32).reshape(nb, bk)
+    visible = slots[None, None] <= positions[:, :, None, None]  # [B, T, N, Bk]
+    m, l, a = block_partial(
+        jnp.broadcast_to(qg, (b, hkv, t, nb, g, d)),
+        jnp.broadcast_to(k_blocks, (b, hkv, t, nb, bk, d)),
+        jnp.broadcast_to(v_blocks, (b, hkv, t, nb, bk, d)),
+        visible[:, None], scale,
+    )
+    if ancestors is not None:
+        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
+    state = (m[:, :, :, 0], l[:, :, :, 0], a[:, :, :, 0])
+    for n in range(1, nb):  # fold the blocks in position order
+        state = merge(state, (m[:, :, :, n], l[:, :, :, n], a[:, :, :, n]), scale)
+    out = finish(state)  # [B, H, T, G, D]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
+    """The two blocks from the committed length on (n0 = lengths // Bk and n0 + 1) as each tree node sees them:
+    committed slots as they are, then its ancestors gathered into position order. Needs depth + 1 ≤ Bk, so that
+    every node's positions end inside those two blocks. → k, v [B, H, T, 2, Bk, D], visible [B, T, 2, Bk], n0 [B]."""
+    b, hkv, _, d = k_cache.shape
+    t, depth = ancestors.shape[1], ancestors.shape[2]
+    if depth > bk:
+        raise ValueError(f"tree depth {depth - 1} needs key_block > depth (got key_block={bk})")
+    n0 = lengths // bk  # [B]
+    window = n0[:, None] * bk + jnp.arange(2 * bk, dtype=jnp.int32)[None]  # [B, 2Bk] absolute slots
+    rel = window - lengths[:, None]  # [B, 2Bk] offset past the committed length
+    anc = jnp.take_along_axis(
+        ancestors, jnp.broadcast_to(jnp.clip(rel, 0, depth - 1)[:, None, :], (b, t, 2 * bk)), axis=2
+    )  # [B, T, 2Bk]
+    src = jnp.where(rel[:, None, :] < 0, window[:, None, :], lengths[:, None, None] + anc)
+    src = jnp.clip(src, 0, k_cache.shape[2] - 1)  # [B, T, 2Bk] which cache slot holds the key at each position
+
+    def gather(cache):  # [B, H, S, D] -> [B, H, T, 2, Bk, D]
+        idx = jnp.broadcast_to(src[:, None, :, :, None], (b, hkv, t, 2 * bk, 1))
+        rows = jnp.take_along_axis(cache[:, :, None], idx, axis=3)
+        return rows.reshape(b, hkv, t, 2, bk, d)
+
+    visible = (window[:, None, :] <= positions[:, :, None]).reshape(b, t, 2, bk)
+    return gather(k_cache), gather(v_cache), visible, n0
+
+
+def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scale):
+    """Replace the partials of the two tail blocks by ones over each node's own keys (tree_tail_keys)."""
+    b, hkv, t, _, g, d = qg.shape
+    k_tail, v_tail, visible, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
+    m, l, a = partials
+    nb = m.shape[3]
+    tm, tl, ta = block_partial(jnp.broadcast_to(qg, (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale)
+    which = jnp.arange(nb)[None, :] - n0[:, None]  # [B, N]: 0 / 1 at the tail blocks
+    sel0 = (which == 0)[:, None, None, :, None]
+    sel1 = (which == 1)[:, None, None, :, None]
+
+    def pick(shared, tail):
+        extra = (1,) * (shared.ndim - 5)
+        s0, s1 = sel0.reshape(sel0.shape + extra), sel1.reshape(sel1.shape + extra)
+        return jnp.where(s0, tail[:, :, :, :1], jnp.where(s1, tail[:, :, :, 1:2], shared))
+
+    return pick(m, tm), pick(l, tl), pick(a, ta)
+
+
+def _kernel(pos_ref, n0_ref, q_ref, k_ref, v_ref, *rest, key_block: int, num_blocks: int, scale: float, tree: bool):
+    """One (sequence, KV head, query token): its G query heads against the key blocks in position order, with the
+    same per-block operations and fold as the reference. Tree tails (two blocks per token) come pre-gathered."""
+    kt_ref, vt_ref, o_ref = rest if tree else (None, None, rest[0])
+    b, t = pl.program_id(0), pl.program_id(2)
+    pos = pos_ref[b, t]
+    n0 = n0_ref[b]
+    q = q_ref[0, 0, 0]  # [G, D]
+
+    def partial(n):
+        start = n * key_block
+        k = k_ref[0, 0, pl.ds(start, key_block), :]  # [Bk, D]
+        v = v_ref[0, 0, pl.ds(start, key_block), :]
+        if tree:
+            first, second = n == n0, n == n0 + 1
+            k = jnp.where(first, kt_ref[0, 0, 0, 0], jnp.where(second, kt_ref[0, 0, 0, 1], k))
+            v = jnp.where(first, vt_ref[0, 0, 0, 0], jnp.where(second, vt_ref[0, 0, 0, 1], v))
+        visible = start + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
+        return block_partial(q, k, v, visible, scale)
+
+    state = jax.lax.fori_loop(1, num_blocks, lambda n, st: merge(st, partial(n), scale), partial(0))
+    o_ref[0, 0, 0] = finish(state).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret"))
+def invariant_attention(
+    q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The Pallas kernel; same signature and bits as `invariant_attention_reference`. One program per (sequence, KV
+    head, query token), the whole cache row in its block: a correctness-first form, checked in interpret mode; the
+    GPU/TPU forms (blocked KV reads, split-KV) must keep these operations (the kernels issue)."""
+    b, t, hq, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    bk = key_block
+    nb = -(-s // bk) if num_blocks is None else num_blocks
+    if nb * bk > s:
+        pad = ((0, 0), (0, 0), (0, nb * bk - s), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    s = k_cache.shape[2]
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, H, T, G, D]
+    tree = ancestors is not None
+    if tree:
+        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
+        tails = (k_tail, v_tail)
+        tail_specs = [pl.BlockSpec((1, 1, 1, 2, bk, d), lambda i, h, j: (i, h, j, 0, 0, 0))] * 2
+    else:
+        n0 = jnp.full((b,), -2, jnp.int32)  # never a block index
+        tails, tail_specs = (), []
+    kernel = functools.partial(_kernel, key_block=bk, num_blocks=nb, scale=d**-0.5, tree=tree)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, t),
+        in_specs=[
+            pl.BlockSpec((b, t), lambda i, h, j: (0, 0)),  # positions, whole
+            pl.BlockSpec((b,), lambda i, h, j: (0,)),  # n0, whole
+            pl.BlockSpec((1, 1, 1, g, d), lambda i, h, j: (i, h, j, 0, 0)),
+            pl.BlockSpec((1, 1, s, d), lambda i, h, j: (i, h, 0, 0)),
+            pl.BlockSpec((1, 1, s, d), lambda i, h, j: (i, h, 0, 0)),
+            *tail_specs,
+        ],
+        out_specs=pl.BlockSpec((1, 1, 1, g, d), lambda i, h, j: (i, h, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, t, g, d), jnp.float32),
+        interpret=interpret,
+        name="invariant_attention",
+    )(positions.astype(jnp.int32), n0.astype(jnp.int32), qg, k_cache, v_cache, *tails)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str):
+    """Dispatch for the target's attention. impl: "reference" (jax.numpy, every backend), "pallas" (compiled
+    kernel) or "interpret" (the kernel in Pallas interpret mode: tests on CPU). Under a (data, model) mesh the
+    kernel runs per shard in `jax.shard_map` (rows over data, KV heads over model: no collective)."""
+    if impl == "reference":
+        return invariant_attention_reference(
+            q, k_cache, v_cache, lengths, positions, ancestors, key_block=key_block, num_blocks=num_blocks
+        )
+    fn = functools.partial(
+        invariant_attention, key_block=key_block, num_blocks=num_blocks, interpret=impl == "interpret"
+    )
+    from pallas_kernels.tree_attention import on_mesh
+
+    if not on_mesh():
+        return fn(q, k_cache, v_cache, lengths, positions, ancestors)
+    rows, q_heads, kv_heads = P("data"), P("data", None, "model", None), P("data", "model", None, None)
+    tokens = P("data", None)
+    specs = (q_heads, kv_heads, kv_heads, rows, tokens) + (() if ancestors is None else (P("data", None, None),))
+    sharded = jax.shard_map(
+        lambda *a: fn(*a) if ancestors is not None else fn(*a, None), in_specs=specs, out_specs=q_heads,
+        check_vma=False,
+    )
+    return sharded(q, k_cache, v_cache, lengths, positions, *(() if ancestors is None else (ancestors,)))

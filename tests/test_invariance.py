@@ -1,0 +1,309 @@
+"""Batch-invariant target numerics: a token's logits and hidden states are the same bits whether it is decoded alone,
+prefilled, verified in a chain of K+1 or in a tree, next to other batch rows, at any cache capacity, in float32 and
+bfloat16, for several model families. The hidden states of every layer are compared (aux features at all layers),
+so a failure names the first layer — and so the op — that breaks invariance."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import sharding
+from jaxspec.config import TargetConfig
+from jaxspec.models import kv_cache as kvc
+from jaxspec.models.llama import LlamaModel
+from jaxspec.models.numerics import default_numerics
+from jaxspec.spec.tree import tree_from_parents
+
+FAMILIES = {
+    # GQA 4/2, untied (Llama)
+    "llama": dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False),
+    # q/k/v biases (Qwen2), tied embeddings, GQA 6/2
+    "qwen2": dict(num_heads=6, num_kv_heads=2, attention_bias=True, tie_word_embeddings=True, model_type="qwen2"),
+    # per-head q/k norms (Qwen3), MHA
+    "qwen3": dict(num_heads=4, num_kv_heads=4, qk_norm=True, model_type="qwen3"),
+}
+
+
+@functools.cache
+def model(family: str, dtype: str, attention: str = "reference") -> LlamaModel:
+    """attention: "reference" or "interpret" (the Pallas kernel in interpret mode)."""
+    extra = FAMILIES[family]
+    cfg = TargetConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=16, aux_layer_ids=(0, 1, 2),
+        **extra,
+    )
+    m = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
+    m.numerics = dataclasses.replace(default_numerics(), attention=attention)
+    if cfg.attention_bias:  # non-zero biases
+        for layer in m.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.set_value(0.1 * jax.random.normal(jax.random.key(5), proj.bias.shape).astype(dtype))
+    return m
+
+
+@functools.cache
+def _forward(m):
+    """One jitted forward per model (compiled once per shape)."""
+    gd, params = nnx.split(m)
+
+    @functools.partial(jax.jit, static_argnames=("empty",))
+    def run(params, tokens, positions, cache, ancestors=None, empty=False):
+        out = nnx.merge(gd, params)(tokens, positions, cache, ancestors=ancestors, return_aux=True, empty_cache=empty)
+        return out.logits, out.aux, out.cache
+
+    return lambda *a, **k: run(params, *a, **k)
+
+
+def decode_one_by_one(m, seq: np.ndarray, capacity: int = 128):
+    """The canonical numbers: every token run through the target alone (T=1, batch 1). → logits [n, V], aux [n, F]."""
+    return _decoded(m, tuple(int(x) for x in seq), capacity)
+
+
+@functools.cache
+def _decoded(m, seq: tuple, capacity: int):
+    fwd = _forward(m)
+    cache = m.init_cache(1, capacity)
+    logits, aux = [], []
+    for i, tok in enumerate(seq):
+        lg, ax, cache = fwd(jnp.asarray([[tok]], jnp.int32), jnp.asarray([[i]], jnp.int32), cache, empty=i == 0)
+        cache = kvc.advance(cache, 1)
+        logits.append(np.asarray(lg[0, 0]))
+        aux.append(np.asarray(ax[0, 0].astype(jnp.float32)))
+    return np.stack(logits), np.stack(aux)
+
+
+def assert_same_bits(got_logits, got_aux, want_logits, want_aux, m, what):
+    """Per-layer comparison first, so that the message names where the bits part."""
+    h = m.config.hidden_size
+    for layer in range(len(m.config.aux_layer_ids)):
+        sl = slice(layer * h, (layer + 1) * h)
+        np.testing.assert_array_equal(got_aux[..., sl], want_aux[..., sl], err_msg=f"{what}: input of layer {layer}")
+    np.testing.assert_array_equal(got_logits, want_logits, err_msg=f"{what}: logits")
+
+
+def _sequence(seed: int, n: int, vocab: int = 97) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+PREFILL_WIDTH = 96  # every prefill pads to this many tokens: one compiled program per model and batch size
+
+
+@pytest.fixture(autouse=True)
+def _fresh_programs():
+    """Each test compiles its own programs and frees them after (see conftest: XLA:CPU's code mappings)."""
+    yield
+    _forward.cache_clear()
+    _decoded.cache_clear()
+    jax.clear_caches()
+
+
+def _prefill(m, fwd, rows: list[np.ndarray], capacity: int):
+    """Prefill right-padded rows together (padded to PREFILL_WIDTH); → cache advanced by each row's length."""
+    t = PREFILL_WIDTH
+    assert max(len(r) for r in rows) <= t
+    toks = np.zeros((len(rows), t), np.int32)
+    for i, r in enumerate(rows):
+        toks[i, : len(r)] = r
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), toks.shape)
+    lg, ax, cache = fwd(jnp.asarray(toks), jnp.asarray(pos), m.init_cache(len(rows), capacity), empty=True)
+    return lg, ax, kvc.advance(cache, jnp.asarray([len(r) for r in rows], jnp.int32))
+
+
+# (family, dtype, attention): every family and dtype with the jax.numpy attention, and two with the Pallas kernel
+CASES = [(f, d, "reference") for f in FAMILIES for d in ("float32", "bfloat16")] + [
+    ("llama", "bfloat16", "interpret"), ("qwen2", "float32", "interpret"),
+]
+
+
+def matrix(combos, in_ci) -> list:
+    """Parameters for every combination; those not in the CI subset are marked slow (`pytest -m slow` runs them:
+    the whole matrix takes ~17 minutes on 2 CPU cores)."""
+    return [pytest.param(*c, marks=() if c in in_ci else pytest.mark.slow) for c in combos]
+
+
+@pytest.mark.parametrize(
+    "family,dtype,attention", matrix(CASES, {c for c in CASES if c[2] == "reference"} | {CASES[-2]})
+)
+def test_prefill_equals_decode(family, dtype, attention):
+    m = model(family, dtype, attention)
+    seq = _sequence(1, 21)
+    want_l, want_a = decode_one_by_one(m, seq)
+    fwd = _forward(m)
+    for batch in (1, 4):
+        others = [_sequence(10 + i, 5 + 7 * i) for i in range(batch - 1)]
+        lg, ax, _ = _prefill(m, fwd, [seq, *others], capacity=128)
+        assert_same_bits(
+            np.asarray(lg[0, :21]), np.asarray(ax[0, :21].astype(jnp.float32)), want_l, want_a, m,
+            f"prefill batch {batch}",
+        )
+
+
+@pytest.mark.parametrize("family,dtype,attention,k", matrix(
+    [(*c, k) for c in CASES for k in (1, 3, 5)],
+    {("llama", "bfloat16", "reference", 5), ("qwen2", "float32", "reference", 5), ("qwen3", "bfloat16", "reference", 3),
+     ("llama", "bfloat16", "interpret", 5)},
+))
+def test_chain_verify_equals_decode(family, dtype, attention, k):
+    """Verify blocks of K+1 after prefixes of several lengths (across key-block boundaries), batch 1 and 4 with
+    other rows at other lengths, at another cache capacity than the decode's."""
+    m = model(family, dtype, attention)
+    n = 80
+    seq = _sequence(1, n)
+    want_l, want_a = decode_one_by_one(m, seq)
+    fwd = _forward(m)
+    for batch in (1, 4):
+        for start in (1, 60, 64 - k, n - k - 1):
+            rows = [seq[:start]] + [_sequence(20 + i, 3 + 11 * i) for i in range(batch - 1)]
+            _, _, cache = _prefill(m, fwd, rows, capacity=256)
+            block = np.zeros((batch, k + 1), np.int32)
+            block[0] = seq[start : start + k + 1]
+            block[1:] = np.random.default_rng(start).integers(0, 97, (batch - 1, k + 1))
+            pos = cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+            lg, ax, _ = fwd(jnp.asarray(block), pos, cache)
+            assert_same_bits(
+                np.asarray(lg[0]), np.asarray(ax[0].astype(jnp.float32)), want_l[start : start + k + 1],
+                want_a[start : start + k + 1], m, f"chain K={k} batch {batch} after {start}",
+            )
+
+
+def random_tree(rng, n: int, max_depth: int) -> np.ndarray:
+    """Parent pointers of a random tree of n nodes (node 0 the root), parents before children, depth ≤ max_depth."""
+    parents, depth = [-1], [0]
+    for _ in range(1, n):
+        choices = [i for i in range(len(parents)) if depth[i] < max_depth]
+        p = int(rng.choice(choices))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parents, np.int32)
+
+
+@pytest.mark.parametrize("family,dtype,attention,nodes,max_depth", matrix(
+    [(*c, *size) for c in CASES for size in ((4, 3), (12, 5), (20, 7))],
+    {("llama", "bfloat16", "reference", 12, 5), ("qwen3", "float32", "reference", 20, 7),
+     ("qwen2", "float32", "interpret", 12, 5)},
+))
+def test_tree_verify_equals_decode(family, dtype, attention, nodes, max_depth):
+    """Every node of a random tree (random tokens) gets the bits of decoding its own root-to-node path."""
+    m = model(family, dtype, attention)
+    rng = np.random.default_rng(nodes)
+    fwd = _forward(m)
+    prefix_len = int(rng.integers(1, 70))
+    prefix = _sequence(nodes, prefix_len)
+    for batch in (1, 4):
+        parents = np.stack([random_tree(rng, nodes, max_depth) for _ in range(batch)])
+        tokens = rng.integers(0, 97, (batch, nodes)).astype(np.int32)
+        dt = tree_from_parents(jnp.asarray(tokens), jnp.asarray(parents), max_depth)
+        rows = [prefix] + [_sequence(40 + i, 2 + 13 * i) for i in range(batch - 1)]
+        _, _, cache = _prefill(m, fwd, rows, capacity=256)
+        pos = cache.lengths[:, None] + dt.depths
+        lg, ax, _ = fwd(jnp.asarray(tokens), pos, cache, dt.ancestors)
+        depths = np.asarray(dt.depths[0])
+        for leaf in range(nodes):
+            path = [leaf]
+            while parents[0, path[-1]] >= 0:
+                path.append(int(parents[0, path[-1]]))
+            path = path[::-1]
+            if len(path) < 2 and leaf != 0:
+                continue
+            want_l, want_a = decode_one_by_one(m, np.concatenate([prefix, tokens[0, path]]))
+            assert depths[leaf] == len(path) - 1
+            assert_same_bits(
+                np.asarray(lg[0, leaf]), np.asarray(ax[0, leaf].astype(jnp.float32)), want_l[-1], want_a[-1], m,
+                f"tree node {leaf} (depth {depths[leaf]}) of {nodes}, batch {batch}",
+            )
+            if leaf > 3:
+                break  # a few nodes per tree: each check decodes its whole path
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+@pytest.mark.parametrize("dtype,attention", matrix(
+    [("float32", "reference"), ("bfloat16", "reference"), ("bfloat16", "interpret")], {("bfloat16", "reference")}
+))
+def test_invariant_on_the_mesh(dtype, attention):
+    """On a data=4 x model=2 mesh: decode, prefill and chain/tree verify agree bit for bit with each other (the mesh
+    has its own bits: a model axis splits contractions, so they need not equal one device's); the kernel runs per
+    shard."""
+    m = nnx.clone(model("llama", dtype, attention))
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=4, model=2))
+    gd, params = nnx.split(m)
+    params = sharding.shard_params(params, mesh)
+
+    @functools.partial(jax.jit, static_argnames="empty")
+    def forward(p, t, q, c, a, empty):
+        out = nnx.merge(gd, p)(t, q, sharding.constrain_cache(c), ancestors=a, return_aux=True, empty_cache=empty)
+        return out.logits, out.aux, out.cache
+
+    def run(tokens, positions, cache, ancestors=None, empty=False):
+        with sharding.mesh_context(mesh):
+            return forward(params, tokens, positions, cache, ancestors, empty)
+
+    batch, n = 4, 30
+    seqs = [_sequence(70 + i, n) for i in range(batch)]
+    # canonical on the mesh: one token at a time, all four rows together
+    cache = m.init_cache(batch, 64)
+    want_l, want_a = [], []
+    for i in range(n):
+        lg, ax, cache = run(jnp.asarray([[s[i]] for s in seqs]), jnp.full((batch, 1), i, jnp.int32), cache,
+                            empty=i == 0)
+        cache = kvc.advance(cache, 1)
+        want_l.append(np.asarray(lg[:, 0]))
+        want_a.append(np.asarray(ax[:, 0].astype(jnp.float32)))
+    want_l, want_a = np.stack(want_l, 1), np.stack(want_a, 1)  # [B, n, ...]
+    # prefill of 12, then a chain block of 6
+    toks = jnp.asarray(np.stack([s[:12] for s in seqs]))
+    lg, ax, cache = run(toks, jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (batch, 12)), m.init_cache(batch, 128),
+                        empty=True)
+    assert_same_bits(np.asarray(lg), np.asarray(ax.astype(jnp.float32)), want_l[:, :12], want_a[:, :12], m,
+                     "mesh prefill")
+    cache = kvc.advance(cache, 12)
+    block = jnp.asarray(np.stack([s[12:18] for s in seqs]))
+    lg, ax, _ = run(block, 12 + jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (batch, 6)), cache)
+    assert_same_bits(np.asarray(lg), np.asarray(ax.astype(jnp.float32)), want_l[:, 12:18], want_a[:, 12:18], m,
+                     "mesh chain verify")
+    # a tree whose first path is the true continuation: those nodes get the decode's bits
+    parents = jnp.asarray([[-1, 0, 0, 1, 2, 3, 3]] * batch, jnp.int32)
+    tree_tok = np.stack([[s[12], s[13], 5, s[14], 7, s[15], 9] for s in seqs]).astype(np.int32)
+    dt = tree_from_parents(jnp.asarray(tree_tok), parents, 4)
+    lg, ax, _ = run(jnp.asarray(tree_tok), 12 + dt.depths, cache, dt.ancestors)
+    on_path = [0, 1, 3, 5]
+    assert_same_bits(np.asarray(lg[:, on_path]), np.asarray(ax[:, on_path].astype(jnp.float32)), want_l[:, 12:16],
+                     want_a[:, 12:16], m, "mesh tree verify")
+
+
+def _as_dtype(m: LlamaModel, dtype) -> LlamaModel:
+    """The same weights in another dtype (a fresh skeleton filled with the cast parameters)."""
+    out = LlamaModel(m.config, dtype=dtype, rngs=None)
+    nnx.update(out, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                 nnx.state(m)))
+    return out
+
+
+@pytest.mark.parametrize("tree,batch,attention", matrix(
+    [(tree, b, a) for tree in (None, "8,4,3") for b, a in ((1, "reference"), (4, "reference"), (4, "interpret"))],
+    {(None, 4, "reference"), ("8,4,3", 4, "reference"), ("8,4,3", 4, "interpret")},
+))
+def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
+    """End to end in bfloat16, where plain XLA numerics part the texts: the engine's output is the target's, with
+    the jax.numpy attention and with the Pallas kernel (interpret mode)."""
+    from spec_fixtures import PROMPTS, fitted_head, tiny_target
+
+    from jaxspec.generation import TargetGenerator
+    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.spec.tree import TreeConfig
+
+    target = _as_dtype(tiny_target(), jnp.bfloat16)
+    target.numerics = dataclasses.replace(default_numerics(), attention=attention)
+    want = [c.token_ids for c in TargetGenerator(target, batch_size=1).generate(PROMPTS, max_new_tokens=40)]
+    gen = SpeculativeGenerator(
+        target, fitted_head(), num_draft=5, batch_size=batch, tree=None if tree is None else TreeConfig.parse(tree)
+    )
+    got = gen.generate(PROMPTS, max_new_tokens=40)
+    assert [c.token_ids for c in got] == want
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.5  # drafts really are accepted
