@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
+    if args.compare_numerics and args.suite:
+        raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
     if args.accept_prob is not None and (head is None or args.tree):
         raise JaxspecError("--accept-prob needs a draft head and applies to chains only (drop --tree)")
     if args.suite:

@@ -88,14 +88,18 @@ class TargetGenerator:
         return [{} for _ in range(n_rows)]
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-        limit = self.config.context_length
+        """Prompt + new tokens + the slots one step writes ahead (a verify window) must fit the context: a verify
+        entry past the cache would be dropped and another read in its place."""
+        limit = self.config.context_length - self.extra_capacity
+        ahead = f" and the {self.extra_capacity} slots a verify step writes ahead" if self.extra_capacity else ""
         for i, n in enumerate(prompt_lengths):
             if n == 0:
                 raise JaxspecError(f"prompt {i} is empty after tokenization")
             if n + max_new_tokens > limit:
                 raise JaxspecError(
-                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds the model's "
-                    f"context length of {limit} tokens (shorten the prompt or lower --max-new-tokens)"
+                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens}{ahead} that exceeds the "
+                    f"model's context length of {self.config.context_length} tokens (shorten the prompt or lower "
+                    "--max-new-tokens)"
                 )
 
     def _compiled_fn(self, name: str, fn, *args, **static):

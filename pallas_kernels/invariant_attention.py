@@ -73,6 +73,9 @@ def finish(state):
     return a * inv_l[..., None]
 
 
+QUERY_CHUNK = 16  # query tokens per pass: bounds the per-token copies of the cache the batched dots read
+
+
 def invariant_attention_reference(
     q: jax.Array,  # [B, T, Hq, D]
     k_cache: jax.Array,  # [B, Hkv, S, D] this call's K/V already written at slots lengths + i
@@ -85,7 +88,28 @@ def invariant_attention_reference(
     key_block: int = 64,
     num_blocks: int | None = None,  # static bound on the blocks any query can see (prefills: ceil(T / Bk))
 ) -> jax.Array:
-    """→ [B, T, Hq, D] in q's dtype."""
+    """→ [B, T, Hq, D] in q's dtype. More than QUERY_CHUNK tokens go QUERY_CHUNK at a time (a loop): each token's
+    operations are the same, and memory stays O(QUERY_CHUNK · S) instead of O(T · S) for a long prefill."""
+    t = q.shape[1]
+    attend = functools.partial(_attend_tokens, key_block=key_block, num_blocks=num_blocks)
+    if t <= QUERY_CHUNK:
+        return attend(q, k_cache, v_cache, lengths, positions, ancestors)
+    chunks = -(-t // QUERY_CHUNK)
+    pad = chunks * QUERY_CHUNK - t
+
+    def split(x):  # [B, T, ...] -> [chunks, B, QUERY_CHUNK, ...] (padding tokens see position 0; dropped)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], chunks, QUERY_CHUNK, *x.shape[2:]), 1, 0)
+
+    xs = (split(q), split(positions)) + (() if ancestors is None else (split(ancestors),))
+    out = jax.lax.map(
+        lambda c: attend(c[0], k_cache, v_cache, lengths, c[1], c[2] if ancestors is not None else None), xs
+    )  # [chunks, B, QUERY_CHUNK, Hq, D]
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], chunks * QUERY_CHUNK, *q.shape[2:])[:, :t]
+
+
+def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None):
+    """invariant_attention_reference on one group of query tokens."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv

@@ -1,9 +1,12 @@
 """Speculative sampling is lossless: the joint distribution of the first two tokens equals the target's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 from spec_fixtures import fitted_head, tiny_target
 
@@ -17,9 +20,18 @@ PROMPT = [3, 7, 1, 12]
 SHAPE = dict(vocab=VOCAB, embed_scale=20.0, logit_scale=15.0)
 
 
+@functools.cache
+def plain_target():
+    """These tests check the sampling algorithm, not bits: the target with plain XLA numerics keeps 20 000 draws
+    fast (batch-invariant numerics have their own tests, tests/test_invariance.py)."""
+    model = nnx.clone(tiny_target(**SHAPE))
+    model.numerics = None
+    return model
+
+
 def exact_joint(sampling: SamplingConfig):
     """P(x1, x2) [V, V] and the head's first-draft distribution q(x | x1) [V, V], computed directly."""
-    target, head = tiny_target(**SHAPE), fitted_head(**SHAPE)
+    target, head = plain_target(), fitted_head(**SHAPE)
     n = len(PROMPT)
     seqs = jnp.asarray([PROMPT + [x1] for x1 in range(VOCAB)], jnp.int32)  # every possible first token
     pos = jnp.broadcast_to(jnp.arange(n + 1, dtype=jnp.int32), seqs.shape)
@@ -55,7 +67,7 @@ def first_two(completions) -> np.ndarray:
     "sampling", [SamplingConfig(1.0), SamplingConfig(1.5, top_k=6), SamplingConfig(2.0, top_p=0.9)], ids=str
 )
 def test_joint_distribution_and_acceptance_rate(sampling):
-    target, head = tiny_target(**SHAPE), fitted_head(**SHAPE)
+    target, head = plain_target(), fitted_head(**SHAPE)
     joint, p2, q = exact_joint(sampling)
     prompts = [PROMPT] * N
 
@@ -78,7 +90,7 @@ def test_joint_distribution_and_acceptance_rate(sampling):
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(1.5, top_k=6)], ids=str)
 def test_tree_sampling_is_lossless(sampling):
     """Trees verified with the target-only sibling walk: the first two tokens follow the target's joint."""
-    target, head = tiny_target(**SHAPE), fitted_head(**SHAPE)
+    target, head = plain_target(), fitted_head(**SHAPE)
     joint, _, _ = exact_joint(sampling)
     gen = SpeculativeGenerator(target, head, tree=TreeConfig(8, 3, 3), batch_size=N)
     spec = gen.generate([PROMPT] * N, max_new_tokens=2, sampling=sampling, seed=13)

@@ -172,7 +172,7 @@ def generate(args) -> None:
     if not mine:
         print(f"all {num_shards} shards exist in {out}", file=sys.stderr)
         return
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype)
+    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, numerics=args.numerics)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     gen = TargetGenerator(model, batch_size=args.batch_size)
     limit = model.config.context_length - args.max_new_tokens

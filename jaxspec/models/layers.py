@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.numerics import exact_mul
+
 NEG_INF = -1e30  # finite, so that a fully masked row gives zeros instead of NaN
 
 
@@ -22,8 +24,6 @@ def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, invariant: bool = Fa
     before cos/sin, so that XLA cannot contract the product into cos/sin's own arithmetic in some programs and not
     others (seen on XLA:CPU)."""
     if invariant:
-        from jaxspec.models.numerics import exact_mul
-
         freqs = exact_mul(positions.astype(jnp.float32)[..., None], inv_freq)  # [B, T, D/2]
     else:
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
@@ -39,8 +39,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, invariant: bool = F
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     if invariant:
-        from jaxspec.models.numerics import exact_mul
-
         return exact_mul(x, cos) + exact_mul(rotated, sin)
     return x * cos + rotated * sin
 

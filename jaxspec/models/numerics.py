@@ -34,12 +34,13 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """The fixed shapes that define the target's floating-point operations. Two runs agree bit for bit only with the
-    same Numerics (and the same backend and mesh); it is chosen once per process by backend."""
+    same Numerics (and the same backend and mesh); a model takes `default_numerics()` of its backend when built."""
 
     row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
     opaque_loops: bool = False  # tiles always in a loop body XLA cannot inline (see tiled_matmul); for CPU
-    attention: str = "reference"  # "reference" (jax.numpy), "pallas" (compiled kernel), "interpret" (kernel, tests)
+    attention: str = "reference"  # "reference" (jax.numpy), "interpret" (the Pallas kernel in interpret mode: tests),
+    # "pallas" (the kernel compiled: not yet run on a GPU or TPU, see pallas_kernels/invariant_attention.py)
 
     def __post_init__(self):
         if self.attention not in ("reference", "pallas", "interpret"):
