@@ -27,11 +27,12 @@ def prompt_bucket(length: int) -> int:
     return max(MIN_PROMPT_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 
-def capacity_bucket(needed: int, context_length: int) -> int:
-    """Cache slots: a power of two up to 256 (≥ 16), then multiples of 256, at most the context length."""
+def capacity_bucket(needed: int, limit: int) -> int:
+    """Cache slots: a power of two up to 256 (≥ 16), then multiples of 256, at most `limit` (the context length plus
+    the slots a verify step writes ahead)."""
     if needed <= CAPACITY_QUANTUM:
-        return min(prompt_bucket(needed), context_length)
-    return min(-(-needed // CAPACITY_QUANTUM) * CAPACITY_QUANTUM, context_length)
+        return min(prompt_bucket(needed), limit)
+    return min(-(-needed // CAPACITY_QUANTUM) * CAPACITY_QUANTUM, limit)
 
 
 @dataclasses.dataclass
@@ -88,16 +89,16 @@ class TargetGenerator:
         return [{} for _ in range(n_rows)]
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-        """Prompt + new tokens + the slots one step writes ahead (a verify window) must fit the context: a verify
-        entry past the cache would be dropped and another read in its place."""
-        limit = self.config.context_length - self.extra_capacity
-        ahead = f" and the {self.extra_capacity} slots a verify step writes ahead" if self.extra_capacity else ""
+        """Prompt + new tokens must fit the context. The slots a verify step writes ahead of the committed length are
+        scratch past it (the cache gets `extra_capacity` more), so speculation accepts every prompt target-only does:
+        a token there is never committed, and causal attention keeps it out of every committed token's logits."""
+        limit = self.config.context_length
         for i, n in enumerate(prompt_lengths):
             if n == 0:
                 raise JaxspecError(f"prompt {i} is empty after tokenization")
             if n + max_new_tokens > limit:
                 raise JaxspecError(
-                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens}{ahead} that exceeds the "
+                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds the "
                     f"model's context length of {self.config.context_length} tokens (shorten the prompt or lower "
                     "--max-new-tokens)"
                 )
@@ -148,7 +149,9 @@ class TargetGenerator:
     def _generate_batch(self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens) -> list[Completion]:
         b = self.batch_size
         longest = max(len(p) for p in batch)
-        capacity = capacity_bucket(longest + max_new_tokens + self.extra_capacity, self.config.context_length)
+        capacity = capacity_bucket(
+            longest + max_new_tokens + self.extra_capacity, self.config.context_length + self.extra_capacity
+        )
         t = min(prompt_bucket(longest), capacity)
         prompt = np.zeros((b, t), np.int32)
         lens = np.zeros((b,), np.int32)

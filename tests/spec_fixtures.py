@@ -15,12 +15,16 @@ PROMPTS = [[5, 17, 3, 9], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4], [33], [70, 71
 
 
 @functools.cache
-def tiny_target(vocab: int = 101, embed_scale: float = 20.0, logit_scale: float = 1.0, seed: int = 0) -> LlamaModel:
+def tiny_target(
+    vocab: int = 101, embed_scale: float = 20.0, logit_scale: float = 1.0, seed: int = 0, context: int = 2048
+) -> LlamaModel:
     """A random 4-layer target whose embeddings dominate its residual stream, so that its next token depends mostly
     on the current one: predictable enough for a briefly fitted head to reach multi-token acceptance.
-    `logit_scale` sharpens its distributions for sampling tests (random weights give near-uniform ones)."""
+    `logit_scale` sharpens its distributions for sampling tests (random weights give near-uniform ones). `context`
+    (the context length) does not change the weights."""
     cfg = TargetConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=context,
     )
     model = LlamaModel(cfg, rngs=nnx.Rngs(seed))
     model.embed_tokens.set_value(model.embed_tokens[...] * embed_scale)

@@ -46,6 +46,21 @@ def test_eos_and_budget_inside_a_window(reference):
         assert [c.token_ids for c in got] == [ref[:budget] for ref in reference]
 
 
+@pytest.mark.parametrize("tree", [None, TreeConfig(8, 3, 2)], ids=["chain", "tree"])
+def test_a_prompt_that_fills_the_context_speculates_to_its_last_token(tree):
+    """Prompt + new tokens = the context length: target-only runs it, so speculation must too, and equal it (the
+    verify window's slots past the context are scratch, never committed)."""
+    model = tiny_target(context=40)
+    prompts = [[(7 * i + j) % 101 for i in range(40 - 9)] for j in range(2)]
+    want = [c.token_ids for c in TargetGenerator(model, batch_size=2).generate(prompts, max_new_tokens=9)]
+    spec = SpeculativeGenerator(model, fitted_head(), num_draft=5, tree=tree, batch_size=2)
+    got = spec.generate(prompts, max_new_tokens=9)
+    assert [c.token_ids for c in got] == want
+    assert all(len(w) == 9 for w in want)
+    with pytest.raises(JaxspecError, match="exceeds the model's context length of 40"):
+        spec.generate(prompts, max_new_tokens=10)
+
+
 def test_forced_rejection_never_changes_output(reference):
     """A head whose every draft is off by one token: all drafts are rejected (their K/V written, never committed)."""
     head = nnx.clone(fitted_head())
