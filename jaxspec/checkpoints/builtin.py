@@ -162,32 +162,57 @@ def gguf_tensors(reader, config: dict):
             raise JaxspecError(f"unexpected tensor {t.name!r} in the GGUF file")
 
 
-def gguf_tokenizer(gguf_path: Path):
-    """A transformers fast tokenizer rebuilt from the GGUF metadata, with the chat template it carries."""
-    from tokenizers import pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+_GGUF_CONTROL = 3  # llama.cpp's token type of special (control) tokens
 
-    architecture, tok_dict, tok_config = get_gguf_tokenizer(str(gguf_path))
-    backend, _ = convert_gguf_tokenizer(architecture, tok_dict)
-    if tok_dict.get("pre_tokenizer_type") == "smollm":
-        # llama.cpp's "smollm" pre-tokenizer (= SmolLM2's tokenizer.json): each digit alone, then GPT-2 splitting.
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-            ]
+
+def gguf_tokenizer(reader):
+    """A transformers fast tokenizer rebuilt from the GGUF metadata with the `tokenizers` library's public API, with
+    the chat template the file carries. SmolLM2's GGUF is a GPT-2 style byte-level BPE ("gpt2") with llama.cpp's
+    "smollm" pre-tokenizer, which is SmolLM2's own tokenizer.json: each digit alone, then GPT-2 splitting. (Not
+    transformers' GGUF loader: its converter is private and moves between releases.)"""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind, pre = _field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")
+    if (kind, pre) != ("gpt2", "smollm"):
+        raise JaxspecError(f"GGUF tokenizer {kind!r} with pre-tokenizer {pre!r} is not SmolLM2's (gpt2, smollm)")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    backend = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=merges,
+            fuse_unk=False,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
         )
-    tokenizer = PreTrainedTokenizerFast(
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A:0 $B:1")
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL]
+    )
+
+    def token(key: str) -> str | None:
+        index = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return None if index is None else tokens[int(index)]
+
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=tok_config.get("bos_token"),
-        eos_token=tok_config.get("eos_token"),
-        unk_token=tok_config.get("unk_token"),
-        pad_token=tok_config.get("pad_token"),
-        chat_template=tok_config.get("chat_template"),
+        bos_token=token("bos"),
+        eos_token=token("eos"),
+        unk_token=token("unknown"),
+        pad_token=token("padding"),
+        chat_template=_field(reader, "tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )
-    return tokenizer
 
 
 def build_smollm2(out_dir: Path, gguf_path: Path | None = None, log=print) -> Path:
@@ -212,7 +237,7 @@ def build_smollm2(out_dir: Path, gguf_path: Path | None = None, log=print) -> Pa
         (stage / "generation_config.json").write_text(
             json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2)
         )
-        gguf_tokenizer(gguf_path).save_pretrained(str(stage))
+        gguf_tokenizer(reader).save_pretrained(str(stage))
         (stage / _DONE_MARKER).write_text(f"built from {PACKAGE}\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
