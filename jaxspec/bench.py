@@ -23,6 +23,7 @@ from jaxspec.cli_common import (
     add_draft_args,
     add_mesh_args,
     add_target_args,
+    check_generation_args,
     head_aux_layer_ids,
     load_head_for,
     load_target_and_tokenizer,
@@ -31,7 +32,9 @@ from jaxspec.cli_common import (
     resolve_draft,
     resolve_mesh,
     resolve_target,
+    run_program,
 )
+from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 from jaxspec.prompts import SUITES
 
@@ -66,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chain-lengths", type=_int_list, metavar="K,...",
                         help="suite: chain lengths to measure (default: 3,5)")
     parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
-    parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (0 = all)")
+    parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (default: 0, all)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
     parser.add_argument("--batch-size", type=int, default=1, metavar="B", help="one run's batch size (default: 1)")
     parser.add_argument(
@@ -87,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
+
+
+def check_bench_args(args) -> None:
+    """The benchmark's own flags, checked before anything loads (a bad value must not cost a benchmark pass)."""
+    if args.limit < 0:
+        raise JaxspecError(f"--limit must be 0 (all prompts) or more, got {args.limit}")
+    if args.accept_prob is not None and not 0.0 <= args.accept_prob <= 1.0:
+        raise JaxspecError(f"--accept-prob is a probability, between 0 and 1; got {args.accept_prob}")
+    if args.accept_prob is not None and args.tree:
+        raise JaxspecError("--accept-prob applies to chains only; drop --tree")
+    if args.compare_numerics and args.suite:
+        raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
+    if args.compare_hf and importlib.util.find_spec("torch") is None:
+        raise JaxspecError(_NEEDS_TORCH)
+    for k in args.chain_lengths or []:
+        if k > MAX_DRAFT_DEPTH:
+            raise JaxspecError(f"--chain-lengths: {k} is more than {MAX_DRAFT_DEPTH} drafts per verify step")
 
 
 def _int_list(text: str) -> list[int]:
@@ -205,22 +225,23 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.load_time:
         return run_load_time(args)
+    check_generation_args(args, tree_sets_depth=False)
+    check_bench_args(args)
     prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
         prompts = prompts[: args.limit]
     mesh = resolve_mesh(args)
     target_dir = resolve_target(args.target)
     draft = resolve_draft(args)
+    if draft is None and (args.accept_prob is not None or args.chain_lengths or args.tree):
+        raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft), mesh=mesh, numerics=args.numerics
+        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), mesh=mesh,
+        numerics=args.numerics,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
-    if args.compare_numerics and args.suite:
-        raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
-    if args.accept_prob is not None and (head is None or args.tree):
-        raise JaxspecError("--accept-prob needs a draft head and applies to chains only (drop --tree)")
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
 
@@ -348,10 +369,6 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
-    if head is None and (args.chain_lengths or args.tree):
-        raise JaxspecError("--chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
-    if args.compare_hf and importlib.util.find_spec("torch") is None:
-        raise JaxspecError(_NEEDS_TORCH)  # before the long runs, not after
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
@@ -441,4 +458,4 @@ def _table(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 
 
@@ -50,7 +53,8 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         help="target-only generation (with the built-in target, its shipped head is the default draft)",
     )
     parser.add_argument(
-        "--num-speculative-tokens", type=int, default=5, metavar="K", help="drafts per verify step (default: 5)"
+        "--num-speculative-tokens", type=int, metavar="K",
+        help=f"drafts per verify step, 1..{MAX_DRAFT_DEPTH} (default: {DEFAULT_SPECULATIVE_TOKENS})",
     )
     parser.add_argument(
         "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
@@ -92,21 +96,53 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
     return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
 
 
-def head_aux_layer_ids(draft: str | None):
-    """The target layers a head reads (None: the target's default), read before the target is built."""
+def head_aux_layer_ids(draft: str | None, target_dir: Path):
+    """The target layers a head reads (None: the target's default), read from the two config.json files and checked
+    (vocabulary, hidden sizes, layer ids) before any weights are loaded."""
     if draft is None:
         return None
     import json
 
-    from jaxspec.checkpoints.heads import head_config_from_hf
-    from jaxspec.errors import JaxspecError
+    from jaxspec.checkpoints.heads import head_config_from_hf, validate_head
+    from jaxspec.config import load_target_config
 
     config = Path(draft) / "config.json"
     if not Path(draft).exists():
         raise JaxspecError(f"draft head path {draft!r} does not exist")
     if not config.is_file():
         raise JaxspecError(f"draft head directory {draft!r} has no config.json")
-    return head_config_from_hf(json.loads(config.read_text()))[1].aux_layer_ids
+    try:
+        raw = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise JaxspecError(f"{str(config)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    head = head_config_from_hf(raw)[1]
+    validate_head(head, load_target_config(target_dir))
+    return head.aux_layer_ids
+
+
+DEFAULT_SPECULATIVE_TOKENS = 5
+
+
+def check_generation_args(args, *, tree_sets_depth: bool) -> None:
+    """Cheap flag checks, run right after parsing so that a bad value fails before a model loads. Fills the default
+    of --num-speculative-tokens (None on the command line means "not given"). tree_sets_depth: --tree replaces the
+    chain (generate) rather than being measured beside it (bench)."""
+    for flag in ("max_new_tokens", "batch_size"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise JaxspecError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    k = args.num_speculative_tokens
+    if k is not None and not 1 <= k <= MAX_DRAFT_DEPTH:
+        raise JaxspecError(f"--num-speculative-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {k}")
+    if args.no_draft and (k is not None or args.tree):
+        given = "--num-speculative-tokens" if k is not None else "--tree"
+        raise JaxspecError(f"--no-draft runs the target alone, {given} drafts; pass one of them")
+    if tree_sets_depth and args.tree and k is not None:
+        raise JaxspecError(
+            f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
+        )
+    if k is None:
+        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
 
 
 def load_target_and_tokenizer(
@@ -147,6 +183,53 @@ def main_guard(main):
             sys.exit(130)
 
     return wrapper
+
+
+def exit_on_interrupt(stop: threading.Event | None = None) -> None:
+    """Make Ctrl-C end this program with exit code 130 and a one-line note, at any stage. Python's C-level handler
+    writes each signal to a wakeup pipe the moment it arrives, in whichever thread the kernel picked; a waiting
+    thread reads it and leaves with os._exit. So the exit neither waits for a compile to return to Python nor tears
+    the interpreter down around XLA's running compile threads (a sys.exit from a KeyboardInterrupt there died by
+    SIGSEGV). The main thread's own handler does nothing: no KeyboardInterrupt is raised anywhere.
+
+    stop: a program with work to save (training) gets the first Ctrl-C as this event, to stop at its next safe
+    point and save; a second Ctrl-C exits at once. Call this in a program's entry point (the main thread), never
+    in library code or under pytest."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def say(note: str) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.write(2, f"\n{note}\n".encode())
+
+    def wait() -> None:
+        first = True
+        while True:
+            for signum in os.read(read_end, 64):
+                if signum != signal.SIGINT:
+                    continue
+                if first and stop is not None:
+                    stop.set()
+                    say("interrupted: stopping after this step to save a checkpoint (Ctrl-C again: quit, unsaved)")
+                    first = False
+                    continue
+                say("interrupted")
+                os._exit(130)
+
+    threading.Thread(target=wait, name="sigint", daemon=True).start()
+
+
+def run_program(main, stop: threading.Event | None = None) -> None:
+    """A CLI module's `__main__` entry: Ctrl-C exits 130 (exit_on_interrupt; `stop` for programs that save first),
+    otherwise main's return code."""
+    exit_on_interrupt(stop)
+    sys.exit(main())
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:

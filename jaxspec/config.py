@@ -10,6 +10,11 @@ from typing import Any
 
 from jaxspec.errors import JaxspecError
 
+# The most drafts one verify step may check along a path (a chain's K, a tree's DEPTH). Acceptance decays
+# geometrically with depth, so past ~10 a verify slot is almost never used; the bound also keeps a tree node and its
+# ancestors within the two 64-key blocks the invariant attention gathers them into.
+MAX_DRAFT_DEPTH = 32
+
 # Hugging Face `model_type` → what differs from plain Llama.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -106,6 +111,18 @@ class HeadConfig:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:
             raise JaxspecError(f"draft_vocab_size={self.draft_vocab_size} exceeds the vocabulary {self.vocab_size}")
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, **overrides) -> HeadConfig:
+        """The usual EAGLE-3 head of a target: its attention shape, MLP width, vocabulary, norms, RoPE and feature
+        layers, one decoder layer; `overrides` replace any field (e.g. draft_vocab_size, intermediate_size)."""
+        base = dict(
+            hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim, intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
+            draft_vocab_size=target.vocab_size, target_hidden_size=target.hidden_size,
+            rms_norm_eps=target.rms_norm_eps, rope=target.rope, aux_layer_ids=target.aux_layer_ids,
+        )
+        return cls(**{**base, **overrides})
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:

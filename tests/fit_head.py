@@ -19,13 +19,10 @@ from jaxspec.sampling import SamplingConfig
 
 
 def head_config_for(target: LlamaModel, **overrides) -> HeadConfig:
-    t = target.config
-    base = dict(
-        hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-        intermediate_size=2 * t.hidden_size, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
-        target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps, aux_layer_ids=t.aux_layer_ids,
+    # the default RoPE (not the target's), as the fitted test heads were made
+    return HeadConfig.for_target(
+        target.config, intermediate_size=2 * target.config.hidden_size, rope=HeadConfig.rope, **overrides
     )
-    return HeadConfig(**{**base, **overrides})
 
 
 def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:

@@ -79,3 +79,18 @@ class ByteTokenizer:
 
     def get_vocab(self):
         return {}
+
+
+def write_char_tokenizer(out_dir: str | Path) -> None:
+    """A real (saved, loadable with AutoTokenizer) one-token-per-character tokenizer for the tiny checkpoints, so
+    that subprocess tests run the CLIs unpatched: printable ASCII, <unk> and <eos> — 97 ids, the tiny vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {ch: i for i, ch in enumerate([*chars, "<unk>", "<eos>"])}
+    assert len(vocab) == COMMON["vocab_size"]
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.save_pretrained(str(out_dir))

@@ -117,3 +117,22 @@ def test_tensorboard_scalars_follow_the_jsonl_log(setup):
     events.Reload()
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert loss == [(s, pytest.approx(v)) for s, v in sorted(losses(setup / "board").items())]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(setup):
+    """The first Ctrl-C stops after the current step, saves it, exits 130; the same command resumes from there."""
+    proc = launch(config(setup, "interrupted", 400), "train.checkpoint_every=1000", wait=False)
+    metrics = setup / "interrupted" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "saved step" in err
+    ckpts = setup / "interrupted" / "checkpoints"
+    saved = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    assert 2 <= saved < 400  # not a scheduled checkpoint (every 1000): the interrupt's own
+    assert sorted(losses(setup / "interrupted")) == list(range(saved))
+    launch(config(setup, "interrupted", saved + 2), "train.checkpoint_every=1000")
+    assert sorted(losses(setup / "interrupted")) == list(range(saved + 2))  # resumed at `saved`, nothing redone

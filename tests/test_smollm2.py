@@ -1,6 +1,5 @@
 """The built-in SmolLM2-135M-Instruct target: conversion, logit parity and greedy generation vs transformers."""
 
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +10,9 @@ import transformers
 from jaxspec.checkpoints import builtin
 from jaxspec.checkpoints.hf import load_target
 from jaxspec.generation import TargetGenerator
-from jaxspec.prompts import encode_prompt, load_tokenizer, read_prompts_file, stop_token_ids
+from jaxspec.prompts import encode_prompt, load_tokenizer, stop_token_ids, suite_prompts
 
 pytestmark = pytest.mark.smollm2
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +59,10 @@ def test_logits_match_transformers(model, hf_model):
     np.testing.assert_allclose(np.asarray(out.aux), want, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
 def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
-    prompts = [encode_prompt(tok, text, raw=False) for _, text in read_prompts_file(SHARED / "mt_bench_questions.jsonl")[:10]]
+    prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:10]]
     got = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=64, stop_ids=stops)
     for prompt, c in zip(prompts, got):
         with torch.no_grad():
@@ -76,7 +73,6 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
         assert c.token_ids == out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
 def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):
     from fit_head import head_config_for
     from flax import nnx
@@ -86,7 +82,7 @@ def test_speculative_greedy_with_random_head_equals_target_only(target_dir, mode
 
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
-    prompts = [encode_prompt(tok, text, raw=False) for _, text in read_prompts_file(SHARED / "mt_bench_questions.jsonl")[:4]]
+    prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:4]]
     head = Eagle3Head(head_config_for(model, draft_vocab_size=8192), rngs=nnx.Rngs(0))
     ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
     got = SpeculativeGenerator(model, head, num_draft=3, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)

@@ -12,7 +12,7 @@ its loss mask is 1 on the response (positions ≥ prompt_lens[i]). Shards are wr
 then rename) and cover fixed slices of a seeded shuffle of the prompts, so a killed run resumes by skipping the
 shards that exist, and host h of n takes shards h, h+n, ... .
 
-  python -m train.data generate --prompts ../shared/data/train_prompts.jsonl --out DIR [--limit N] ...
+  python -m train.data generate [--prompts train] [--exclude mt_bench gsm8k] --out DIR [--limit N] ...
   python -m train.data features --data DIR [--target DIR]
 """
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import ml_dtypes
@@ -34,10 +35,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def load_prompts(path: str | Path, seed: int, exclude: list[str | Path] = ()) -> list[tuple[str, str]]:
     """(id, prompt) pairs in a seeded shuffle (sources mixed), minus any prompt text found in `exclude` files."""
-    from jaxspec.prompts import read_prompts_file
+    from jaxspec.prompts import prompt_set_path, read_prompts_file
 
-    banned = {text.strip() for f in exclude for _, text in read_prompts_file(f)}
-    prompts = [(pid, text) for pid, text in read_prompts_file(path) if text.strip() not in banned]
+    banned = {text.strip() for f in exclude for _, text in read_prompts_file(prompt_set_path(f))}
+    prompts = [(pid, text) for pid, text in read_prompts_file(prompt_set_path(path)) if text.strip() not in banned]
     order = np.random.default_rng(seed).permutation(len(prompts))
     return [prompts[i] for i in order]
 
@@ -68,6 +69,32 @@ def features_path(shard: Path) -> Path:
     return shard.with_name(shard.name.replace("shard-", "features-"))
 
 
+def require_shards(directory: str | Path, what: str = "data shards") -> list[Path]:
+    """The shard files of a dataset directory; a one-line error if it is missing, not a directory or empty."""
+    d = Path(directory)
+    hint = "python -m train.data generate --out DIR writes them"
+    if not d.exists():
+        raise JaxspecError(f"data directory {str(d)!r} does not exist ({hint})")
+    if not d.is_dir():
+        raise JaxspecError(f"data path {str(d)!r} is not a directory ({hint})")
+    shards = shard_files(d)
+    if not shards:
+        raise JaxspecError(f"data directory {str(d)!r} holds no {what} (shard-*.npz; {hint})")
+    return shards
+
+
+def load_npz(path: Path, *names: str) -> list[np.ndarray]:
+    """The named arrays of a .npz file, each read once; a damaged or incomplete file is a one-line error."""
+    try:
+        with np.load(path) as f:
+            absent = [name for name in names if name not in f.files]
+            if absent:
+                raise JaxspecError(f"{str(path)!r} lacks array {absent[0]!r} (not written by train.data?)")
+            return [f[name] for name in names]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise JaxspecError(f"cannot read {str(path)!r}: {e} (delete it and run the command again)") from None
+
+
 def read_shards(directory: str | Path, with_features: bool = False) -> list[tuple]:
     """All (tokens, loss_mask) sequences of a dataset directory, in shard order; with_features adds each
     sequence's (aux, hidden) arrays from the features files (an error if a shard has none)."""
@@ -77,18 +104,17 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
         if with_features:
             if not features_path(path).is_file():
                 raise JaxspecError(f"{path.name} has no features file (run python -m train.data features)")
-            with np.load(features_path(path)) as f:  # each access of an npz member reads it again: once per shard
-                feats = {"aux": f["aux"].view(BF16), "hidden": f["hidden"].view(BF16)}
-        with np.load(path) as shard:
-            tokens, offsets, plens = shard["tokens"], shard["offsets"], shard["prompt_lens"]
-            for i in range(len(plens)):
-                a, b = offsets[i], offsets[i + 1]
-                seq = tokens[a:b]
-                mask = (np.arange(len(seq)) >= plens[i]).astype(np.int32)
-                if feats is None:
-                    out.append((seq, mask))
-                else:  # stored as raw bfloat16 bits
-                    out.append((seq, mask, feats["aux"][a:b], feats["hidden"][a:b]))
+            aux, hidden = load_npz(features_path(path), "aux", "hidden")  # stored as raw bfloat16 bits
+            feats = {"aux": aux.view(BF16), "hidden": hidden.view(BF16)}
+        tokens, offsets, plens = load_npz(path, "tokens", "offsets", "prompt_lens")
+        for i in range(len(plens)):
+            a, b = offsets[i], offsets[i + 1]
+            seq = tokens[a:b]
+            mask = (np.arange(len(seq)) >= plens[i]).astype(np.int32)
+            if feats is None:
+                out.append((seq, mask))
+            else:
+                out.append((seq, mask, feats["aux"][a:b], feats["hidden"][a:b]))
     return out
 
 
@@ -105,6 +131,11 @@ def compute_features(args) -> None:
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.cli_common import resolve_target
 
+    shards = require_shards(args.data)
+    todo = [p for p in shards if not features_path(p).exists()]
+    if not todo:
+        print(f"all {len(shards)} shards in {args.data} have features", file=sys.stderr)
+        return
     target = load_target(resolve_target(args.target))
     target.numerics = None  # features are values for training: plain XLA numerics, no batch-invariance needed
     graphdef, state = nnx.split(target)
@@ -118,10 +149,8 @@ def compute_features(args) -> None:
         return out.aux.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
 
     cfg = target.config
-    todo = [p for p in shard_files(args.data) if not features_path(p).exists()]
     for path in tqdm(todo, desc="features", unit="shard"):
-        with np.load(path) as shard:
-            tokens, offsets = shard["tokens"], shard["offsets"]
+        tokens, offsets = load_npz(path, "tokens", "offsets")
         aux_out = np.zeros((len(tokens), len(cfg.aux_layer_ids) * cfg.hidden_size), BF16)
         hid_out = np.zeros((len(tokens), cfg.hidden_size), BF16)
         lengths = np.diff(offsets)
@@ -146,25 +175,44 @@ def generate(args) -> None:
     from tqdm import tqdm
 
     from jaxspec.cli_common import load_target_and_tokenizer, resolve_target
+    from jaxspec.config import load_target_config
     from jaxspec.generation import TargetGenerator
-    from jaxspec.prompts import encode_prompt, stop_token_ids
+    from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
 
+    if args.host_index >= args.num_hosts:
+        raise JaxspecError(
+            f"--host-index must be in 0..{args.num_hosts - 1} (--num-hosts {args.num_hosts}), got {args.host_index}"
+        )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise JaxspecError(f"--out {str(out)!r} exists and is not a directory")
+    # The inputs are checked before anything is written.
     prompts = load_prompts(args.prompts, args.seed, args.exclude)
     if args.limit:
         prompts = prompts[: args.limit]
+    if not prompts:
+        raise JaxspecError(f"every prompt of {args.prompts!r} is in an --exclude file: nothing to generate")
     target_dir = resolve_target(args.target)
+    load_target_config(target_dir)  # a missing or broken --target fails here, not after writing meta.json
+    out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "target": target_dir.name, "prompts": Path(args.prompts).name, "seed": args.seed, "shard_size": args.shard_size,
-        "max_new_tokens": args.max_new_tokens, "decoding": "greedy", "chat_template": True, "num_prompts": len(prompts),
+        "target": target_dir.name,
+        "prompts": prompt_set_path(args.prompts).name,
+        "seed": args.seed,
+        "shard_size": args.shard_size,
+        "max_new_tokens": args.max_new_tokens,
+        "decoding": "greedy",
+        "chat_template": True,
+        "num_prompts": len(prompts),
     }
     meta_file = out / "meta.json"
     if meta_file.is_file():
         old = json.loads(meta_file.read_text())
         changed = {k for k in ("target", "seed", "shard_size", "max_new_tokens") if old.get(k) != meta[k]}
         if changed:
-            raise JaxspecError(f"{out} was generated with other settings ({', '.join(sorted(changed))}); use a new --out")
+            raise JaxspecError(
+                f"{out} was generated with other settings ({', '.join(sorted(changed))}); use a new --out"
+            )
     meta_file.write_text(json.dumps(meta, indent=2))
 
     num_shards = -(-len(prompts) // args.shard_size)
@@ -193,27 +241,107 @@ def generate(args) -> None:
         )
 
 
-def main(argv=None) -> int:
-    from jaxspec.cli_common import add_target_args, main_guard
+def _count(minimum: int):
+    """argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxspec.cli_common import add_target_args
 
     parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="write self-distilled responses in resumable shards")
+    g = sub.add_parser(
+        "generate",
+        help="write self-distilled responses in resumable shards",
+        description="Write the target's greedy responses to the prompts in resumable shards of --out.",
+    )
     add_target_args(g)
-    g.add_argument("--prompts", required=True, metavar="FILE.jsonl")
-    g.add_argument("--out", required=True, metavar="DIR")
-    g.add_argument("--exclude", nargs="*", default=[], metavar="FILE", help="prompt files to keep out (eval sets)")
-    g.add_argument("--limit", type=int, default=0, help="use the first N prompts of the shuffle (0 = all)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--shard-size", type=int, default=64)
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--max-new-tokens", type=int, default=192)
-    g.add_argument("--host-index", type=int, default=0)
-    g.add_argument("--num-hosts", type=int, default=1)
-    f = sub.add_parser("features", help="cache the target's features per shard (offline training, small targets)")
+    g.add_argument(
+        "--prompts",
+        default="train",
+        metavar="NAME|FILE.jsonl",
+        help="training prompts: a set shipped with jaxspec (train: 17.5k GSM8K-train, CodeAlpaca, T0, Self-Instruct "
+        "and Alpaca prompts) or a JSONL file in MT-Bench, {id, prompt}, HumanEval or GSM8K form (default: train)",
+    )
+    g.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the dataset directory; a rerun resumes into it (required; no default)",
+    )
+    g.add_argument(
+        "--exclude",
+        nargs="*",
+        default=[],
+        metavar="NAME|FILE",
+        help="prompt sets (mt_bench, gsm8k: the shipped evaluation sets) or files whose prompts are kept out "
+        "(default: none)",
+    )
+    g.add_argument(
+        "--limit",
+        type=_count(0),
+        default=0,
+        metavar="N",
+        help="use the first N prompts of the shuffle, 0 = all (default: %(default)s)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle (default: %(default)s)")
+    g.add_argument(
+        "--shard-size", type=_count(1), default=64, metavar="N", help="prompts per shard (default: %(default)s)"
+    )
+    g.add_argument(
+        "--batch-size",
+        type=_count(1),
+        default=32,
+        metavar="B",
+        help="prompts generated together (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=_count(1),
+        default=192,
+        metavar="N",
+        help="longest response in tokens (default: %(default)s)",
+    )
+    g.add_argument(
+        "--host-index",
+        type=_count(0),
+        default=0,
+        metavar="H",
+        help="this host's index: it writes shards H, H+N, ... (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-hosts", type=_count(1), default=1, metavar="N", help="hosts sharing the work (default: %(default)s)"
+    )
+    f = sub.add_parser(
+        "features",
+        help="cache the target's features per shard (offline training, small targets)",
+        description="Store the target's EAGLE-3 features and final hidden states next to each shard of --data.",
+    )
     add_target_args(f)
-    f.add_argument("--data", required=True, metavar="DIR")
-    f.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    f.add_argument(
+        "--data", required=True, metavar="DIR", help="a dataset directory written by generate (required; no default)"
+    )
+    f.add_argument(
+        "--batch-size", type=_count(1), default=8, metavar="B", help="sequences per forward (default: %(default)s)"
+    )
+    return parser
+
+
+def main(argv=None) -> int:
+    from jaxspec.cli_common import main_guard
+
+    parser = build_parser()
 
     def run(argv):
         args = parser.parse_args(argv)
@@ -224,4 +352,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxspec.cli_common import run_program
+
+    run_program(main)

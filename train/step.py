@@ -4,7 +4,6 @@ sharded over a `jax.sharding.Mesh` with data and fsdp axes (GSPMD partitions it 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -16,19 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
+from train.config import OptimConfig  # the `optim:` section of the training config
 from train.ttt import ttt_logits, ttt_loss
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    learning_rate: float = 3e-4
-    warmup_steps: int = 100
-    total_steps: int = 10_000
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 0.5
-    freeze_lm_head: bool = False  # speculators initialise it from the target's rows and keep it frozen
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -101,9 +89,7 @@ def train_step(
 
 def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
     devices = devices if devices is not None else jax.devices()[: data * fsdp]
-    return jax.make_mesh(
-        (data, fsdp), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices
-    )
+    return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
 
 
 def param_sharding(mesh: Mesh, tree):

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 
@@ -29,6 +30,8 @@ class TreeConfig:
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
             raise JaxspecError(f"tree {self.spec}: need TOTAL >= 2, DEPTH >= 1 and TOPK >= 1")
+        if self.depth > MAX_DRAFT_DEPTH:
+            raise JaxspecError(f"tree {self.spec}: DEPTH is at most {MAX_DRAFT_DEPTH}, got {self.depth}")
         if self.total_tokens - 1 > self.num_candidates:
             raise JaxspecError(
                 f"tree {self.spec}: DEPTH={self.depth} and TOPK={self.top_k} propose only {self.num_candidates} "
