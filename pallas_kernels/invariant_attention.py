@@ -15,6 +15,26 @@ The canonical operations, per (sequence, KV head, query token):
     out = a · (1/l). Products are rounded before they are added (no FMA contraction: numerics.exact_mul).
 A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
 capacity) does not matter either.
+
+The Pallas kernel (`invariant_attention`) runs those operations one program per (query token, KV head, sequence):
+grid (T, Hkv, B), the token axis first so that the programs reading one cache row run side by side. Its cache
+BlockSpec spans the row's S slots, but the kernel reads it `key_block` rows at a time (`pl.ds` in a `fori_loop`, as
+jax's own ops/gpu/decode_attention.py does), so one key block and one value block are live at a time, never the row;
+the loop stops at the query's last visible block. The G query heads are zero-padded to QUERY_ROWS (16) rows, the
+smallest Triton dot: every call has the same [16, D] x [D, Bk] and [16, Bk] x [Bk, D] dots, and a padding row
+changes no bit of a real one (each output of a dot is its own row's product; measured on XLA:CPU in interpret
+mode). Tree tails are gathered by XLA before the call (as the reference gathers them) and read per token, two
+[Bk, D] blocks.
+
+On GPUs it is lowered with Triton, chosen explicitly (`compiler_params=pallas.triton.CompilerParams`, a public name
+in JAX 0.10 and 0.11): since JAX 0.10 a plain `pallas_call` goes to Mosaic GPU, which stages every block in shared
+memory (the whole cache row: 16 MB at S = 32768, against 227 KB per SM on an H100) and needs Hopper; Triton
+reads blocks through pointers and runs on any CUDA GPU from Ampere on and on ROCm. What Triton asks of the kernel:
+power-of-two tensor sizes (Bk, D and the padded rows), dots of at least 16 in every dimension, and no slicing of
+values: the halving max/sum run on `lax.split` (kernel_halving_sum/max, the same pairs as numerics' slices) and the
+optimization barriers (`fenced`, against XLA's algebraic simplifier, which never sees a compiled kernel; Triton has
+no rule for them) are kept only in interpret mode, where XLA does run the kernel body. Not lowered for TPUs yet
+(Mosaic TPU wants the positions in SMEM, its own CompilerParams and the cache left in HBM with blocks copied in).
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
@@ -31,22 +52,23 @@ from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
 NEG_INF = -1e30
 
 
-def block_partial(q, k, v, visible, scale):
+def block_partial(q, k, v, visible, scale, *, fence=fenced, hmax=halving_max, hsum=halving_sum):
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
     q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk] (leading axes broadcast) → m, l [..., G], a [..., G, D].
     The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
-    and on an H100); the kernel runs the same products one program at a time."""
+    and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
+    (none when compiled) and halvings (kernel_halving_max/sum, the same bits in a form Triton lowers)."""
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
-    s = fenced(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
+    s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
     vis = visible[..., None, :]  # [..., 1, Bk]
     s = jnp.where(vis, s, NEG_INF)
-    m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
+    m = hmax(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
     p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
-    l = halving_sum(p)
-    a = fenced(
+    l = hsum(p)
+    a = fence(
         functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32), p.astype(v.dtype), v
     )
     return m, l, a
@@ -184,28 +206,70 @@ def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk
     return pick(m, tm), pick(l, tl), pick(a, ta)
 
 
-def _kernel(pos_ref, n0_ref, q_ref, k_ref, v_ref, *rest, key_block: int, num_blocks: int, scale: float, tree: bool):
-    """One (sequence, KV head, query token): its G query heads against the key blocks in position order, with the
-    same per-block operations and fold as the reference. Tree tails (two blocks per token) come pre-gathered."""
-    kt_ref, vt_ref, o_ref = rest if tree else (None, None, rest[0])
-    b, t = pl.program_id(0), pl.program_id(2)
-    pos = pos_ref[b, t]
-    n0 = n0_ref[b]
-    q = q_ref[0, 0, 0]  # [G, D]
+def _split_halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
+    """numerics.halving_sum / halving_max in a form Pallas Triton lowers (it has no rule for `x[..., :half]`, a
+    slice): each level is one equal `lax.split` of the last axis, which pairs element i with element i + half exactly
+    as the slices do, so the bits are the same (tests/test_invariant_kernel_lowering.py checks it)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:  # never for the kernel's power-of-two blocks; kept so that any width matches numerics._halving
+        x = jnp.concatenate([x, jnp.full((*x.shape[:-1], width - n), pad_value, x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        x = combine(*jax.lax.split(x, (x.shape[-1] // 2,) * 2, axis=x.ndim - 1))
+    return jnp.squeeze(x, -1)
+
+
+def kernel_halving_sum(x: jax.Array) -> jax.Array:
+    return _split_halving(x, jnp.add, 0.0)
+
+
+def kernel_halving_max(x: jax.Array) -> jax.Array:
+    return _split_halving(x, jnp.maximum, -jnp.inf)
+
+
+def _unfenced(fn, *operands):
+    return fn(*operands)
+
+
+def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree: bool, fence: bool):
+    """One (sequence, query token, KV head): its query rows (the G heads, zero-padded) against the key blocks in
+    position order, one block live at a time, with the same per-block operations and fold as the reference. Blocks
+    past the query's position are not visited: with nothing visible they would leave (m, l, a) exactly unchanged.
+    Tree tails (blocks n0 and n0 + 1, per token) come pre-gathered; the other blocks are read from the cache."""
+    if tree:
+        n0_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref = refs
+    pos = pos_ref[...]
+    q = q_ref[...]  # [R, D]
+    canonical = functools.partial(
+        block_partial, fence=fenced if fence else _unfenced, hmax=kernel_halving_max, hsum=kernel_halving_sum
+    )
+
+    def cache_block(n):
+        start = n * key_block
+        rows = pl.ds(start if isinstance(start, int) else pl.multiple_of(start, key_block), key_block)
+        return k_ref[rows, :], v_ref[rows, :]  # [Bk, D]
+
+    def load(n):
+        if not tree:
+            return cache_block(n)
+        n0 = n0_ref[...]
+        shared = (n < n0) | (n > n0 + 1)  # past n0 + 1 only if positions overrun the tree: the reference's choice too
+        return jax.lax.cond(shared, cache_block, lambda n: (kt_ref[n - n0], vt_ref[n - n0]), n)
 
     def partial(n):
-        start = n * key_block
-        k = k_ref[0, 0, pl.ds(start, key_block), :]  # [Bk, D]
-        v = v_ref[0, 0, pl.ds(start, key_block), :]
-        if tree:
-            first, second = n == n0, n == n0 + 1
-            k = jnp.where(first, kt_ref[0, 0, 0, 0], jnp.where(second, kt_ref[0, 0, 0, 1], k))
-            v = jnp.where(first, vt_ref[0, 0, 0, 0], jnp.where(second, vt_ref[0, 0, 0, 1], v))
-        visible = start + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
-        return block_partial(q, k, v, visible, scale)
+        k, v = load(n)
+        visible = n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
+        return canonical(q, k, v, visible, scale)
 
-    state = jax.lax.fori_loop(1, num_blocks, lambda n, st: merge(st, partial(n), scale), partial(0))
-    o_ref[0, 0, 0] = finish(state).astype(o_ref.dtype)
+    end = jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)  # blocks 0 .. end-1 can be visible
+    state = jax.lax.fori_loop(1, end, lambda n, st: merge(st, partial(n), scale), partial(0))
+    o_ref[...] = finish(state).astype(o_ref.dtype)
+
+
+QUERY_ROWS = 16  # the kernel's dot has at least this many query rows (Triton's tl.dot needs M >= 16)
+NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch parameters (as jax's own decode attention kernel)
 
 
 @functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret"))
@@ -213,9 +277,8 @@ def invariant_attention(
     q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """The Pallas kernel; same signature and bits as `invariant_attention_reference`. One program per (sequence, KV
-    head, query token), the whole cache row in its block: a correctness-first form, checked in interpret mode; the
-    GPU/TPU forms (blocked KV reads, split-KV) must keep these operations (the kernels issue)."""
+    """The Pallas kernel; same signature and bits as `invariant_attention_reference` (see the module docstring for
+    its grid, blocks and GPU lowering)."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -225,33 +288,34 @@ def invariant_attention(
         pad = ((0, 0), (0, 0), (0, nb * bk - s), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     s = k_cache.shape[2]
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, H, T, G, D]
+    rows = max(QUERY_ROWS, 1 << (g - 1).bit_length())
+    qg = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0),) * 3 + ((0, rows - g), (0, 0)))  # [B, T, H, R, D]
     tree = ancestors is not None
+    # grid (token, KV head, sequence): the first axis is CUDA's x, whose blocks start first, so the tokens that read
+    # one cache row run side by side (their key blocks meet in L2)
+    token = pl.BlockSpec((None, None), lambda j, h, i: (i, j))  # one scalar per (sequence, token)
+    cache = pl.BlockSpec((None, None, s, d), lambda j, h, i: (i, h, 0, 0))  # an address range, read Bk rows at a time
+    in_specs = [token, pl.BlockSpec((None, None, None, rows, d), lambda j, h, i: (i, j, h, 0, 0)), cache, cache]
+    operands = [positions.astype(jnp.int32), qg, k_cache, v_cache]
     if tree:
         k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
-        tails = (k_tail, v_tail)
-        tail_specs = [pl.BlockSpec((1, 1, 1, 2, bk, d), lambda i, h, j: (i, h, j, 0, 0, 0))] * 2
-    else:
-        n0 = jnp.full((b,), -2, jnp.int32)  # never a block index
-        tails, tail_specs = (), []
-    kernel = functools.partial(_kernel, key_block=bk, num_blocks=nb, scale=d**-0.5, tree=tree)
+        tail = pl.BlockSpec((None, None, None, 2, bk, d), lambda j, h, i: (i, h, j, 0, 0, 0))
+        in_specs[1:1] = [pl.BlockSpec((None,), lambda j, h, i: (i,))]
+        in_specs += [tail, tail]
+        operands[1:1] = [n0.astype(jnp.int32)]
+        operands += [k_tail, v_tail]
+    kernel = functools.partial(_kernel, key_block=bk, num_blocks=nb, scale=d**-0.5, tree=tree, fence=interpret)
     out = pl.pallas_call(
         kernel,
-        grid=(b, hkv, t),
-        in_specs=[
-            pl.BlockSpec((b, t), lambda i, h, j: (0, 0)),  # positions, whole
-            pl.BlockSpec((b,), lambda i, h, j: (0,)),  # n0, whole
-            pl.BlockSpec((1, 1, 1, g, d), lambda i, h, j: (i, h, j, 0, 0)),
-            pl.BlockSpec((1, 1, s, d), lambda i, h, j: (i, h, 0, 0)),
-            pl.BlockSpec((1, 1, s, d), lambda i, h, j: (i, h, 0, 0)),
-            *tail_specs,
-        ],
-        out_specs=pl.BlockSpec((1, 1, 1, g, d), lambda i, h, j: (i, h, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, t, g, d), jnp.float32),
+        grid=(t, hkv, b),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, None, rows, d), lambda j, h, i: (i, j, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t, hkv, rows, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="invariant_attention",
-    )(positions.astype(jnp.int32), n0.astype(jnp.int32), qg, k_cache, v_cache, *tails)
-    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+    )(*operands)
+    return out[:, :, :, :g].reshape(b, t, hq, d)
 
 
 def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str):

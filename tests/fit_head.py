@@ -20,9 +20,8 @@ from jaxspec.sampling import SamplingConfig
 
 def head_config_for(target: LlamaModel, **overrides) -> HeadConfig:
     # the default RoPE (not the target's), as the fitted test heads were made
-    return HeadConfig.for_target(
-        target.config, intermediate_size=2 * target.config.hidden_size, rope=HeadConfig.rope, **overrides
-    )
+    defaults = {"intermediate_size": 2 * target.config.hidden_size, "rope": HeadConfig.rope}
+    return HeadConfig.for_target(target.config, **{**defaults, **overrides})
 
 
 def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:

@@ -36,12 +36,13 @@ def test_equals_target_only(head_kind, k, batch, reference):
 def test_eos_and_budget_inside_a_window(reference):
     """Every token of the reference as EOS, and every budget: speculative output is the reference, cut there."""
     gen = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=5, batch_size=4)
-    for eos in sorted({t for ref in reference for t in ref[1:12]}):
+    # EOS at the 2nd, 5th, 8th and 12th token of each reference: inside the first window, at and past its end
+    for eos in sorted({ref[i] for ref in reference for i in (1, 4, 7, 11)}):
         got = gen.generate(PROMPTS, max_new_tokens=30, stop_ids=[eos])
         for ref, c in zip(reference, got):
             want = ref[: ref.index(eos) + 1] if eos in ref else ref
             assert c.token_ids == want
-    for budget in range(1, 14):
+    for budget in (1, 2, 3, 5, 6, 7, 11, 13):  # around the K + 1 = 6 tokens a step can emit
         got = gen.generate(PROMPTS, max_new_tokens=budget)
         assert [c.token_ids for c in got] == [ref[:budget] for ref in reference]
 

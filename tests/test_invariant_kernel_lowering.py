@@ -1,0 +1,225 @@
+"""The invariant-attention Pallas kernel (pallas_kernels/invariant_attention.py) on CPU: it lowers for CUDA with
+Triton at Llama-3.1-8B attention shapes (jax.export runs the Pallas GPU lowering without a GPU), it never loads more
+than one key block at a time, and in interpret mode it gives the bits of its jax.numpy reference, on fresh random
+inputs: chains and trees, ragged lengths, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import numerics
+from jaxspec.spec.tree import tree_from_parents
+from pallas_kernels.invariant_attention import (
+    invariant_attention,
+    invariant_attention_reference,
+    kernel_halving_max,
+    kernel_halving_sum,
+)
+
+# Llama-3.1-8B attention: 32 query heads over 8 KV heads (G = 4), head_dim 128
+HQ, HKV, D = 32, 8, 128
+KEY_BLOCK = 64
+# the Triton call's custom-call target: jaxlib <= 0.10.2 hands XLA the Triton IR; later ones compile it to PTX first
+TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+# --- the kernel's halvings are numerics' halvings, bit for bit ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_halving_equals_numerics(dtype):
+    rng = np.random.default_rng(0)
+    for width in (1, 2, 3, 5, 8, 16, 64, 100, 128):
+        x = rng.standard_normal((3, 5, width)) * np.exp(rng.uniform(-20, 20, (3, 5, width)))
+        x[0, 0, :: max(width // 3, 1)] = -np.inf  # masked scores
+        x[1, :, :] = 0.0
+        x[2, 1, :] = -0.0
+        x = jnp.asarray(x, dtype)
+        for mine, theirs in ((kernel_halving_sum, numerics.halving_sum), (kernel_halving_max, numerics.halving_max)):
+            want = theirs(x)
+            for got in (mine(x), jax.jit(mine)(x)):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{mine.__name__} width {width}")
+
+
+# --- lowering for CUDA at Llama-3.1-8B shapes ----------------------------------------------------------------------
+
+
+def llama_8b_structs(b: int, t: int, s: int, depth: int | None):
+    """Abstract arguments: bf16 q [B, T, 32, 128], caches [B, 8, S, 128]; ancestors [B, T, depth + 1] for a tree."""
+    args = [
+        jax.ShapeDtypeStruct((b, t, HQ, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, HKV, s, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, HKV, s, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+    ]
+    if depth is not None:
+        args.append(jax.ShapeDtypeStruct((b, t, depth + 1), jnp.int32))
+    return args
+
+
+def attention_fn(tree: bool):
+    if tree:
+        return lambda q, k, v, lengths, positions, anc: invariant_attention(q, k, v, lengths, positions, anc)
+    return lambda q, k, v, lengths, positions: invariant_attention(q, k, v, lengths, positions)
+
+
+class TritonIRBuilt(Exception):
+    """Raised by the stand-in Triton compiler below: the kernel lowered as far as Triton IR."""
+
+
+def _stop_at_triton_ir(module: bytes, *args):
+    raise TritonIRBuilt(len(module))
+
+
+def export_for_cuda(fn, args) -> str | None:
+    """→ the text of `fn` exported for CUDA. jaxlib 0.10.2 and older put the Triton IR in the module and leave its
+    compilation to XLA on the GPU; newer ones compile it to PTX while lowering, with a compiler that only their CUDA
+    plugin registers. Without one, a stand-in compiler (registered through jax._src: no public API does it) stops
+    the export once the Triton IR is built, which is all the lowering this test can check on CPU: → None then."""
+    export = jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        # export's check is that a custom call's format stays stable across releases, not whether it lowers
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(name) for name in TRITON_TARGETS],
+    )
+    try:
+        exported = export(*args)
+    except TritonIRBuilt:  # the stand-in compiler, registered by an earlier call
+        return None
+    except RuntimeError as e:
+        if "Triton compilation handler" not in str(e):
+            raise
+        try:  # private, so guarded: if it moves, the test says why it cannot check instead of failing
+            from jax._src.lib import triton as triton_compilers
+
+            if not triton_compilers.has_compilation_handler("cuda"):
+                triton_compilers.register_compilation_handler("cuda", _stop_at_triton_ir)
+        except (ImportError, AttributeError):
+            pytest.skip("this jaxlib compiles Triton kernels while lowering, which needs its CUDA plugin")
+        with pytest.raises(TritonIRBuilt):
+            export(*args)
+        return None
+    assert exported.platforms == ("cuda",)
+    return exported.mlir_module()
+
+
+CHAIN_SHAPES = list(itertools.product((1, 8), (1, 6, 16, 64), (256, 4096, 32768)))  # (B, T, S); T = 1: decode
+TREE_SHAPES = list(itertools.product((1, 8), (6, 16, 64), (256, 4096, 32768)))
+
+
+@pytest.mark.parametrize(
+    "b,t,s,tree", [(*shape, False) for shape in CHAIN_SHAPES] + [(*shape, True) for shape in TREE_SHAPES]
+)
+def test_lowers_for_cuda_with_triton(b, t, s, tree):
+    depth = min(t, 8) - 1 if tree else None
+    text = export_for_cuda(attention_fn(tree), llama_8b_structs(b, t, s, depth))
+    if text is not None:
+        assert any(target in text for target in TRITON_TARGETS), "no Triton custom call in the exported module"
+        assert "mosaic_gpu" not in text
+        assert f"tensor<{b}x{t}x{HQ}x{D}xbf16>" in text  # the result
+
+
+def _kernel_jaxprs(jaxpr):
+    """Every pallas_call's kernel jaxpr inside `jaxpr` (a ClosedJaxpr), nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params["jaxpr"]
+        for sub in _sub_jaxprs(eqn.params):
+            yield from _kernel_jaxprs(sub)
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _reads(jaxpr):
+    """Shapes of every ref read (`get`) in a kernel jaxpr, loops and conds included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "get":
+            yield eqn.outvars[0].aval.shape
+        for sub in _sub_jaxprs(eqn.params):
+            yield from _reads(sub)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_one_key_block_at_a_time(tree):
+    """The cache row is never loaded whole: every read in the kernel is at most one [Bk, D] block."""
+    b, t, s = 1, 16, 32768
+    jaxpr = jax.make_jaxpr(attention_fn(tree))(*llama_8b_structs(b, t, s, 7 if tree else None))
+    (kernel,) = list(_kernel_jaxprs(jaxpr))
+    reads = list(_reads(kernel))
+    assert reads and max(int(np.prod(shape)) for shape in reads) <= KEY_BLOCK * D, reads
+    assert (KEY_BLOCK, D) in reads
+
+
+# --- interpret mode: the reference's bits ----------------------------------------------------------------------------
+
+
+def random_tree(rng, n: int, max_depth: int) -> np.ndarray:
+    """Parent pointers of a random tree of n nodes (node 0 the root), parents before children, depth ≤ max_depth."""
+    parents, depth = [-1], [0]
+    for _ in range(1, n):
+        p = int(rng.choice([i for i in range(len(parents)) if depth[i] < max_depth]))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parents, np.int32)
+
+
+# (name, dtype, B, T, Hq, Hkv, D, S, lengths, tree depth or None, key_block, num_blocks)
+CASES = [
+    # decode, ragged rows; S not a whole number of blocks (the kernel pads the cache); a row at a block's last slot
+    ("decode", "float32", 3, 1, 8, 2, 16, 130, (0, 63, 101), None, 64, None),
+    # chain verify of 6 across a block boundary; MHA (G = 1)
+    ("chain", "bfloat16", 2, 6, 4, 4, 32, 200, (60, 17), None, 64, None),
+    # prefill of 20 tokens from position 0 (> the reference's 16-token chunks), blocks of 16, a static block bound
+    ("prefill", "bfloat16", 2, 20, 8, 2, 16, 64, (0, 0), None, 16, 2),
+    # G = 32 query heads per KV head (32 rows: more than the 16-row padding)
+    ("wide", "float32", 1, 3, 32, 1, 16, 128, (70,), None, 64, None),
+    # trees: tails over blocks n0 and n0 + 1, committed lengths just before a boundary and inside a block
+    ("tree", "float32", 2, 9, 8, 2, 32, 256, (62, 130), 4, 64, None),
+    ("tree", "bfloat16", 2, 12, 16, 2, 16, 192, (5, 126), 6, 64, None),
+]
+
+
+@pytest.mark.parametrize("name,dtype,b,t,hq,hkv,d,s,lengths,depth,key_block,num_blocks", CASES, ids=[
+    f"{c[0]}-{c[1]}" for c in CASES
+])
+def test_interpret_equals_reference(name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks):
+    rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
+    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
+    q = (2 * jax.random.normal(keys[0], (b, t, hq, d))).astype(dtype)
+    k_cache = (2 * jax.random.normal(keys[1], (b, hkv, s, d))).astype(dtype)  # random past the lengths too
+    v_cache = jax.random.normal(keys[2], (b, hkv, s, d)).astype(dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if depth is None:
+        ancestors = None
+        positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    else:
+        parents = np.stack([random_tree(rng, t, depth) for _ in range(b)])
+        tree = tree_from_parents(jnp.zeros((b, t), jnp.int32), jnp.asarray(parents), depth)
+        ancestors, positions = tree.ancestors, lengths[:, None] + tree.depths
+    args = (q, k_cache, v_cache, lengths, positions, ancestors)
+    opts = {"key_block": key_block, "num_blocks": num_blocks}
+    want = jax.jit(functools.partial(invariant_attention_reference, **opts))(*args)
+    got = invariant_attention(*args, **opts, interpret=True)
+    assert got.shape == want.shape == q.shape and got.dtype == want.dtype == q.dtype
+    np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name} {dtype}")
+    assert np.isfinite(np.asarray(got, np.float32)).all()
