@@ -8,18 +8,49 @@ repeatedly accepts one child of the current node:
   greedy  the first child whose token is the target's argmax; the token emitted after the last accepted node is
           that node's argmax (the correction, or the bonus at a leaf).
   tree    (lossless sampling without draft probabilities, SGLang's "target-only") with the node's uniform u: the
-          first child c, in index order, with u ≤ Σ_{children c' ≤ c} p(token c'); if none, the emitted token is
-          drawn from p with the children's tokens removed. This is inverse-CDF sampling of p with the children
-          ordered first, so the output is distributed exactly as p.
+          first child c, in index order, with u ≤ Σ_{children c' ≤ c} p(token c') (added in index order); if none,
+          the emitted token is drawn from p with the children's tokens removed. This is inverse-CDF sampling of p
+          with the children ordered first, so the output is distributed exactly as p.
   chain   (Leviathan / Chen, draft probabilities q[n] of each node's child) accept child c iff
           u_c · q(token c) < p(token c); at the first rejection draw from max(p − q, 0), after the last node from p.
 
-Draws are inputs: `uniforms` [B, N] (u of node n) and `noise` [B, V] i.i.d. Exp(1), used as an exponential race
-(argmax of weight / noise samples weight ∝ itself, no normalization), so that kernel and reference agree exactly.
+Draws are inputs: `uniforms` [B, N] (u of node n) and `noise` [B, V] i.i.d. Exp(1), used as an exponential race:
+the token drawn from weights w is argmax over {v : w_v > 0} of w_v · (1 / noise_v) (that samples w_v / Σ w, no
+normalization); if no weight is positive (the residual of q = p), the race runs over p instead. Tokens of zero
+weight never take part: Exp(1) draws from jax.random are exactly 0 with probability 2^-23 per entry (about once
+per 65 rows of a 128k vocabulary), and 0 / 0 would be a NaN that an argmax picks. The reciprocal of the noise is
+computed by XLA for the kernel and the reference alike, so that the kernel itself only multiplies (Triton compiles
+`/` to the approximate div.full.f32): no operation in the kernel rounds differently from XLA's.
 
 Returns (num_accepted [B], emitted [B, D+1], path [B, D+1]) with D = max_depth: emitted[:a] are the accepted
 drafts and emitted[a] the target's own token; path[:a+1] are the node indices of the root and the accepted nodes.
 Entries past a are -1.
+
+Both paths share `_prepare`, which turns each node into one flag, "accepted if its parent is reached", from per-node
+scalars (p and q of the parent at the node's token: B·N elements gathered, not [B, N, V] rows; greedy: the
+argmax of every row, an XLA reduction). What is left is the walk (integers only) and the race over the last
+accepted node's row, which the Pallas kernel (`verify`) runs blocked over the vocabulary:
+
+  grid (B, C): sequence b, vocabulary chunk c of CHUNK_BLOCKS blocks of VOCAB_BLOCK entries (C = 1 for greedy,
+          which reads no vocabulary). Every program walks its sequence's tree ([N] vectors, N padded to a power of
+          two, a few integer reductions per step; repeated per chunk, which is cheaper than a second launch), then
+          reads its chunk of the final node's row one block at a time (`pl.ds` in a `fori_loop`): p, q (chain) and
+          1 / noise as [VOCAB_BLOCK] vectors, never a whole row. Per block it keeps two running (max, first argmax)
+          pairs, of the race over the weights and over p. The children's tokens (tree) are removed per block by a
+          `while_loop` over the children that fall in the block (usually none).
+  blocks  full blocks at multiples of the block size; a ragged vocabulary's last block is read at V − block (it
+          overlaps the one before, whose entries it masks), so no input is padded or copied: the rows are
+          [B, N, V], 250 MB at B = 8, N = 60, V = 128256. Vocabularies below the block size use the largest power
+          of two below V.
+  merge   XLA takes, per sequence, the first chunk holding the maximum: the first index of the maximum over the
+          row, as `jnp.argmax` in the reference. Only exact operations (compares, max, min, products, p − q)
+          touch floats in the kernel, so its result is the reference's whatever the block order.
+
+On GPUs it is lowered with Triton, chosen explicitly (`compiler_params=pallas.triton.CompilerParams`): since JAX
+0.10 a plain `pallas_call` goes to Mosaic GPU, which stages every block in shared memory (the [N, V] rows did not
+fit at a 128k vocabulary); Triton reads through pointers, wants power-of-two value shapes (node and slot vectors
+padded, blocks of 2^k) and has no value slicing (none used). Not lowered for TPUs: Mosaic TPU rejects Triton's
+CompilerParams, and wants (8, 128)-tiled blocks (tests/test_rejection_lowering.py).
 """
 
 from __future__ import annotations
@@ -31,45 +62,69 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 Mode = Literal["greedy", "tree", "chain"]
 
+NEG_INF = float("-inf")
+VOCAB_BLOCK = 1024  # vocabulary entries per block: 4 KB per float32 row read, a few registers per thread
+CHUNK_BLOCKS = 8  # blocks per program: a 128256-token row is read by 16 programs
+NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch parameters
 
-def _prepare(tokens, parents, probs, q, mode: Mode):
-    """Per-node scalars read along the walk: p_parent(token) [B, N], q_parent(token) [B, N], argmax [B, N]."""
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _node_values(x, parents, tokens):
+    """x[b, parents[b, n], tokens[b, n]] as float32 [B, N]: one element per node, not its parent's row."""
+    rows = jnp.arange(x.shape[0])[:, None]
+    return x[rows, jnp.maximum(parents, 0), tokens].astype(jnp.float32)
+
+
+def _sibling_sums(parents, x):
+    """cum[b, n] = Σ x[b, j] over node n's siblings j ≤ n (itself included; parents[j] = parents[n], j > 0), added in
+    index order by a loop, so that the order is the same on every backend."""
+    nodes = jnp.arange(x.shape[1])[None]
+
+    def step(j, carry):
+        run, cum = carry  # run[b, m]: the sum so far over node m's children
+        par = jax.lax.dynamic_index_in_dim(parents, j, axis=1)  # [B, 1]
+        run = jnp.where(nodes == par, run + jax.lax.dynamic_index_in_dim(x, j, axis=1), run)
+        mine = jnp.take_along_axis(run, jnp.maximum(par, 0), axis=1)
+        return run, jax.lax.dynamic_update_index_in_dim(cum, mine, j, axis=1)
+
+    zeros = jnp.zeros_like(x)
+    return jax.lax.fori_loop(1, x.shape[1], step, (zeros, zeros))[1]
+
+
+def _prepare(tokens, parents, probs, uniforms, q, mode: Mode):
+    """→ ok [B, N] (node n is accepted if the walk reaches its parent and no earlier sibling is accepted; never
+    for the root) and, greedy, the argmax of every row [B, N] (zeros otherwise)."""
     parent = jnp.maximum(parents, 0)
+    nonroot = jnp.arange(tokens.shape[1])[None] > 0
     if mode == "greedy":
         best = jnp.argmax(probs, axis=-1).astype(jnp.int32)
-        return jnp.zeros(tokens.shape, jnp.float32), jnp.zeros(tokens.shape, jnp.float32), best
-    rows = jnp.take_along_axis(probs, parent[:, :, None], axis=1)  # [B, N, V] the parent's distribution
-    node_p = jnp.take_along_axis(rows, tokens[:, :, None], axis=2)[..., 0]
-    node_q = jnp.ones_like(node_p)
-    if mode == "chain":
-        qrows = jnp.take_along_axis(q, parent[:, :, None], axis=1)
-        node_q = jnp.take_along_axis(qrows, tokens[:, :, None], axis=2)[..., 0]
-    return node_p, node_q, jnp.zeros(tokens.shape, jnp.int32)
+        return nonroot & (tokens == jnp.take_along_axis(best, parent, axis=1)), best
+    best = jnp.zeros(tokens.shape, jnp.int32)
+    node_p = _node_values(probs, parents, tokens)
+    uniforms = uniforms.astype(jnp.float32)
+    if mode == "tree":
+        u = jnp.take_along_axis(uniforms, parent, axis=1)  # the parent's uniform
+        return nonroot & (u <= _sibling_sums(parents, node_p)), best
+    return nonroot & (uniforms * _node_values(q, parents, tokens) < node_p), best
 
 
-def _walk_row(tokens, parents, node_p, node_q, best, uniforms, *, mode: Mode, max_depth: int):
-    """One sequence's walk on [N] vectors → (a, final node, path [D+1], emitted drafts [D+1] with -1 fill)."""
+def _walk_row(parents, ok, tokens, *, max_depth: int, width: int):
+    """One sequence's walk on [N] vectors → (a, final node, path [width], emitted drafts [width], -1 filled)."""
     n = tokens.shape[0]
     idx = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-    slots = jax.lax.broadcasted_iota(jnp.int32, (max_depth + 1,), 0)
+    slots = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
 
     def step(_, carry):
         node, a, live, path, emitted = carry
-        is_child = (parents == node) & (idx > 0)
-        if mode == "greedy":
-            target_best = jnp.sum(jnp.where(idx == node, best, 0))
-            ok = is_child & (tokens == target_best)
-        elif mode == "tree":
-            u = jnp.sum(jnp.where(idx == node, uniforms, 0.0))
-            cum = jnp.cumsum(jnp.where(is_child, node_p, 0.0))
-            ok = is_child & (u <= cum)
-        else:  # chain
-            ok = is_child & (uniforms * node_q < node_p)
-        child = jnp.min(jnp.where(ok, idx, n))
+        child = jnp.min(jnp.where(ok & (parents == node), idx, n))
         take = live & (child < n)
         tok = jnp.sum(jnp.where(idx == child, tokens, 0))
         emitted = jnp.where(take & (slots == a), tok, emitted)
@@ -77,85 +132,186 @@ def _walk_row(tokens, parents, node_p, node_q, best, uniforms, *, mode: Mode, ma
         return jnp.where(take, child, node), a + take.astype(jnp.int32), take, path, emitted
 
     init = (jnp.int32(0), jnp.int32(0), jnp.bool_(True),
-            jnp.where(slots == 0, 0, -1).astype(jnp.int32), jnp.full((max_depth + 1,), -1, jnp.int32))
+            jnp.where(slots == 0, 0, -1).astype(jnp.int32), jnp.full((width,), -1, jnp.int32))
     node, a, _, path, emitted = jax.lax.fori_loop(0, max_depth, step, init)
     return a, node, path, emitted
 
 
-def _final_token(final_p, final_q, children_tokens, noise, best_final, mode: Mode):
-    """The target's token after the last accepted node, for one sequence: argmax (greedy), or an exponential race
-    over p minus the children's tokens (tree) or max(p − q, 0) (chain); p itself if that leaves no mass."""
-    if mode == "greedy":
-        return best_final
-    vocab = jax.lax.broadcasted_iota(jnp.int32, final_p.shape, 0)
-    if mode == "tree":
-        removed = jnp.any(vocab[:, None] == children_tokens[None, :], axis=1)
-        weight = jnp.where(removed, 0.0, final_p)
-    else:
-        weight = jnp.maximum(final_p - final_q, 0.0)
-    weight = jnp.where(jnp.sum(weight) > 0, weight, final_p)
-    return jnp.argmax(weight / noise).astype(jnp.int32)
+def _reciprocal(noise):
+    return 1.0 / noise.astype(jnp.float32)
+
+
+def _scores(weight, inv_noise):
+    """The race's scores: weight · (1 / noise) where the weight is positive, -inf elsewhere (never drawn)."""
+    return jnp.where(weight > 0, weight * inv_noise, NEG_INF)
+
+
+def _race(weight, p, inv_noise):
+    """The token drawn from `weight`, or from p if no weight is positive ([B, V] → [B])."""
+    s_w, s_p = _scores(weight, inv_noise), _scores(p, inv_noise)
+    return jnp.where(jnp.max(s_w, axis=-1) > NEG_INF, jnp.argmax(s_w, axis=-1), jnp.argmax(s_p, axis=-1))
+
+
+def _with_token(emitted, a, token):
+    slots = jnp.arange(emitted.shape[1])[None]
+    return jnp.where(slots == a[:, None], token.astype(jnp.int32)[:, None], emitted)
 
 
 def verify_reference(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int):
-    """jax.numpy specification of `verify` (vmapped walk)."""
-    node_p, node_q, best = _prepare(tokens, parents, probs, q, mode)
-    walk = functools.partial(_walk_row, mode=mode, max_depth=max_depth)
-    a, node, path, emitted = jax.vmap(walk)(tokens, parents, node_p, node_q, best, uniforms)
-    final_p = jnp.take_along_axis(probs, node[:, None, None], axis=1)[:, 0]  # [B, V]
-    final_q = jnp.zeros_like(final_p) if q is None else jnp.take_along_axis(q, node[:, None, None], axis=1)[:, 0]
-    children = jnp.where((parents == node[:, None]) & (jnp.arange(tokens.shape[1]) > 0), tokens, -1)
-    best_final = jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]
-    token = jax.vmap(functools.partial(_final_token, mode=mode))(final_p, final_q, children, noise, best_final)
-    slots = jnp.arange(max_depth + 1)[None]
-    return a, jnp.where(slots == a[:, None], token[:, None], emitted), path
-
-
-def _kernel(tokens_ref, parents_ref, p_ref, q_ref, best_ref, u_ref, probs_ref, qd_ref, noise_ref,
-            a_ref, emitted_ref, path_ref, *, mode: Mode, max_depth: int):
-    """One sequence: the walk on [N] vectors, then the final token from the last accepted node's row."""
-    tokens, parents = tokens_ref[0], parents_ref[0]
-    a, node, path, emitted = _walk_row(tokens, parents, p_ref[0], q_ref[0], best_ref[0], u_ref[0],
-                                       mode=mode, max_depth=max_depth)
-    idx = jax.lax.broadcasted_iota(jnp.int32, tokens.shape, 0)
-    best_final = jnp.sum(jnp.where(idx == node, best_ref[0], 0))
+    """jax.numpy specification of `verify` (vmapped walk, the race over the final node's whole row)."""
+    b, n = tokens.shape
+    ok, best = _prepare(tokens, parents, probs, uniforms, q, mode)
+    walk = functools.partial(_walk_row, max_depth=max_depth, width=max_depth + 1)
+    a, node, path, emitted = jax.vmap(walk)(parents, ok, tokens)
     if mode == "greedy":
-        token = best_final
+        return a, _with_token(emitted, a, jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]), path
+
+    def final_row(x):  # [B, V]: one row per sequence, the last accepted node's
+        return jnp.take_along_axis(x, node[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+
+    p = final_row(probs)
+    if mode == "tree":
+        v = p.shape[-1]
+        children = jnp.where((parents == node[:, None]) & (jnp.arange(n)[None] > 0), tokens, v)  # v: dropped
+        removed = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], children].set(True, mode="drop")
+        weight = jnp.where(removed, 0.0, p)
     else:
-        final_p = probs_ref[0, pl.ds(node, 1), :][0]  # [V]
-        final_q = qd_ref[0, pl.ds(node, 1), :][0] if mode == "chain" else jnp.zeros_like(final_p)
-        children = jnp.where((parents == node) & (idx > 0), tokens, -1)
-        token = _final_token(final_p, final_q, children, noise_ref[0], best_final, mode)
-    slots = jax.lax.broadcasted_iota(jnp.int32, (max_depth + 1,), 0)
-    a_ref[0] = jnp.full((1,), a, jnp.int32)
-    emitted_ref[0] = jnp.where(slots == a, token, emitted)
-    path_ref[0] = path
+        weight = jnp.maximum(p - final_row(q), 0.0)
+    return a, _with_token(emitted, a, _race(weight, p, _reciprocal(noise))), path
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "max_depth", "interpret"))
-def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int, interpret: bool = False):
-    """The Pallas kernel (one program per sequence); same signature and results as `verify_reference`."""
+def _without_children(weight, vocab_ids, children, start, block: int):
+    """weight with the entries of the children's tokens ([N] ids, -1 for non-children) zeroed, for one block at
+    `start`: one pass per child whose token falls in the block (a while_loop: usually no pass at all)."""
+    nodes = jax.lax.broadcasted_iota(jnp.int32, children.shape, 0)
+    hits = ((children >= start) & (children < start + block)).astype(jnp.int32)
+
+    def body(carry):
+        hits, weight = carry
+        j = jnp.min(jnp.where(hits > 0, nodes, children.shape[0]))
+        token = jnp.sum(jnp.where(nodes == j, children, 0))
+        return jnp.where(nodes == j, 0, hits), jnp.where(vocab_ids == token, 0.0, weight)
+
+    return jax.lax.while_loop(lambda carry: jnp.max(carry[0]) > 0, body, (hits, weight))[1]
+
+
+def _fold(scores, vocab_ids, best):
+    """Running (max, first index of the max) with one more block: a later block wins only if strictly greater."""
+    m = jnp.max(scores)
+    i = jnp.min(jnp.where(scores == m, vocab_ids, jnp.iinfo(jnp.int32).max))
+    better = m > best[0]
+    return jnp.where(better, m, best[0]), jnp.where(better, i, best[1])
+
+
+def _kernel(parents_ref, ok_ref, tokens_ref, *refs, mode: Mode, max_depth: int, vocab: int, block: int,
+            chunk_blocks: int):
+    """One (sequence, vocabulary chunk): the walk, then the race over the chunk of the final node's row."""
+    if mode == "greedy":
+        path_ref, emitted_ref = refs
+    elif mode == "tree":
+        p_ref, inv_ref, path_ref, emitted_ref, val_ref, idx_ref = refs
+    else:
+        p_ref, q_ref, inv_ref, path_ref, emitted_ref, val_ref, idx_ref = refs
+    parents, tokens = parents_ref[...], tokens_ref[...]
+    _, node, path, emitted = _walk_row(parents, ok_ref[...] != 0, tokens, max_depth=max_depth,
+                                       width=path_ref.shape[-1])
+    path_ref[...] = path
+    emitted_ref[...] = emitted
+    if mode == "greedy":
+        return
+    nodes = jax.lax.broadcasted_iota(jnp.int32, tokens.shape, 0)
+    children = jnp.where((parents == node) & (nodes > 0), tokens, -1)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+
+    def visit(k, start, carry, overlap: bool):
+        vocab_ids = start + lanes
+        p = p_ref[node, pl.ds(start, block)].astype(jnp.float32)
+        inv = inv_ref[pl.ds(start, block)]
+        if mode == "tree":
+            weight = _without_children(p, vocab_ids, children, start, block)
+        else:
+            weight = jnp.maximum(p - q_ref[node, pl.ds(start, block)].astype(jnp.float32), 0.0)
+        s_w, s_p = _scores(weight, inv), _scores(p, inv)
+        if overlap:  # the entries before k · block were the previous block's
+            fresh = vocab_ids >= k * block
+            s_w, s_p = jnp.where(fresh, s_w, NEG_INF), jnp.where(fresh, s_p, NEG_INF)
+        return _fold(s_w, vocab_ids, carry[0]), _fold(s_p, vocab_ids, carry[1])
+
+    num_full, num_blocks = vocab // block, pl.cdiv(vocab, block)
+    first = pl.program_id(1) * chunk_blocks
+    last = jnp.minimum(first + chunk_blocks, num_blocks)
+    none = (jnp.float32(NEG_INF), jnp.int32(0))
+    best = jax.lax.fori_loop(
+        first, jnp.minimum(last, num_full),
+        lambda k, c: visit(k, pl.multiple_of(k * block, block), c, overlap=False), (none, none),
+    )
+    if num_full < num_blocks:  # the ragged last block, read at vocab − block (by the chunk holding it)
+        best = jax.lax.fori_loop(
+            jnp.maximum(first, num_full), last, lambda k, c: visit(k, vocab - block, c, overlap=True), best
+        )
+    (m_w, i_w), (m_p, i_p) = best
+    two = jax.lax.broadcasted_iota(jnp.int32, (2,), 0)
+    val_ref[...] = jnp.where(two == 0, m_w, m_p)
+    idx_ref[...] = jnp.where(two == 0, i_w, i_p)
+
+
+def _first_max(val, idx):
+    """Per row of [B, C] chunk results: the value and index of the first chunk holding the maximum."""
+    c = jnp.argmax(val, axis=1)[:, None]
+    return jnp.take_along_axis(val, c, axis=1)[:, 0], jnp.take_along_axis(idx, c, axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "max_depth", "interpret", "vocab_block", "chunk_blocks"))
+def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int, interpret: bool = False,
+           vocab_block: int = VOCAB_BLOCK, chunk_blocks: int = CHUNK_BLOCKS):
+    """The Pallas kernel; same signature and results as `verify_reference` (grid, blocks and GPU lowering: see the
+    module docstring). `vocab_block` (a power of two) and `chunk_blocks` set the blocking (tests)."""
     b, n = tokens.shape
     v = probs.shape[-1]
-    node_p, node_q, best = _prepare(tokens, parents, probs, q, mode)
-    q_in = q if q is not None else jnp.zeros((b, 1, 1), jnp.float32)
-    width = max_depth + 1
-    vec = pl.BlockSpec((1, n), lambda i: (i, 0))
-    a, emitted, path = pl.pallas_call(
-        functools.partial(_kernel, mode=mode, max_depth=max_depth),
-        grid=(b,),
-        in_specs=[vec, vec, vec, vec, vec, vec,
-                  pl.BlockSpec((1, n, v), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((1, *q_in.shape[1:]), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((1, v), lambda i: (i, 0))],
-        out_specs=[pl.BlockSpec((1, 1), lambda i: (i, 0)), pl.BlockSpec((1, width), lambda i: (i, 0)),
-                   pl.BlockSpec((1, width), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, 1), jnp.int32), jax.ShapeDtypeStruct((b, width), jnp.int32),
-                   jax.ShapeDtypeStruct((b, width), jnp.int32)],
+    ok, best = _prepare(tokens, parents, probs, uniforms, q, mode)
+    n_pad, width = _pow2(n), _pow2(max_depth + 1)
+
+    def pad_nodes(x, fill):  # padding nodes have no parent and are never accepted
+        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, n_pad - n)), constant_values=fill)
+
+    operands = [pad_nodes(parents, -1), pad_nodes(ok, 0), pad_nodes(tokens, 0)]
+    in_specs = [pl.BlockSpec((None, n_pad), lambda i, c: (i, 0))] * 3
+    walk_spec = pl.BlockSpec((None, None, width), lambda i, c: (i, c, 0))
+    if mode == "greedy":
+        block, chunks = 0, 1
+        out_specs, out_shape = [walk_spec] * 2, [jax.ShapeDtypeStruct((b, 1, width), jnp.int32)] * 2
+    else:
+        if vocab_block & (vocab_block - 1):
+            raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
+        block = min(vocab_block, 1 << (v.bit_length() - 1))  # ≤ V: the last block never reads past the row
+        chunks = pl.cdiv(pl.cdiv(v, block), chunk_blocks)
+        rows = pl.BlockSpec((None, n, v), lambda i, c: (i, 0, 0))  # an address range, read one block at a time
+        operands += [probs] + ([q] if mode == "chain" else []) + [_reciprocal(noise)]
+        in_specs += [rows] * (2 if mode == "chain" else 1) + [pl.BlockSpec((None, v), lambda i, c: (i, 0))]
+        race_spec = pl.BlockSpec((None, None, 2), lambda i, c: (i, c, 0))
+        out_specs = [walk_spec, walk_spec, race_spec, race_spec]
+        out_shape = [jax.ShapeDtypeStruct((b, chunks, width), jnp.int32)] * 2 + [
+            jax.ShapeDtypeStruct((b, chunks, 2), jnp.float32), jax.ShapeDtypeStruct((b, chunks, 2), jnp.int32)]
+    out = pl.pallas_call(
+        functools.partial(_kernel, mode=mode, max_depth=max_depth, vocab=v, block=block, chunk_blocks=chunk_blocks),
+        grid=(b, chunks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="verify_" + mode,
-    )(tokens, parents, node_p, node_q, best, uniforms.astype(jnp.float32), probs, q_in, noise)
-    return a[:, 0], emitted, path
+    )(*operands)
+    path, emitted = out[0][:, 0, : max_depth + 1], out[1][:, 0, : max_depth + 1]
+    a = jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32)
+    node = jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]
+    if mode == "greedy":
+        token = jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]
+    else:
+        val, idx = out[2], out[3]
+        top_w, token_w = _first_max(val[..., 0], idx[..., 0])
+        token = jnp.where(top_w > NEG_INF, token_w, _first_max(val[..., 1], idx[..., 1])[1])
+    return a, _with_token(emitted, a, token), path
 
 
 def chain_parents(batch: int, num_nodes: int) -> jax.Array:

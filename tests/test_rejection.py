@@ -40,37 +40,101 @@ def markov_tree_inputs(rng, table: np.ndarray, root: int, parents: np.ndarray, b
     return tokens, probs
 
 
-@pytest.mark.parametrize("mode", ["greedy", "tree", "chain"])
-@pytest.mark.parametrize("batch,n,v,depth", [(1, 1, 7, 1), (3, 6, 13, 3), (4, 16, 50, 6), (2, 60, 257, 8)])
-def test_kernel_equals_reference_exactly(mode, batch, n, v, depth):
-    rng = np.random.default_rng(zlib.crc32(f"{mode}-{batch}-{n}-{v}".encode()))
-    table = np.asarray(jax.nn.softmax(jnp.asarray(rng.normal(size=(v, v)) * 3.0), axis=-1))
+def draft_inputs(rng, mode, batch, n, v, depth, *, variant="plain", dtype="float32"):
+    """Verification inputs with a target that is a random Markov chain over the vocabulary → (args, q, depth).
+
+    variant: "plain"; "ties" (integer logits, so probabilities repeat exactly, and constant noise: the race is
+    decided by first indices, across blocks and chunks); "sparse" (each target row keeps its 5 likeliest tokens, the
+    others get probability 0 as after top-k, drafts come from the unfiltered rows, and a third of the noise is
+    exactly 0: those entries must not win); "fallback" (sparse, and chain q = p: a draft of probability 0 is
+    rejected with no residual left, so the race falls back to p)."""
+    logits = rng.normal(size=(v, v)) * 3.0
+    if variant == "ties":
+        logits = np.round(logits / 3.0)
+    table = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
     if mode == "chain":
         parents = np.arange(n, dtype=np.int32) - 1
         depth = n - 1
     else:
         parents = random_tree(rng, n, depth)
     tokens, probs = markov_tree_inputs(rng, table, int(rng.integers(v)), parents, batch, peaked=True)
+    if variant in ("sparse", "fallback"):
+        kept = np.where(table >= np.sort(table, axis=1)[:, -min(5, v), None], table, 0.0)
+        probs = (kept / kept.sum(axis=1, keepdims=True))[tokens]
     parents = np.broadcast_to(parents, (batch, n))
     q = None
     if mode == "chain":
-        q = np.array(jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, n, v))), axis=-1))
+        q = probs.copy() if variant == "fallback" else np.array(
+            jax.nn.softmax(jnp.asarray(rng.normal(size=(batch, n, v))), axis=-1))
         q[:, -1] = 0.0
-        q = jnp.asarray(q)
+        q = jnp.asarray(q, dtype)
     if mode == "greedy":  # logits; make some drafts the argmax so that paths get accepted
-        probs = np.log(probs)
-    args = (jnp.asarray(tokens), jnp.asarray(parents), jnp.asarray(probs, jnp.float32),
-            jnp.asarray(rng.random((batch, n)), jnp.float32), jnp.asarray(rng.exponential(size=(batch, v)), jnp.float32))
-    want = verify_reference(*args, q, mode=mode, max_depth=depth)
-    got = verify(*args, q, mode=mode, max_depth=depth, interpret=True)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    a, emitted, path = (np.asarray(x) for x in want)
-    for row in range(batch):  # the path is a real root-to-node path and the emitted drafts are its tokens
+        with np.errstate(divide="ignore"):
+            probs = np.log(probs)
+    uniforms = rng.random((batch, n))
+    noise = np.ones((batch, v)) if variant == "ties" else rng.exponential(size=(batch, v))
+    if variant in ("sparse", "fallback"):
+        noise[rng.random((batch, v)) < 1 / 3] = 0.0
+    args = (jnp.asarray(tokens), jnp.asarray(parents), jnp.asarray(probs, dtype), jnp.asarray(uniforms, jnp.float32),
+            jnp.asarray(noise, jnp.float32))
+    return args, q, depth
+
+
+def check_walk(result, tokens, parents):
+    """The path is a real root-to-node path, the emitted drafts are its tokens, and -1 fills the rest."""
+    a, emitted, path = (np.asarray(x) for x in result)
+    for row in range(tokens.shape[0]):
         for j in range(1, a[row] + 1):
             assert parents[row, path[row, j]] == path[row, j - 1]
             assert emitted[row, j - 1] == tokens[row, path[row, j]]
         assert (emitted[row, a[row] + 1 :] == -1).all() and (path[row, a[row] + 1 :] == -1).all()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "tree", "chain"])
+@pytest.mark.parametrize("batch,n,v,depth", [(1, 1, 7, 1), (3, 6, 13, 3), (4, 16, 50, 6), (2, 60, 257, 8)])
+def test_kernel_equals_reference_exactly(mode, batch, n, v, depth):
+    rng = np.random.default_rng(zlib.crc32(f"{mode}-{batch}-{n}-{v}".encode()))
+    args, q, depth = draft_inputs(rng, mode, batch, n, v, depth)
+    want = verify_reference(*args, q, mode=mode, max_depth=depth)
+    got = verify(*args, q, mode=mode, max_depth=depth, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    check_walk(want, np.asarray(args[0]), np.asarray(args[1]))
+
+
+# (mode, B, N, V, tree depth, vocab_block, chunk_blocks, variant, dtype): small blocks, so that rows span several
+# blocks and chunks; V not a multiple of the block (the last block overlaps the one before), a multiple of it, and
+# below it; N = 1 (nothing to accept); chunks whose blocks run out before chunk_blocks
+BLOCKED_CASES = [
+    ("tree", 3, 9, 100, 3, 16, 2, "plain", "float32"),  # 7 blocks (the 7th at 84), 4 chunks, the last one block
+    ("tree", 2, 16, 64, 2, 8, 3, "ties", "float32"),  # wide fan-out: several children per block
+    ("tree", 2, 12, 45, 4, 8, 2, "sparse", "float32"),
+    ("tree", 1, 1, 33, 1, 8, 3, "plain", "float32"),  # N = 1
+    ("tree", 2, 6, 5, 3, 16, 2, "plain", "float32"),  # V < block: blocks of 4, the second at 1
+    ("chain", 2, 6, 64, 0, 16, 2, "plain", "float32"),  # 4 whole blocks, 2 chunks
+    ("chain", 3, 6, 90, 0, 16, 2, "fallback", "float32"),
+    ("chain", 2, 5, 70, 0, 8, 3, "sparse", "float32"),
+    ("chain", 2, 16, 300, 0, 32, 3, "plain", "bfloat16"),
+    ("chain", 1, 1, 33, 0, 8, 3, "ties", "float32"),  # N = 1
+    ("greedy", 2, 9, 37, 4, 8, 1, "ties", "float32"),
+]
+
+
+@pytest.mark.parametrize("mode,batch,n,v,depth,block,chunk,variant,dtype", BLOCKED_CASES,
+                         ids=[f"{c[0]}-{c[7]}-{c[3]}" for c in BLOCKED_CASES])
+def test_blocked_kernel_equals_reference(mode, batch, n, v, depth, block, chunk, variant, dtype):
+    rng = np.random.default_rng(zlib.crc32(f"blocked-{mode}-{variant}-{n}-{v}".encode()))
+    args, q, depth = draft_inputs(rng, mode, batch, n, v, depth, variant=variant, dtype=dtype)
+    want = verify_reference(*args, q, mode=mode, max_depth=depth)
+    got = verify(*args, q, mode=mode, max_depth=depth, interpret=True, vocab_block=block, chunk_blocks=chunk)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    check_walk(want, np.asarray(args[0]), np.asarray(args[1]))
+    if mode != "greedy":  # the target's own token is one p allows (zero noise never draws a zero weight)
+        a, emitted, path = (np.asarray(x) for x in want)
+        rows = np.arange(batch)
+        final = np.asarray(args[2], np.float32)[rows, path[rows, a], emitted[rows, a]]
+        assert (final > 0).all()
 
 
 def test_greedy_accepts_exactly_the_argmax_path():
