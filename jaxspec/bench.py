@@ -28,6 +28,7 @@ from jaxspec.cli_common import (
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
+    method_name,
     parse_tree,
     resolve_draft,
     resolve_mesh,
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh,
                 forced_accept_prob=args.accept_prob,
             )
-            method = _method_name(args.num_speculative_tokens, tree, args.accept_prob)
+            method = method_name(args.num_speculative_tokens, tree, args.accept_prob)
             measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
             verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
             result["speculative"].append({
@@ -350,11 +351,6 @@ def run_load_time(args) -> int:
     return 0
 
 
-def _method_name(num_draft: int, tree, accept_prob: float | None) -> str:
-    name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
-    return name if accept_prob is None else f"{name} (forced p={accept_prob})"
-
-
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out."""
     from pathlib import Path
@@ -382,7 +378,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
                      "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0})
         bar.update()
         for num_draft, tree in methods:
-            name = _method_name(num_draft, tree, args.accept_prob)
+            name = method_name(num_draft, tree, args.accept_prob)
             bar.set_postfix_str(f"batch {b} {name}")
             spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
                                         forced_accept_prob=args.accept_prob)

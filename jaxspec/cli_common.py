@@ -123,6 +123,12 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
 DEFAULT_SPECULATIVE_TOKENS = 5
 
 
+def method_name(num_draft: int, tree, accept_prob: float | None = None) -> str:
+    """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`."""
+    name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
+    return name if accept_prob is None else f"{name} (forced p={accept_prob})"
+
+
 def check_generation_args(args, *, tree_sets_depth: bool) -> None:
     """Cheap flag checks, run right after parsing so that a bad value fails before a model loads. Fills the default
     of --num-speculative-tokens (None on the command line means "not given"). tree_sets_depth: --tree replaces the

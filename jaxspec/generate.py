@@ -21,6 +21,7 @@ from jaxspec.cli_common import (
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
+    method_name,
     parse_tree,
     resolve_draft,
     resolve_mesh,
@@ -151,7 +152,7 @@ def _method_summary(args, draft: str | None, completions) -> str:
     the number that says whether speculation paid (1.0 means every draft was rejected)."""
     if not draft:
         return "target-only"
-    method = f"tree {args.tree.spec}" if args.tree else f"chain K={args.num_speculative_tokens}"
+    method = method_name(args.num_speculative_tokens, args.tree)
     verifies = sum(c.stats["target_calls"] - 1 for c in completions)  # the first call is the prefill
     produced = sum(c.num_generated - 1 for c in completions)  # the first token comes from the prefill
     per_verify = f"{produced / verifies:.2f}" if verifies else "n/a"
