@@ -31,7 +31,7 @@ in JAX 0.10 and 0.11): since JAX 0.10 a plain `pallas_call` goes to Mosaic GPU, 
 memory (the whole cache row: 16 MB at S = 32768, against 227 KB per SM on an H100) and needs Hopper; Triton
 reads blocks through pointers and runs on any CUDA GPU from Ampere on and on ROCm. What Triton asks of the kernel:
 power-of-two tensor sizes (Bk, D and the padded rows), dots of at least 16 in every dimension, and no slicing of
-values: the halving max/sum run on `lax.split` (kernel_halving_sum/max, the same pairs as numerics' slices) and the
+values: numerics' halving max/sum are written with `lax.split`, which lowers there, and the
 optimization barriers (`fenced`, against XLA's algebraic simplifier, which never sees a compiled kernel; Triton has
 no rule for them) are kept only in interpret mode, where XLA does run the kernel body. Not lowered for TPUs yet
 (Mosaic TPU wants the positions in SMEM, its own CompilerParams and the cache left in HBM with blocks copied in).
@@ -52,22 +52,22 @@ from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
 NEG_INF = -1e30
 
 
-def block_partial(q, k, v, visible, scale, *, fence=fenced, hmax=halving_max, hsum=halving_sum):
+def block_partial(q, k, v, visible, scale, *, fence=fenced):
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
     q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk] (leading axes broadcast) → m, l [..., G], a [..., G, D].
     The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
     and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
-    (none when compiled) and halvings (kernel_halving_max/sum, the same bits in a form Triton lowers)."""
+    (none when compiled)."""
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
     s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
     vis = visible[..., None, :]  # [..., 1, Bk]
     s = jnp.where(vis, s, NEG_INF)
-    m = hmax(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
+    m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
     p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
-    l = hsum(p)
+    l = halving_sum(p)
     a = fence(
         functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32), p.astype(v.dtype), v
     )
@@ -206,27 +206,6 @@ def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk
     return pick(m, tm), pick(l, tl), pick(a, ta)
 
 
-def _split_halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
-    """numerics.halving_sum / halving_max in a form Pallas Triton lowers (it has no rule for `x[..., :half]`, a
-    slice): each level is one equal `lax.split` of the last axis, which pairs element i with element i + half exactly
-    as the slices do, so the bits are the same (tests/test_invariant_kernel_lowering.py checks it)."""
-    n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:  # never for the kernel's power-of-two blocks; kept so that any width matches numerics._halving
-        x = jnp.concatenate([x, jnp.full((*x.shape[:-1], width - n), pad_value, x.dtype)], axis=-1)
-    while x.shape[-1] > 1:
-        x = combine(*jax.lax.split(x, (x.shape[-1] // 2,) * 2, axis=x.ndim - 1))
-    return jnp.squeeze(x, -1)
-
-
-def kernel_halving_sum(x: jax.Array) -> jax.Array:
-    return _split_halving(x, jnp.add, 0.0)
-
-
-def kernel_halving_max(x: jax.Array) -> jax.Array:
-    return _split_halving(x, jnp.maximum, -jnp.inf)
-
-
 def _unfenced(fn, *operands):
     return fn(*operands)
 
@@ -243,7 +222,7 @@ def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree:
     pos = pos_ref[...]
     q = q_ref[...]  # [R, D]
     canonical = functools.partial(
-        block_partial, fence=fenced if fence else _unfenced, hmax=kernel_halving_max, hsum=kernel_halving_sum
+        block_partial, fence=fenced if fence else _unfenced
     )
 
     def cache_block(n):

@@ -61,10 +61,9 @@ def _halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)], constant_values=pad_value)
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = combine(x[..., :half], x[..., half:])
-    return x[..., 0]
+    while x.shape[-1] > 1:  # element i meets element i + half; one equal split (Pallas Triton has no value slicing)
+        x = combine(*jax.lax.split(x, (x.shape[-1] // 2,) * 2, axis=x.ndim - 1))
+    return jnp.squeeze(x, -1)
 
 
 def halving_sum(x: jax.Array) -> jax.Array:
