@@ -7,6 +7,13 @@ Examples:
   python -m jaxspec.bench --suite mt_bench --batch-sizes 1,4,16 --chain-lengths 3,5 --tree 16,5,4 --compare-hf
       (writes results.json, results.md and PNG plots to bench-results/mt_bench/)
   python -m jaxspec.bench --load-time TARGET_ORBAX_DIR --target TARGET_DIR --dtype bfloat16 --mesh data=2,model=4
+  python -m jaxspec.bench --kernels-micro [--json]
+      (the attention and verification kernels vs their references vs the bytes floor; Llama-3.1-8B shapes on a
+      GPU/TPU, tiny ones on CPU, where the kernels run in interpret mode and their timings mean nothing)
+  python -m jaxspec.bench --kernels-micro --kernel-batch 1 --kernel-tokens 6 --kernel-lengths 4096
+
+The roofline is weights-only: batch x bandwidth / weight bytes tokens/s, each decode step reading every weight once,
+at the bandwidth of a device copy (bytes read + written, 1 GiB on accelerators, 128 MiB on CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import platform
 import sys
 import time
 
+from jaxspec.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
 from jaxspec.bench_suite import measure, speculative_row
 from jaxspec.cli_common import (
     add_draft_args,
@@ -25,6 +33,7 @@ from jaxspec.cli_common import (
     add_target_args,
     check_generation_args,
     head_aux_layer_ids,
+    kernels_impl,
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
@@ -34,16 +43,19 @@ from jaxspec.cli_common import (
     resolve_mesh,
     resolve_target,
     run_program,
+    use_compile_cache,
 )
 from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
+from jaxspec.memory import MemoryReport
 from jaxspec.prompts import SUITES
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxspec.bench",
-        description="Measure generation speed (greedy) against transformers and the memory roofline.",
+        description="Measure generation speed (greedy) against transformers and the weights-only memory roofline, or "
+        "the Pallas kernels alone (--kernels-micro).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n", 3)[3],
     )
@@ -63,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-time", metavar="ORBAX_DIR",
         help="time loading --target from its safetensors against ORBAX_DIR, its `jaxspec.convert target` copy "
         "(onto --mesh when given; median of --repeats)",
+    )
+    source.add_argument(
+        "--kernels-micro", action="store_true",
+        help="kernel micro-benchmark, no model: the attention and draft-verification Pallas kernels vs their jax.numpy "
+        "references vs the bytes floor at the probe's bandwidth, at --kernel-shapes (GPU: compiled; CPU, or --kernels "
+        "interpret: interpret mode, whose timings are not meaningful); --dtype sets the attention dtype",
     )
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="--load-time: loads of each (default: 5)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], metavar="B,...",
@@ -85,9 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
     parser.add_argument(
+        "--memory-report", action="store_true",
+        help="also print each method's device memory (parameters, KV caches, the compiled step's peak; per device "
+        "on a mesh) on stderr; the JSON always has it under `memory`",
+    )
+    parser.add_argument(
         "--compare-numerics", action="store_true",
         help="also time every method with the other --numerics (invariant vs plain), side by side in this run",
     )
+    parser.add_argument(
+        "--kernel-shapes", choices=("llama-8b", "tiny"), metavar="llama-8b|tiny",
+        help="--kernels-micro preset: llama-8b (32/8 heads, head_dim 128, bfloat16, B 1,8, T 1,6,16,64, L "
+        "1024,4096,16384, vocabulary 128256; default on GPU/TPU) or tiny (4/2 heads, head_dim 32, float32, B 1, T "
+        "1,6, L 100, vocabulary 3000: under a minute on a CPU, the default there)",
+    )
+    parser.add_argument("--kernel-batch", type=_int_list, metavar="B,...", help="--kernels-micro: batch sizes")
+    parser.add_argument("--kernel-tokens", type=_int_list, metavar="T,...",
+                        help="--kernels-micro: tokens per attention call (1: decode; more: chain and tree) and "
+                        "nodes per verification (> 1)")
+    parser.add_argument("--kernel-lengths", type=_int_list, metavar="L,...",
+                        help="--kernels-micro: committed cache lengths")
+    parser.add_argument("--kernel-vocab", type=int, metavar="V", help="--kernels-micro: verification vocabulary")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -95,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_bench_args(args) -> None:
     """The benchmark's own flags, checked before anything loads (a bad value must not cost a benchmark pass)."""
+    kernel_flags = [f"--kernel-{name}" for name in ("shapes", "batch", "tokens", "lengths", "vocab")
+                    if getattr(args, f"kernel_{name}", None) is not None]
+    if kernel_flags and not getattr(args, "kernels_micro", False):
+        raise JaxspecError(f"{', '.join(kernel_flags)}: for --kernels-micro only")
     if args.limit < 0:
         raise JaxspecError(f"--limit must be 0 (all prompts) or more, got {args.limit}")
     if args.accept_prob is not None and not 0.0 <= args.accept_prob <= 1.0:
@@ -118,22 +158,6 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
-
-
-def measure_bandwidth_gbs(nbytes: int = 1 << 29) -> float:
-    """Read bandwidth of the default device: best of a few full reductions over a large float32 array."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
 
 
 def _best_time(fn, *args, repeats: int = 10) -> float:
@@ -226,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.load_time:
         return run_load_time(args)
+    if args.kernels_micro:
+        return run_kernels_micro(args)
     check_generation_args(args, tree_sets_depth=False)
     check_bench_args(args)
+    use_compile_cache(args)
     prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
         prompts = prompts[: args.limit]
@@ -238,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), mesh=mesh,
-        numerics=args.numerics,
+        numerics=args.numerics, kernels=kernels_impl(args),
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
@@ -254,15 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": _machine(),
         "target": target_dir.name,
         "dtype": str(model.dtype),
+        "kernels": kernels_impl(args),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size,
         "jaxspec": {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)},
-        "roofline": {
-            "weight_bytes": weight_bytes,
-            "measured_read_gb_per_s": round(bandwidth, 2),
-            "tokens_per_second": round(args.batch_size * bandwidth * 1e9 / weight_bytes, 2),
-        },
+        "roofline": weights_roofline(weight_bytes, args.batch_size, bandwidth),
+        "memory": {"target-only": gen.memory.as_dict()},
     }
     if head is not None:
         from jaxspec.spec.generator import SpeculativeGenerator
@@ -271,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree in [None, *args.tree]:
             spec = SpeculativeGenerator(
                 model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh,
-                forced_accept_prob=args.accept_prob,
+                forced_accept_prob=args.accept_prob, kernels=kernels_impl(args),
             )
             method = method_name(args.num_speculative_tokens, tree, args.accept_prob)
             measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
@@ -282,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 **speculative_row(*measured, spec.num_draft, completions, tokens / seconds),
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
+            result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:
         result["numerics_cost"] = numerics_cost(args, model, head, encoded, stops, mesh, result)
     if args.compare_hf:
@@ -292,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             "identical_outputs": f"{same}/{len(prompts)}",
         }
         result["speedup_vs_transformers"] = round((tokens / seconds) / (hf_tokens / hf_seconds), 3)
+    if args.memory_report:
+        for method, report in result["memory"].items():
+            print(f"{method}: " + "\n".join(MemoryReport(**report).lines()), file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -311,7 +340,7 @@ def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list
     ]
     other = "plain" if args.numerics == "invariant" else "invariant"
     saved = model.numerics
-    model.numerics = None if other == "plain" else default_numerics()
+    model.numerics = None if other == "plain" else default_numerics(kernels=kernels_impl(args))
     rows = []
     try:
         for method, tree, first in measured:
@@ -320,7 +349,7 @@ def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list
             else:
                 gen = SpeculativeGenerator(
                     model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size,
-                    mesh=mesh, forced_accept_prob=args.accept_prob,
+                    mesh=mesh, forced_accept_prob=args.accept_prob, kernels=kernels_impl(args),
                 )
             out, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label=f"{method} ({other})")
             tps = {args.numerics: first["tokens_per_second"], other: round(tokens / seconds, 2)}
@@ -333,6 +362,16 @@ def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list
     finally:
         model.numerics = saved
     return rows
+
+
+def run_kernels_micro(args) -> int:
+    """--kernels-micro: jaxspec/bench_kernels.py at the probe's bandwidth."""
+    import jax
+
+    from jaxspec.bench_kernels import run_from_args, shapes_from_args
+
+    shapes_from_args(args, jax.default_backend())  # bad flags fail before the probe
+    return run_from_args(args, measure_bandwidth_gbs(), _machine(), probe_description())
 
 
 def run_load_time(args) -> int:
@@ -371,20 +410,21 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
     for b in args.batch_sizes:
         name = f"batch {b} target-only"
         bar.set_postfix_str(name)
-        base, tokens, seconds = measure(TargetGenerator(model, batch_size=b, mesh=mesh), encoded,
-                                        args.max_new_tokens, stops, name)
+        gen = TargetGenerator(model, batch_size=b, mesh=mesh)
+        base, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, name)
         baselines[b] = (base, tokens / seconds)
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
-                     "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0})
+                     "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0,
+                     "memory": gen.memory.as_dict()})
         bar.update()
         for num_draft, tree in methods:
             name = method_name(num_draft, tree, args.accept_prob)
             bar.set_postfix_str(f"batch {b} {name}")
             spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
-                                        forced_accept_prob=args.accept_prob)
+                                        forced_accept_prob=args.accept_prob, kernels=kernels_impl(args))
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
             runs.append({"batch_size": b, "method": name,
-                         **speculative_row(*measured, spec.num_draft, *baselines[b])})
+                         **speculative_row(*measured, spec.num_draft, *baselines[b]), "memory": spec.memory.as_dict()})
             bar.update()
     if args.compare_hf:
         bar.set_postfix_str("batch 1 transformers")
@@ -402,7 +442,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
 
     result = {
         "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
-        "draft": Path(draft).name if draft else "", "prompts": len(encoded),
+        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else "", "prompts": len(encoded),
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
     out_dir = Path(args.out or Path("bench-results") / suite)
@@ -429,8 +469,8 @@ def _table(r: dict) -> str:
     lines += [f"| {name} | {m['tokens']} | {m['seconds']} | {m['tokens_per_second']} |" for name, m in rows]
     roof = r["roofline"]
     lines.append(
-        f"| roofline (weights {roof['weight_bytes'] / 1e6:.0f} MB / {roof['measured_read_gb_per_s']} GB/s) | | | "
-        f"{roof['tokens_per_second']} |"
+        f"| weights-only roofline ({roof['weight_bytes'] / 1e6:.0f} MB per step at {roof['bandwidth_gb_per_s']} GB/s, "
+        f"copy probe) | | | {roof['tokens_per_second']} |"
     )
     for sp in r.get("speculative", []):
         lines += [

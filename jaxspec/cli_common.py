@@ -31,6 +31,54 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
         "so greedy speculation equals target-only output in any dtype; plain: XLA's own numerics, faster prefill "
         "and verify, but bfloat16 speculation can then change the text",
     )
+    parser.add_argument(
+        "--kernels", choices=("auto", "pallas", "reference", "interpret"), default="auto",
+        help="Pallas kernels or jax.numpy references for attention and draft verification (same output either way); "
+        "auto (default): the kernels on backends where they have been validated on the chip (none yet), else the "
+        "references; pallas on CPU runs them in interpret mode (slow), as interpret does anywhere. JAXSPEC_KERNELS sets "
+        "what auto means",
+    )
+    parser.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="do not keep compiled programs on disk (default: kept under the user's cache directory, "
+        "$XDG_CACHE_HOME/jaxspec/jax-compile-cache, or JAXSPEC_COMPILE_CACHE=DIR|off, so a second run of the same "
+        "shapes skips compilation)",
+    )
+
+
+COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"
+COMPILE_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this
+
+
+def use_compile_cache(args) -> Path | None:
+    """Turn on JAX's persistent compilation cache before anything compiles, so a second run of the same shapes
+    loads the programs instead of compiling them (SmolLM2's step takes ~20 s to compile on CPU, 8B models longer).
+    Entries are keyed by the program, backend, versions and flags, so a stale one is never used. Where: the
+    JAXSPEC_COMPILE_CACHE directory ("off" disables it; the tests set that), else the user's cache directory;
+    `--no-compile-cache` disables it for one run. Returns the directory in use, or None."""
+    import jax
+
+    from jaxspec.checkpoints.builtin import cache_root
+
+    where = os.environ.get(COMPILE_CACHE_ENV, "")
+    if getattr(args, "no_compile_cache", False) or where == "off":
+        return None
+    path = Path(where) if where else cache_root() / "jax-compile-cache"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: the small ones add up
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
+    return path
+
+
+def kernels_impl(args) -> str:
+    """The implementation `--kernels` (or JAXSPEC_KERNELS under auto) resolves to here: reference, pallas or
+    interpret (`pallas_kernels.dispatch`)."""
+    from pallas_kernels.dispatch import resolve_kernels
+
+    try:
+        return resolve_kernels(getattr(args, "kernels", "auto"))
+    except ValueError as e:
+        raise JaxspecError(str(e)) from None
 
 
 def resolve_target(target: str | None) -> Path:
@@ -152,18 +200,21 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
 
 
 def load_target_and_tokenizer(
-    target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant"
+    target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant",
+    kernels: str | None = None,
 ):
     """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
-    restored straight into the mesh's shardings). numerics: "invariant" (the model's default) or "plain"."""
+    restored straight into the mesh's shardings) and of the kernels it runs. numerics: "invariant" (the model's
+    default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.generation import default_dtype
+    from jaxspec.models.numerics import default_numerics
     from jaxspec.prompts import load_tokenizer
+    from pallas_kernels.dispatch import describe, resolve_kernels
 
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
-    if numerics == "plain":
-        model.numerics = None
+    model.numerics = None if numerics == "plain" else default_numerics(kernels=kernels)
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config
@@ -172,6 +223,7 @@ def load_target_and_tokenizer(
             f"{model.dtype}) in {time.perf_counter() - start:.1f}s",
             file=sys.stderr,
         )
+        print(describe(kernels or resolve_kernels()), file=sys.stderr)
     return model, tokenizer
 
 

@@ -18,6 +18,7 @@ from jaxspec.cli_common import (
     add_target_args,
     check_generation_args,
     head_aux_layer_ids,
+    kernels_impl,
     load_head_for,
     load_target_and_tokenizer,
     main_guard,
@@ -27,6 +28,7 @@ from jaxspec.cli_common import (
     resolve_mesh,
     resolve_target,
     run_program,
+    use_compile_cache,
 )
 
 
@@ -68,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    parser.add_argument(
+        "--memory-report", action="store_true",
+        help="report device memory: target and head parameters, their KV caches, the compiled step's peak (per "
+        "device on a mesh); on stderr, and as a `memory` object in --json records",
+    )
     return parser
 
 
@@ -79,14 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.sampling import SamplingConfig
 
     check_generation_args(args, tree_sets_depth=True)
+    use_compile_cache(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
     mesh = resolve_mesh(args)
+    kernels = kernels_impl(args)
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
     aux_ids = head_aux_layer_ids(draft, target_dir)
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics
+        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         generator = SpeculativeGenerator(
             model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size,
-            mesh=mesh,
+            mesh=mesh, kernels=kernels,
         )
     else:
         generator = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
@@ -136,9 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                     **c.stats,
                 },
             }
+            if args.memory_report:
+                record["memory"] = generator.memory.as_dict()
             print(json.dumps(record), flush=True)
         elif not stream:
             print(f"### {pid}\n{out_text}\n", flush=True)
+    if args.memory_report:
+        print("\n".join(generator.memory.lines()), file=sys.stderr)
     if not args.json:
         total = sum(c.num_generated for c in completions)
         seconds = _wall(completions, args.batch_size)

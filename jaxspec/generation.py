@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from jaxspec import decode, sharding
 from jaxspec.errors import JaxspecError
+from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
 
@@ -78,6 +79,7 @@ class TargetGenerator:
         self._extra_static: dict = {}  # static arguments of both prefill and step
         self._step_static: dict = {}  # of the step only
         self.on_compile: Callable[[str], None] | None = None  # told what compiles and how long it took (CLIs: stderr)
+        self.memory: MemoryReport | None = None  # of the last batch generated (`--memory-report`)
 
     @property
     def extra_capacity(self) -> int:
@@ -87,6 +89,13 @@ class TargetGenerator:
     def _batch_stats(self, st, n_rows: int) -> list[dict]:
         """Engine-specific statistics per row, read from the final state once per batch."""
         return [{} for _ in range(n_rows)]
+
+    def _memory_parts(self, st) -> dict:
+        """Bytes per device of the parameters and caches of a batch (the speculative generator adds its head's)."""
+        return {
+            "target_parameters": device_bytes(self.params), "target_kv_cache": device_bytes(st.cache),
+            "head_parameters": 0, "head_kv_cache": 0,
+        }
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
         """Prompt + new tokens must fit the context. The slots a verify step writes ahead of the committed length are
@@ -171,6 +180,10 @@ class TargetGenerator:
 
         start = time.perf_counter()
         st = prefill(*params, *args)
+        self.memory = MemoryReport(
+            devices=self.mesh.size if self.mesh is not None else 1, batch_size=b, cache_capacity=capacity,
+            step_peak=compiled_peak_bytes(step), **self._memory_parts(st),
+        )
         emitted = np.zeros((b,), np.int64)
         emitted = self._stream(st, emitted, len(batch), offset, on_tokens)
         jax.block_until_ready(st.num_generated)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
-from pallas_kernels.tree_attention import on_mesh
+from pallas_kernels.dispatch import on_mesh
 
 log = logging.getLogger(__name__)
 

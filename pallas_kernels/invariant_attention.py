@@ -33,8 +33,19 @@ reads blocks through pointers and runs on any CUDA GPU from Ampere on and on ROC
 power-of-two tensor sizes (Bk, D and the padded rows), dots of at least 16 in every dimension, and no slicing of
 values: numerics' halving max/sum are written with `lax.split`, which lowers there, and the
 optimization barriers (`fenced`, against XLA's algebraic simplifier, which never sees a compiled kernel; Triton has
-no rule for them) are kept only in interpret mode, where XLA does run the kernel body. Not lowered for TPUs yet
-(Mosaic TPU wants the positions in SMEM, its own CompilerParams and the cache left in HBM with blocks copied in).
+no rule for them) are kept only in interpret mode, where XLA does run the kernel body.
+
+On TPUs (`backend="tpu"`, pallas_kernels/variants.py) a Mosaic variant (`_kernel_tpu`) runs the same grid, the same
+per-block operations and fold (block_partial, merge, finish) and the same 16 padded query rows, laid out as Mosaic
+asks: its own CompilerParams (every grid axis parallel); positions and the tree tails' first block n0 as
+scalar-prefetch operands (Mosaic reads scalars from SMEM, not from vector blocks); the caches left in HBM (`pl.ANY`),
+each [Bk, D] key and value block copied by DMA into a double-buffered VMEM scratch, up to the query's last visible
+block only; query rows, outputs and tree tails as VMEM blocks whose last two dimensions are whole ([16, D], [Bk, D]),
+as Mosaic's (8, 128) tiling wants. Dots of 16-bit operands say precision "default" (Mosaic takes no fp32 contract
+precision for them; their products are exact in float32 either way). Checked without a TPU: the Mosaic lowering
+(`jax.export`) and libtpu's ahead-of-time compilation for v5e and v4 (tests/test_invariant_kernel_lowering.py), and
+TPU interpret mode bit for bit against the reference (tests/test_tpu_interpret.py); not yet run on a TPU, whose
+exp and division need not round as XLA:TPU's do (the kernel against itself is what invariance needs).
 """
 
 from __future__ import annotations
@@ -44,10 +55,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
+from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.variants import kernel_variant, tpu_interpret
 
 NEG_INF = -1e30
 
@@ -60,6 +74,10 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced):
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
     and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
     (none when compiled)."""
+    if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
+        # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
+        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence)
+        return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
     s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
@@ -247,17 +265,84 @@ def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree:
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
+def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num_blocks: int, scale: float,
+                tree: bool, fence: bool):
+    """Mosaic TPU: `_kernel`'s operations for one (query token, KV head, sequence), with the scalars (positions,
+    tree tails' first blocks n0) in SMEM (scalar prefetch) and the cache left in HBM: each [Bk, D] key and value
+    block is copied into VMEM by DMA, double-buffered (block n + 1 is on its way while block n is used). Tree tails
+    come pre-gathered as VMEM blocks."""
+    if tree:
+        kt_ref, vt_ref, o_ref, k_buf, v_buf, sems = refs
+    else:
+        o_ref, k_buf, v_buf, sems = refs
+    j, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pos = pos_ref[i, j]
+    q = q_ref[...]  # [R, D]
+    fence_fn = fenced if fence else _unfenced
+
+    def canonical(q, k, v, visible, scale):
+        # Mosaic takes no fp32 contract precision (jax_default_matmul_precision="highest") for 16-bit operands,
+        # whose products are exact in float32 at any precision: their dots say "default"
+        precision = "default" if k.dtype.itemsize < 4 else None
+        with jax.default_matmul_precision(precision):
+            return block_partial(q, k, v, visible, scale, fence=fence_fn)
+
+    def copies(n, slot):
+        rows = pl.ds(pl.multiple_of(n * key_block, key_block), key_block)
+        return [pltpu.make_async_copy(cache.at[i, h, rows], buf.at[slot], sems.at[slot, c])
+                for c, (cache, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+    def partial(n, slot):
+        k, v = k_buf[slot], v_buf[slot]
+        if tree:
+            n0 = n0_ref[i]
+            shared = (n < n0) | (n > n0 + 1)  # as in `_kernel`
+            k, v = jax.lax.cond(shared, lambda: (k, v), lambda: (kt_ref[n - n0], vt_ref[n - n0]))
+        visible = n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
+        return canonical(q, k, v, visible, scale)
+
+    def step(n, state):
+        slot = jax.lax.rem(n, 2)
+
+        @pl.when(n + 1 < end)
+        def _():
+            for copy in copies(n + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(n, slot):
+            copy.wait()
+        return merge(state, partial(n, slot), scale)
+
+    end = jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)  # blocks 0 .. end-1 can be visible
+    for copy in copies(0, 0):
+        copy.start()
+
+    @pl.when(end > 1)
+    def _():
+        for copy in copies(1, 1):
+            copy.start()
+
+    for copy in copies(0, 0):
+        copy.wait()
+    first = partial(0, 0)
+    state = jax.lax.fori_loop(1, end, step, first)
+    o_ref[...] = finish(state).astype(o_ref.dtype)
+
+
 QUERY_ROWS = 16  # the kernel's dot has at least this many query rows (Triton's tl.dot needs M >= 16)
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch parameters (as jax's own decode attention kernel)
 
 
-@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret", "backend"))
 def invariant_attention(
     q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False, backend: str | None = None,
 ) -> jax.Array:
     """The Pallas kernel; same signature and bits as `invariant_attention_reference` (see the module docstring for
-    its grid, blocks and GPU lowering)."""
+    its grid, blocks and lowering). `backend` picks the variant: "tpu" the Mosaic TPU one, anything else ("cuda",
+    "rocm", "gpu", "cpu") the Triton one; None is jax.default_backend(), so name it when exporting for another
+    platform (`jax.export` traces on the host). `interpret` runs the variant in Pallas interpret mode: TPU interpret
+    mode for "tpu" (True, or its `pltpu.InterpretParams`), the generic one otherwise (pallas_kernels/variants.py)."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -283,6 +368,10 @@ def invariant_attention(
         in_specs += [tail, tail]
         operands[1:1] = [n0.astype(jnp.int32)]
         operands += [k_tail, v_tail]
+    if kernel_variant(backend) == "tpu":
+        return _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, key_block=bk, num_blocks=nb,
+                         interpret=interpret)[:, :, :, :g].reshape(b, t, hq, d)
+    interpret = bool(interpret)
     kernel = functools.partial(_kernel, key_block=bk, num_blocks=nb, scale=d**-0.5, tree=tree, fence=interpret)
     out = pl.pallas_call(
         kernel,
@@ -297,9 +386,46 @@ def invariant_attention(
     return out[:, :, :, :g].reshape(b, t, hq, d)
 
 
+def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int,
+              interpret: bool | pltpu.InterpretParams):
+    """The Mosaic TPU call on the padded queries qg [B, T, H, R, D] → [B, T, H, R, D]: positions and n0 as
+    scalar-prefetch operands, the caches in HBM (`pl.ANY`, copied block by block), queries, outputs and tree tails
+    as VMEM blocks whose last two dimensions are whole ([R, D], [Bk, D]), as Mosaic's (8, 128) tiling asks."""
+    b, t, hkv, rows, d = qg.shape
+    tree = ancestors is not None
+    per_token = pl.BlockSpec((None, None, None, rows, d), lambda j, h, i, *_: (i, j, h, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs, operands = [per_token, hbm, hbm], [qg, k_cache, v_cache]
+    if tree:
+        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, key_block)
+        tail = pl.BlockSpec((None, None, None, 2, key_block, d), lambda j, h, i, *_: (i, h, j, 0, 0, 0))
+        in_specs += [tail, tail]
+        operands += [k_tail, v_tail]
+    else:
+        n0 = jnp.zeros((b,), jnp.int32)
+    kernel = functools.partial(
+        _kernel_tpu, key_block=key_block, num_blocks=num_blocks, scale=d**-0.5, tree=tree, fence=bool(interpret)
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(t, hkv, b),
+            in_specs=in_specs,
+            out_specs=per_token,
+            scratch_shapes=[pltpu.VMEM((2, key_block, d), k_cache.dtype), pltpu.VMEM((2, key_block, d), v_cache.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, qg.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=tpu_interpret(interpret),
+        name="invariant_attention",
+    )(positions.astype(jnp.int32), n0.astype(jnp.int32), *operands)
+
+
 def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str):
-    """Dispatch for the target's attention. impl: "reference" (jax.numpy, every backend), "pallas" (compiled
-    kernel) or "interpret" (the kernel in Pallas interpret mode: tests on CPU). Under a (data, model) mesh the
+    """Dispatch for the target's attention by implementation (`pallas_kernels.dispatch`): "reference" (jax.numpy,
+    every backend), "pallas" (compiled kernel) or "interpret" (the kernel in Pallas interpret mode: CPU). Under a (data, model) mesh the
     kernel runs per shard in `jax.shard_map` (rows over data, KV heads over model: no collective)."""
     if impl == "reference":
         return invariant_attention_reference(
@@ -308,8 +434,6 @@ def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_
     fn = functools.partial(
         invariant_attention, key_block=key_block, num_blocks=num_blocks, interpret=impl == "interpret"
     )
-    from pallas_kernels.tree_attention import on_mesh
-
     if not on_mesh():
         return fn(q, k_cache, v_cache, lengths, positions, ancestors)
     rows, q_heads, kv_heads = P("data"), P("data", None, "model", None), P("data", "model", None, None)

@@ -49,21 +49,37 @@ accepted node's row, which the Pallas kernel (`verify`) runs blocked over the vo
 On GPUs it is lowered with Triton, chosen explicitly (`compiler_params=pallas.triton.CompilerParams`): since JAX
 0.10 a plain `pallas_call` goes to Mosaic GPU, which stages every block in shared memory (the [N, V] rows did not
 fit at a 128k vocabulary); Triton reads through pointers, wants power-of-two value shapes (node and slot vectors
-padded, blocks of 2^k) and has no value slicing (none used). Not lowered for TPUs: Mosaic TPU rejects Triton's
-CompilerParams, and wants (8, 128)-tiled blocks (tests/test_rejection_lowering.py).
+padded, blocks of 2^k) and has no value slicing (none used).
+
+On TPUs (`backend="tpu"`, pallas_kernels/variants.py) a Mosaic variant computes the same race with the same float
+operations, shaped by what Mosaic asks: its own CompilerParams (both grid axes parallel), blocks whose last two
+dimensions are multiples of (8, 128) or whole, scalars in SMEM rather than read from vector blocks, 2-D vectors.
+The walk is XLA's there (the reference's vmapped `_walk_row`, integers only; greedy then needs no kernel at all),
+and the final node, its children's tokens and their number ([B], [B, N], [B]) go to SMEM as scalar-prefetch
+operands. The rows stay in HBM (`pl.ANY`): per block a DMA copies [1, block] of p (q, 1 / noise) into a
+double-buffered VMEM scratch, straight from row `node` for 32-bit rows; 16-bit rows are gathered by XLA first
+([B, 1, V]), since Mosaic packs two of their rows per word in HBM and slices rows only at multiples of 8. Children
+are removed by a loop over the children's SMEM tokens, a select for each that falls in the block; each chunk's two
+(max, argmax) pairs leave as lanes 0 and 1 of a [1, 128] row, merged by XLA as above. At 128256 tokens every DMA
+starts at a multiple of 128 (the last block at V − 1024 = 994 · 128). Checked without a TPU: the Mosaic lowering
+(`jax.export`) and libtpu's ahead-of-time compilation for v5e and v4 (tests/test_rejection_lowering.py), and TPU
+interpret mode bit for bit against the reference (tests/test_tpu_interpret.py); not yet run on a TPU.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.variants import kernel_variant, tpu_interpret
 
 Mode = Literal["greedy", "tree", "chain"]
 
@@ -71,6 +87,7 @@ NEG_INF = float("-inf")
 VOCAB_BLOCK = 1024  # vocabulary entries per block: 4 KB per float32 row read, a few registers per thread
 CHUNK_BLOCKS = 8  # blocks per program: a 128256-token row is read by 16 programs
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch parameters
+RACE_LANES = 128  # Mosaic TPU: a chunk's two (max, argmax) pairs go out as one [1, 128] row (lanes 0 and 1)
 
 
 def _pow2(n: int) -> int:
@@ -195,10 +212,11 @@ def _without_children(weight, vocab_ids, children, start, block: int):
     return jax.lax.while_loop(lambda carry: jnp.max(carry[0]) > 0, body, (hits, weight))[1]
 
 
-def _fold(scores, vocab_ids, best):
-    """Running (max, first index of the max) with one more block: a later block wins only if strictly greater."""
-    m = jnp.max(scores)
-    i = jnp.min(jnp.where(scores == m, vocab_ids, jnp.iinfo(jnp.int32).max))
+def _fold(scores, vocab_ids, best, keepdims: bool = False):
+    """Running (max, first index of the max) with one more block: a later block wins only if strictly greater.
+    keepdims: [1, block] scores and [1, 1] pairs (Mosaic TPU) instead of [block] and scalars (Triton)."""
+    m = jnp.max(scores, keepdims=keepdims)
+    i = jnp.min(jnp.where(scores == m, vocab_ids, jnp.iinfo(jnp.int32).max), keepdims=keepdims)
     better = m > best[0]
     return jnp.where(better, m, best[0]), jnp.where(better, i, best[1])
 
@@ -255,17 +273,104 @@ def _kernel(parents_ref, ok_ref, tokens_ref, *refs, mode: Mode, max_depth: int, 
     idx_ref[...] = jnp.where(two == 0, i_w, i_p)
 
 
+def _race_kernel_tpu(node_ref, children_ref, num_children_ref, *refs, mode: Mode, vocab: int, block: int,
+                     chunk_blocks: int, by_node: tuple[bool, ...]):
+    """Mosaic TPU: one (sequence, vocabulary chunk)'s race over the final node's row (`node_ref`, `children_ref`,
+    `num_children_ref`: the walk's results in SMEM; a row's children's tokens come first). The operands stay in
+    HBM as [B, rows, V]: rows = N where `by_node` (the kernel reads row `node`), 1 otherwise (the final rows,
+    gathered by XLA, and 1 / noise). Each block of p (q) and 1 / noise is copied into VMEM by DMA, double-buffered
+    (block k + 1 is on its way while block k is raced). Values are [1, block] (a TPU vector is 2-D)."""
+    if mode == "tree":
+        p_hbm, inv_hbm, val_ref, idx_ref, p_buf, inv_buf, sems = refs
+        rows, bufs = (p_hbm, inv_hbm), (p_buf, inv_buf)
+    else:
+        p_hbm, q_hbm, inv_hbm, val_ref, idx_ref, p_buf, q_buf, inv_buf, sems = refs
+        rows, bufs = (p_hbm, q_hbm, inv_hbm), (p_buf, q_buf, inv_buf)
+    b = pl.program_id(0)
+    node = node_ref[b]
+    first = pl.program_id(1) * chunk_blocks
+    last = jnp.minimum(first + chunk_blocks, pl.cdiv(vocab, block))
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+
+    def start_of(k):  # a ragged vocabulary's last block is read at vocab − block (overlapping the one before)
+        return jnp.minimum(k * block, vocab - block)
+
+    def copies(k, slot):
+        cols = pl.ds(start_of(k), block)
+        srcs = [x.at[b, pl.ds(node if indexed else 0, 1), cols] for x, indexed in zip(rows, by_node)]
+        return [pltpu.make_async_copy(src, buf.at[slot], sems.at[slot, j])
+                for j, (src, buf) in enumerate(zip(srcs, bufs))]
+
+    for copy in copies(first, 0):
+        copy.start()
+
+    def visit(k, best):
+        slot = jax.lax.rem(k - first, 2)
+
+        @pl.when(k + 1 < last)
+        def _():
+            for copy in copies(k + 1, 1 - slot):
+                copy.start()
+
+        for copy in copies(k, slot):
+            copy.wait()
+        start = start_of(k)
+        vocab_ids = start + lanes
+        p = p_buf[slot].astype(jnp.float32)
+        inv = inv_buf[slot]
+        if mode == "tree":
+            def remove(j, weight):  # child j's token, if it falls in this block
+                token = children_ref[b, j]
+                return jax.lax.cond(
+                    (token >= start) & (token < start + block),
+                    lambda w: jnp.where(vocab_ids == token, 0.0, w), lambda w: w, weight,
+                )
+
+            weight = jax.lax.fori_loop(0, num_children_ref[b], remove, p)
+        else:
+            weight = jnp.maximum(p - q_buf[slot].astype(jnp.float32), 0.0)
+        fresh = vocab_ids >= k * block  # the entries before k · block were the previous block's
+        s_w = jnp.where(fresh, _scores(weight, inv), NEG_INF)
+        s_p = jnp.where(fresh, _scores(p, inv), NEG_INF)
+        return _fold(s_w, vocab_ids, best[0], keepdims=True), _fold(s_p, vocab_ids, best[1], keepdims=True)
+
+    none = (jnp.full((1, 1), NEG_INF, jnp.float32), jnp.zeros((1, 1), jnp.int32))
+    (m_w, i_w), (m_p, i_p) = jax.lax.fori_loop(first, last, visit, (none, none))
+    lane = jax.lax.broadcasted_iota(jnp.int32, val_ref.shape, 1)
+    val_ref[...] = jnp.where(lane == 0, m_w, m_p)
+    idx_ref[...] = jnp.where(lane == 0, i_w, i_p)
+
+
 def _first_max(val, idx):
     """Per row of [B, C] chunk results: the value and index of the first chunk holding the maximum."""
     c = jnp.argmax(val, axis=1)[:, None]
     return jnp.take_along_axis(val, c, axis=1)[:, 0], jnp.take_along_axis(idx, c, axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "max_depth", "interpret", "vocab_block", "chunk_blocks"))
-def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int, interpret: bool = False,
-           vocab_block: int = VOCAB_BLOCK, chunk_blocks: int = CHUNK_BLOCKS):
-    """The Pallas kernel; same signature and results as `verify_reference` (grid, blocks and GPU lowering: see the
-    module docstring). `vocab_block` (a power of two) and `chunk_blocks` set the blocking (tests)."""
+def _chunk_token(val, idx):
+    """The race's token from per-chunk results [B, C, 2] (weights, p): the weights' first maximum, or p's if no
+    weight is positive."""
+    top_w, token_w = _first_max(val[..., 0], idx[..., 0])
+    return jnp.where(top_w > NEG_INF, token_w, _first_max(val[..., 1], idx[..., 1])[1])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("mode", "max_depth", "interpret", "vocab_block", "chunk_blocks", "backend")
+)
+def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int,
+           interpret: bool | pltpu.InterpretParams = False, vocab_block: int = VOCAB_BLOCK,
+           chunk_blocks: int = CHUNK_BLOCKS, backend: str | None = None):
+    """The Pallas kernel; same signature and results as `verify_reference` (grid, blocks and lowering: see the
+    module docstring). `vocab_block` (a power of two) and `chunk_blocks` set the blocking (tests). `backend` picks
+    the variant: "tpu" the Mosaic TPU one, anything else ("cuda", "rocm", "gpu", "cpu") the Triton one; None is
+    jax.default_backend(), so name it when exporting for another platform (`jax.export` traces on the host).
+    `interpret` runs the variant in Pallas interpret mode: TPU interpret mode for "tpu" (True, or its
+    `pltpu.InterpretParams`), the generic one otherwise (pallas_kernels/variants.py)."""
+    if vocab_block & (vocab_block - 1):
+        raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
+    if kernel_variant(backend) == "tpu":
+        return _verify_tpu(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth,
+                           interpret=interpret, vocab_block=vocab_block, chunk_blocks=chunk_blocks)
     b, n = tokens.shape
     v = probs.shape[-1]
     ok, best = _prepare(tokens, parents, probs, uniforms, q, mode)
@@ -281,8 +386,6 @@ def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_d
         block, chunks = 0, 1
         out_specs, out_shape = [walk_spec] * 2, [jax.ShapeDtypeStruct((b, 1, width), jnp.int32)] * 2
     else:
-        if vocab_block & (vocab_block - 1):
-            raise ValueError(f"vocab_block must be a power of two, got {vocab_block}")
         block = min(vocab_block, 1 << (v.bit_length() - 1))  # ≤ V: the last block never reads past the row
         chunks = pl.cdiv(pl.cdiv(v, block), chunk_blocks)
         rows = pl.BlockSpec((None, n, v), lambda i, c: (i, 0, 0))  # an address range, read one block at a time
@@ -299,7 +402,7 @@ def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_d
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
-        interpret=interpret,
+        interpret=bool(interpret),
         name="verify_" + mode,
     )(*operands)
     path, emitted = out[0][:, 0, : max_depth + 1], out[1][:, 0, : max_depth + 1]
@@ -308,18 +411,58 @@ def verify(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_d
     if mode == "greedy":
         token = jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]
     else:
-        val, idx = out[2], out[3]
-        top_w, token_w = _first_max(val[..., 0], idx[..., 0])
-        token = jnp.where(top_w > NEG_INF, token_w, _first_max(val[..., 1], idx[..., 1])[1])
+        token = _chunk_token(out[2], out[3])
     return a, _with_token(emitted, a, token), path
+
+
+def _verify_tpu(tokens, parents, probs, uniforms, noise, q, *, mode: Mode, max_depth: int,
+                interpret: bool | pltpu.InterpretParams, vocab_block: int, chunk_blocks: int):
+    """`verify` for Mosaic TPU: the walk by XLA (the reference's own vmapped walk: integers only), the race in the
+    kernel, with the final node and its children's tokens as scalar-prefetch operands (SMEM); greedy needs no
+    kernel. 32-bit rows are read in place at row `node`; narrower ones (bfloat16) are gathered by XLA first
+    ([B, 1, V]: Mosaic packs two 16-bit rows per word in HBM, (8, 128)(2, 1) tiles, and slices rows only at
+    multiples of 8)."""
+    b, n = tokens.shape
+    v = probs.shape[-1]
+    ok, best = _prepare(tokens, parents, probs, uniforms, q, mode)
+    walk = functools.partial(_walk_row, max_depth=max_depth, width=max_depth + 1)
+    a, node, path, emitted = jax.vmap(walk)(parents, ok, tokens)
+    if mode == "greedy":
+        return a, _with_token(emitted, a, jnp.take_along_axis(best, node[:, None], axis=1)[:, 0]), path
+    children = jnp.where((parents == node[:, None]) & (jnp.arange(n)[None] > 0), tokens, -1).astype(jnp.int32)
+    children = jnp.sort(children, axis=1, descending=True)  # the children's tokens first, then -1s
+    num_children = jnp.sum(children >= 0, axis=1, dtype=jnp.int32)
+    block = min(vocab_block, 1 << (v.bit_length() - 1))
+    chunks = pl.cdiv(pl.cdiv(v, block), chunk_blocks)
+    rows = [probs] + ([q] if mode == "chain" else [])
+    by_node = tuple(x.dtype.itemsize >= 4 for x in rows) + (False,)
+    rows = [x if indexed else jnp.take_along_axis(x, node[:, None, None], axis=1) for x, indexed in zip(rows, by_node)]
+    rows.append(_reciprocal(noise)[:, None])  # [B, 1, V]
+    race = pl.BlockSpec((None, None, 1, RACE_LANES), lambda i, c, *_: (i, c, 0, 0))
+    val, idx = pl.pallas_call(
+        functools.partial(
+            _race_kernel_tpu, mode=mode, vocab=v, block=block, chunk_blocks=chunk_blocks, by_node=by_node
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, chunks),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(rows),  # left in HBM, copied in block by block
+            out_specs=[race, race],
+            scratch_shapes=[pltpu.VMEM((2, 1, block), x.dtype) for x in rows]
+            + [pltpu.SemaphoreType.DMA((2, len(rows)))],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((b, chunks, 1, RACE_LANES), jnp.float32),
+                   jax.ShapeDtypeStruct((b, chunks, 1, RACE_LANES), jnp.int32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret(interpret),
+        name="verify_" + mode,
+    )(node.astype(jnp.int32), children, num_children, *rows)
+    return a, _with_token(emitted, a, _chunk_token(val[:, :, 0, :2], idx[:, :, 0, :2])), path
 
 
 def chain_parents(batch: int, num_nodes: int) -> jax.Array:
     """Parent pointers of a chain: node n's parent is n − 1."""
     return jnp.broadcast_to(jnp.arange(num_nodes, dtype=jnp.int32) - 1, (batch, num_nodes))
-
-
-_announced: set[str] = set()
 
 
 def per_shard(fn, mesh=None, *, with_q: bool):
@@ -332,19 +475,11 @@ def per_shard(fn, mesh=None, *, with_q: bool):
     )
 
 
-def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int):
-    """Dispatch: the Pallas kernel on a validated backend (per shard under a mesh), the jax.numpy reference
-    elsewhere (said once in the log)."""
-    from pallas_kernels.tree_attention import kernel_platform, on_mesh
-
-    if kernel_platform() is None:
-        backend = jax.default_backend()
-        if backend not in _announced:
-            _announced.add(backend)
-            logging.getLogger(__name__).info(
-                "draft verification: no Pallas kernel enabled for %s; using the jax.numpy reference", backend
-            )
+def verify_draft(tokens, parents, probs, uniforms, noise, q=None, *, mode: Mode, max_depth: int, impl: str):
+    """Dispatch by implementation (`pallas_kernels.dispatch`): "reference" (jax.numpy), "pallas" (compiled) or
+    "interpret"; the kernels run per shard under a mesh."""
+    if impl == "reference":
         return verify_reference(tokens, parents, probs, uniforms, noise, q, mode=mode, max_depth=max_depth)
-    fn = functools.partial(verify, mode=mode, max_depth=max_depth)
+    fn = functools.partial(verify, mode=mode, max_depth=max_depth, interpret=impl == "interpret")
     args = (tokens, parents, probs, uniforms, noise) + (() if q is None else (q,))
     return (per_shard(fn, with_q=q is not None) if on_mesh() else fn)(*args)

@@ -275,3 +275,42 @@ def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path
     with pytest.raises(SystemExit) as exc:
         bench.main(["--target", str(tiny_dir), "--load-time", str(tiny_dir)])
     assert exc.value.code == 2 and "is not an orbax target; make one with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--num-speculative-tokens", "3"], ["--tree", "6,3,2"]])
+def test_kernels_pallas_gives_the_references_output_and_the_log_says_which(extra, tiny_dir, tiny_head, capsys,
+                                                                           monkeypatch):
+    """`--kernels pallas` on CPU runs the attention and verification kernels in interpret mode: same tokens as the
+    references, chain and tree, and the log line names what ran."""
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    outputs = {}
+    for kernels in ("reference", "pallas"):
+        code = generate.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompt", "abc", "--raw",
+                              "--json", "--max-new-tokens", "8", "--batch-size", "2", "--kernels", kernels, *extra])
+        captured = capsys.readouterr()
+        assert code == 0
+        outputs[kernels] = json.loads(captured.out.strip().splitlines()[-1])["token_ids"]
+        want = "interpret mode" if kernels == "pallas" else "jax.numpy references"
+        assert any(line.startswith("kernels: ") and want in line for line in captured.err.splitlines()), captured.err
+    assert outputs["pallas"] == outputs["reference"]
+
+
+def test_a_bad_kernels_environment_variable_is_a_one_line_error(tiny_dir, capsys, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_KERNELS", "triton")
+    code, _, err = run(capsys, "--target", str(tiny_dir), "--prompt", "abc", "--raw")
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(error_lines) == 1 and "JAXSPEC_KERNELS='triton'" in error_lines[0]
+
+
+def test_memory_report_on_stderr_and_in_json(tiny_dir, tiny_head, capsys, monkeypatch):
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    code = generate.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompt", "abc", "--raw", "--json",
+                          "--max-new-tokens", "4", "--memory-report"])
+    captured = capsys.readouterr()
+    memory = json.loads(captured.out.strip().splitlines()[-1])["memory"]
+    assert code == 0 and memory["target_parameters"] > 0 and memory["head_kv_cache"] > 0
+    assert "draft head KV cache" in captured.err and "peak of the compiled step" in captured.err

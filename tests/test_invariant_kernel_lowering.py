@@ -1,11 +1,14 @@
-"""The invariant-attention Pallas kernel (pallas_kernels/invariant_attention.py) on CPU: it lowers for CUDA with
-Triton at Llama-3.1-8B attention shapes (jax.export runs the Pallas GPU lowering without a GPU), it never loads more
-than one key block at a time, and in interpret mode it gives the bits of its jax.numpy reference, on fresh random
-inputs: chains and trees, ragged lengths, float32 and bfloat16."""
+"""The invariant-attention Pallas kernel (pallas_kernels/invariant_attention.py) on CPU: at Llama-3.1-8B attention
+shapes it lowers for CUDA with Triton and for TPUs with Mosaic (jax.export runs the Pallas GPU and TPU lowerings
+without either device), and, where libtpu is installed, compiles for TPU v5e and v4 ahead of time (libtpu's
+compiler, Mosaic's own passes included, runs without a TPU); it never loads more than one key block at a time, and
+in interpret mode it gives the bits of its jax.numpy reference, on fresh random inputs: chains and trees, ragged
+lengths, float32 and bfloat16. TPU interpret mode: tests/test_tpu_interpret.py."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import zlib
 
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import numerics
-from jaxspec.spec.tree import tree_from_parents
+from jaxspec.spec.tree import random_parents, tree_from_parents
 from pallas_kernels.invariant_attention import (
     invariant_attention,
     invariant_attention_reference,
@@ -80,10 +83,12 @@ def llama_8b_structs(b: int, t: int, s: int, depth: int | None):
     return args
 
 
-def attention_fn(tree: bool):
+def attention_fn(tree: bool, backend: str | None = None):
     if tree:
-        return lambda q, k, v, lengths, positions, anc: invariant_attention(q, k, v, lengths, positions, anc)
-    return lambda q, k, v, lengths, positions: invariant_attention(q, k, v, lengths, positions)
+        return lambda q, k, v, lengths, positions, anc: invariant_attention(
+            q, k, v, lengths, positions, anc, backend=backend
+        )
+    return lambda q, k, v, lengths, positions: invariant_attention(q, k, v, lengths, positions, backend=backend)
 
 
 class TritonIRBuilt(Exception):
@@ -125,13 +130,39 @@ def export_for_cuda(fn, args) -> str | None:
     return exported.mlir_module()
 
 
+def export_for_tpu(fn, args) -> str:
+    """→ the text of `fn` exported for TPUs: Pallas's Mosaic TPU lowering runs at export, on this CPU host."""
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert exported.platforms == ("tpu",)
+    return exported.mlir_module()
+
+
+TPU_TOPOLOGIES = ("v5e:2x2", "v4:2x2x1")  # an inference chip (one core) and a megacore one (two per chip)
+
+
+@functools.cache
+def _tpu_topology_device(topology: str):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+
+
+def compile_for_tpu(fn, args, topology: str):
+    """Compile `fn` ahead of time for one device of a TPU topology (jax.experimental.topologies): libtpu's compiler
+    runs on this host without a TPU, Mosaic's passes (vector layouts, tiling and alignment checks, VMEM budget)
+    included, which export alone does not run. Skips where libtpu is not installed (`pip install "jax[tpu]"`)."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: the Mosaic TPU compiler is not available")
+    sharding = jax.sharding.SingleDeviceSharding(_tpu_topology_device(topology))
+    return jax.jit(fn, in_shardings=sharding, out_shardings=sharding).lower(*args).compile()
+
+
 CHAIN_SHAPES = list(itertools.product((1, 8), (1, 6, 16, 64), (256, 4096, 32768)))  # (B, T, S); T = 1: decode
 TREE_SHAPES = list(itertools.product((1, 8), (6, 16, 64), (256, 4096, 32768)))
+LOWERING_SHAPES = [(*shape, False) for shape in CHAIN_SHAPES] + [(*shape, True) for shape in TREE_SHAPES]
 
 
-@pytest.mark.parametrize(
-    "b,t,s,tree", [(*shape, False) for shape in CHAIN_SHAPES] + [(*shape, True) for shape in TREE_SHAPES]
-)
+@pytest.mark.parametrize("b,t,s,tree", LOWERING_SHAPES)
 def test_lowers_for_cuda_with_triton(b, t, s, tree):
     depth = min(t, 8) - 1 if tree else None
     text = export_for_cuda(attention_fn(tree), llama_8b_structs(b, t, s, depth))
@@ -139,6 +170,25 @@ def test_lowers_for_cuda_with_triton(b, t, s, tree):
         assert any(target in text for target in TRITON_TARGETS), "no Triton custom call in the exported module"
         assert "mosaic_gpu" not in text
         assert f"tensor<{b}x{t}x{HQ}x{D}xbf16>" in text  # the result
+
+
+# the TPU shapes add a 60-token verify (T not a power of two) and committed lengths of 16k
+TPU_SHAPES = LOWERING_SHAPES + [(8, 60, 16384, False), (8, 60, 16384, True), (1, 1, 16384, False)]
+
+
+@pytest.mark.parametrize("b,t,s,tree", TPU_SHAPES)
+def test_lowers_for_tpu_with_mosaic(b, t, s, tree):
+    depth = min(t, 8) - 1 if tree else None
+    text = export_for_tpu(attention_fn(tree, "tpu"), llama_8b_structs(b, t, s, depth))
+    assert "tpu_custom_call" in text, "no Mosaic TPU custom call in the exported module"
+    assert not any(target in text for target in TRITON_TARGETS)
+    assert f"tensor<{b}x{t}x{HQ}x{D}xbf16>" in text  # the result
+
+
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("b,t,s,tree", [(1, 1, 256, False), (8, 64, 32768, False), (8, 64, 16384, True)])
+def test_compiles_for_tpu(b, t, s, tree, topology):
+    compile_for_tpu(attention_fn(tree, "tpu"), llama_8b_structs(b, t, s, min(t, 8) - 1 if tree else None), topology)
 
 
 def _kernel_jaxprs(jaxpr):
@@ -168,11 +218,13 @@ def _reads(jaxpr):
             yield from _reads(sub)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "tpu"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_one_key_block_at_a_time(tree):
-    """The cache row is never loaded whole: every read in the kernel is at most one [Bk, D] block."""
+def test_one_key_block_at_a_time(tree, backend):
+    """The cache row is never loaded whole: every read in the kernel is at most one [Bk, D] block (TPU: of the VMEM
+    buffers the DMAs fill)."""
     b, t, s = 1, 16, 32768
-    jaxpr = jax.make_jaxpr(attention_fn(tree))(*llama_8b_structs(b, t, s, 7 if tree else None))
+    jaxpr = jax.make_jaxpr(attention_fn(tree, backend))(*llama_8b_structs(b, t, s, 7 if tree else None))
     (kernel,) = list(_kernel_jaxprs(jaxpr))
     reads = list(_reads(kernel))
     assert reads and max(int(np.prod(shape)) for shape in reads) <= KEY_BLOCK * D, reads
@@ -182,14 +234,6 @@ def test_one_key_block_at_a_time(tree):
 # --- interpret mode: the reference's bits ----------------------------------------------------------------------------
 
 
-def random_tree(rng, n: int, max_depth: int) -> np.ndarray:
-    """Parent pointers of a random tree of n nodes (node 0 the root), parents before children, depth ≤ max_depth."""
-    parents, depth = [-1], [0]
-    for _ in range(1, n):
-        p = int(rng.choice([i for i in range(len(parents)) if depth[i] < max_depth]))
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return np.asarray(parents, np.int32)
 
 
 # (name, dtype, B, T, Hq, Hkv, D, S, lengths, tree depth or None, key_block, num_blocks)
@@ -212,6 +256,11 @@ CASES = [
     f"{c[0]}-{c[1]}" for c in CASES
 ])
 def test_interpret_equals_reference(name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks):
+    check_equals_reference((name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks), interpret=True)
+
+
+def case_inputs(name, dtype, b, t, hq, hkv, d, s, lengths, depth):
+    """A CASES entry's arguments (q, k_cache, v_cache, lengths, positions, ancestors), from a seed of its name."""
     rng = np.random.default_rng(zlib.crc32(f"{name} {dtype}".encode()))
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 3)
     q = (2 * jax.random.normal(keys[0], (b, t, hq, d))).astype(dtype)
@@ -222,13 +271,20 @@ def test_interpret_equals_reference(name, dtype, b, t, hq, hkv, d, s, lengths, d
         ancestors = None
         positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
     else:
-        parents = np.stack([random_tree(rng, t, depth) for _ in range(b)])
+        parents = np.stack([random_parents(rng, t, depth) for _ in range(b)])
         tree = tree_from_parents(jnp.zeros((b, t), jnp.int32), jnp.asarray(parents), depth)
         ancestors, positions = tree.ancestors, lengths[:, None] + tree.depths
-    args = (q, k_cache, v_cache, lengths, positions, ancestors)
+    return q, k_cache, v_cache, lengths, positions, ancestors
+
+
+def check_equals_reference(case, **kernel_opts):
+    """The kernel (`invariant_attention(..., **kernel_opts)`) on a CASES entry gives the reference's bits."""
+    name, dtype, *shape, key_block, num_blocks = case
+    args = case_inputs(name, dtype, *shape)
     opts = {"key_block": key_block, "num_blocks": num_blocks}
     want = jax.jit(functools.partial(invariant_attention_reference, **opts))(*args)
-    got = invariant_attention(*args, **opts, interpret=True)
+    got = invariant_attention(*args, **opts, **kernel_opts)
+    q = args[0]
     assert got.shape == want.shape == q.shape and got.dtype == want.dtype == q.dtype
     np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name} {dtype}")
     assert np.isfinite(np.asarray(got, np.float32)).all()

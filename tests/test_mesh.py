@@ -21,7 +21,7 @@ from jaxspec.generation import TargetGenerator
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.generator import SpeculativeGenerator
 from jaxspec.spec.tree import TreeConfig
-from pallas_kernels import rejection, tree_attention
+from pallas_kernels import invariant_attention, rejection
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
@@ -99,16 +99,20 @@ def test_parameters_and_caches_are_split_not_replicated():
 
 @pytest.mark.parametrize("t", [1, 6])
 def test_attention_kernel_per_shard_equals_reference(t):
+    """The target's attention kernel (interpret mode) run per shard of the mesh gives the reference's bits."""
     rng = np.random.default_rng(t)
-    b, hkv, g, d, s = 4, 4, 2, 16, 32
+    b, hkv, g, d, s = 4, 4, 2, 16, 160
     q = jnp.asarray(rng.normal(size=(b, t, hkv * g, d)), jnp.float32)
     k_cache, v_cache = (jnp.asarray(rng.normal(size=(b, hkv, s, d)), jnp.float32) for _ in range(2))
-    k_win, v_win = (jnp.asarray(rng.normal(size=(b, hkv, t, d)), jnp.float32) for _ in range(2))
-    lengths = jnp.asarray([0, 7, 20, s - t], jnp.int32)
-    mask = jnp.asarray(rng.random((b, t, t)) < 0.6) | jnp.eye(t, dtype=bool)[None]
-    args = (q, k_cache, v_cache, lengths, k_win, v_win, mask)
-    kernel = tree_attention.per_shard(functools.partial(tree_attention.tree_attention, interpret=True), mesh())
-    np.testing.assert_allclose(kernel(*args), tree_attention.tree_attention_reference(*args), atol=2e-5, rtol=2e-5)
+    lengths = jnp.asarray([0, 7, 70, s - t], jnp.int32)  # the new tokens' K/V sit at slots lengths + i
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    args = (q, k_cache, v_cache, lengths, positions, None)
+    want = invariant_attention.invariant_attend(*args, key_block=64, num_blocks=None, impl="reference")
+    with jax.set_mesh(mesh()):
+        got = jax.jit(functools.partial(
+            invariant_attention.invariant_attend, key_block=64, num_blocks=None, impl="interpret"
+        ))(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_verification_kernel_per_shard_equals_reference():

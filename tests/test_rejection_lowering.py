@@ -1,7 +1,9 @@
-"""The verification kernel (pallas_kernels/rejection.py) on CPU: it lowers for CUDA with Triton at Llama-3 and
-SmolLM2 vocabularies for every mode (jax.export runs the Pallas GPU lowering without a GPU), its kernel reads the
-vocabulary one block at a time, and nothing outside it gathers whole [V] rows. Interpret-mode equality with the
-reference is in tests/test_rejection.py."""
+"""The verification kernel (pallas_kernels/rejection.py) on CPU: it lowers for CUDA with Triton and for TPUs with
+Mosaic at Llama-3 and SmolLM2 vocabularies for every mode (jax.export runs the Pallas GPU and TPU lowerings without
+either device), and, where libtpu is installed, compiles for TPU v5e and v4 ahead of time; its kernel reads the
+vocabulary one block at a time, and nothing outside it gathers whole [V] rows (the Triton variant; the TPU one
+gathers the final node's row of 16-bit operands, see `_verify_tpu`). Interpret-mode equality with the reference is
+in tests/test_rejection.py, TPU interpret mode in tests/test_tpu_interpret.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_invariant_kernel_lowering import TRITON_TARGETS, _kernel_jaxprs, _reads, _sub_jaxprs, export_for_cuda
+from test_invariant_kernel_lowering import (
+    TPU_TOPOLOGIES,
+    TRITON_TARGETS,
+    _kernel_jaxprs,
+    _reads,
+    _sub_jaxprs,
+    compile_for_tpu,
+    export_for_cuda,
+    export_for_tpu,
+)
 
 from pallas_kernels.rejection import VOCAB_BLOCK, verify
 
@@ -39,8 +50,8 @@ def verify_structs(mode: str, b: int, n: int, v: int, dtype=jnp.float32):
     return args
 
 
-def verify_fn(mode: str, n: int):
-    return lambda *args: verify(*args, mode=mode, max_depth=depth_of(mode, n))
+def verify_fn(mode: str, n: int, backend: str | None = None):
+    return lambda *args: verify(*args, mode=mode, max_depth=depth_of(mode, n), backend=backend)
 
 
 SHAPES = list(itertools.product(MODES, (1, 8), (1, 6, 16, 60, 64), VOCABS))  # (mode, B, N, V)
@@ -61,10 +72,24 @@ def test_lowers_for_cuda_with_bfloat16_probabilities():
         assert any(target in text for target in TRITON_TARGETS)
 
 
-@pytest.mark.xfail(strict=True, reason="not lowered for TPUs: the call carries Triton's CompilerParams (Mosaic TPU "
-                   "asserts on them), and past that Mosaic TPU wants (8, 128)-tiled blocks")
-def test_lowers_for_tpu():
-    jax.export.export(jax.jit(verify_fn("tree", 6)), platforms=["tpu"])(*verify_structs("tree", 8, 6, 128256))
+@pytest.mark.parametrize("mode,b,n,v", SHAPES)
+def test_lowers_for_tpu_with_mosaic(mode, b, n, v):
+    """Greedy needs no kernel on TPUs (the walk is XLA's there); tree and chain run the race in one Mosaic call."""
+    text = export_for_tpu(verify_fn(mode, n, "tpu"), verify_structs(mode, b, n, v))
+    assert text.count("tpu_custom_call") == (0 if mode == "greedy" else 1)
+    assert not any(target in text for target in TRITON_TARGETS)
+    assert f"tensor<{b}x{depth_of(mode, n) + 1}xi32>" in text  # emitted and path
+
+
+def test_lowers_for_tpu_with_bfloat16_probabilities():
+    text = export_for_tpu(verify_fn("chain", 6, "tpu"), verify_structs("chain", 8, 6, 128256, jnp.bfloat16))
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("topology", TPU_TOPOLOGIES)
+@pytest.mark.parametrize("mode,dtype", [("tree", jnp.float32), ("chain", jnp.bfloat16)])
+def test_compiles_for_tpu(mode, dtype, topology):
+    compile_for_tpu(verify_fn(mode, 60, "tpu"), verify_structs(mode, 8, 60, 128256, dtype), topology)
 
 
 def _gathers(jaxpr):
@@ -77,16 +102,21 @@ def _gathers(jaxpr):
                 yield from _gathers(sub)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "tpu"])
 @pytest.mark.parametrize("mode", MODES)
-def test_one_vocabulary_block_at_a_time(mode):
-    """The kernel never loads more than one block of a row, and the wrapper gathers elements (B·N node
-    probabilities, B final tokens), never [V] rows."""
+def test_one_vocabulary_block_at_a_time(mode, backend):
+    """The kernel never loads more than one block of a row (TPU: of the VMEM buffers the DMAs fill), and the wrapper
+    gathers elements (B·N node probabilities, B final tokens), never [V] rows (float32 operands)."""
     b, n, v = 8, 60, 128256
-    jaxpr = jax.make_jaxpr(verify_fn(mode, n))(*verify_structs(mode, b, n, v))
-    (kernel,) = list(_kernel_jaxprs(jaxpr))
+    jaxpr = jax.make_jaxpr(verify_fn(mode, n, backend))(*verify_structs(mode, b, n, v))
+    gathers = list(_gathers(jaxpr.jaxpr))
+    assert all(int(np.prod(shape)) <= b * n for shape in gathers), gathers
+    kernels = list(_kernel_jaxprs(jaxpr))
+    if backend == "tpu" and mode == "greedy":  # no kernel: the walk and the argmax are XLA's
+        assert not kernels
+        return
+    (kernel,) = kernels
     reads = list(_reads(kernel))
     assert reads and max(int(np.prod(shape)) for shape in reads) <= VOCAB_BLOCK, reads
     if mode != "greedy":  # greedy reads no vocabulary: its argmax is XLA's, before the kernel
-        assert (VOCAB_BLOCK,) in reads
-    gathers = list(_gathers(jaxpr.jaxpr))
-    assert all(int(np.prod(shape)) <= b * n for shape in gathers), gathers
+        assert ((VOCAB_BLOCK,) if backend == "cuda" else (1, VOCAB_BLOCK)) in reads

@@ -339,12 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard
+    from jaxspec.cli_common import main_guard, use_compile_cache
 
     parser = build_parser()
 
     def run(argv):
         args = parser.parse_args(argv)
+        use_compile_cache(args)
         (generate if args.command == "generate" else compute_features)(args)
         return 0
 

@@ -19,10 +19,10 @@ from flax import nnx
 
 from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
+from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
 from jaxspec.models.numerics import Numerics, default_numerics, invariant_rms_norm, tiled_matmul
 from pallas_kernels.invariant_attention import invariant_attend
-from pallas_kernels.tree_attention import attend
 
 
 def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> jax.Array | jax.ShapeDtypeStruct:
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
             bk = numerics.key_block
             out = invariant_attend(
                 q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
-                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.attention,
+                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels,
             ).reshape(b, t, cfg.num_heads * cfg.head_dim)
             return self.o_proj(out, numerics), k_cache, v_cache
         if isinstance(write_offset, int) and write_offset == 0 and mask.shape[-1] == t:  # the window is the new tokens
@@ -111,7 +111,7 @@ class Attention(nnx.Module):
             k_win = kvc.read_window(k_cache, lengths, mask.shape[-1])
             v_win = kvc.read_window(v_cache, lengths, mask.shape[-1])
         k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
-        out = attend(q, k_pre, v_pre, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
+        out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), k_cache, v_cache
 
 

@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
@@ -39,21 +41,24 @@ class Numerics:
     row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
     opaque_loops: bool = False  # tiles always in a loop body XLA cannot inline (see tiled_matmul); for CPU
-    attention: str = "reference"  # "reference" (jax.numpy), "interpret" (the Pallas kernel in interpret mode: tests),
-    # "pallas" (the kernel compiled: not yet run on a GPU or TPU, see pallas_kernels/invariant_attention.py)
+    kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
 
     def __post_init__(self):
-        if self.attention not in ("reference", "pallas", "interpret"):
-            raise ValueError(f"Numerics.attention must be reference, pallas or interpret, got {self.attention!r}")
+        if self.kernels not in IMPLEMENTATIONS:
+            raise ValueError(f"Numerics.kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {self.kernels!r}")
 
 
-def default_numerics(backend: str | None = None) -> Numerics:
+def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
     """One-row tiles on CPU, where a dot's cost grows with its rows (measured, SmolLM2 float32 on 2 cores: decode at
     29 tokens/s with 1-row tiles, as fast as plain XLA, but 12 with 8-row tiles; prefill and verify pay instead,
     one matmul call per row). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot takes
-    what a one-row dot takes (0.13 ms on an H100: both read the weights once)."""
+    what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels: the user's choice
+    (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto."""
     backend = backend or jax.default_backend()
-    return Numerics(row_tile=1, opaque_loops=True) if backend == "cpu" else Numerics(row_tile=64)
+    impl = resolve_kernels(kernels, backend)
+    if backend == "cpu":
+        return Numerics(row_tile=1, opaque_loops=True, kernels=impl)
+    return Numerics(row_tile=64, kernels=impl)
 
 
 def _halving(x: jax.Array, combine, pad_value: float) -> jax.Array:

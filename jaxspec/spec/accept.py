@@ -19,12 +19,14 @@ def _chain(drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate([jnp.zeros((b, 1), drafts.dtype), drafts], axis=1), chain_parents(b, k + 1)
 
 
-def greedy_accept(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """drafts [B, K] target ids; target_logits [B, K+1, V]. Accept while draft == target argmax."""
+def greedy_accept(drafts: jax.Array, target_logits: jax.Array, kernels: str = "reference") -> tuple[jax.Array, jax.Array]:
+    """drafts [B, K] target ids; target_logits [B, K+1, V]. Accept while draft == target argmax. kernels: the
+    verifier's implementation (`pallas_kernels.dispatch`)."""
     tokens, parents = _chain(drafts)
     b, n = tokens.shape
     a, emitted, _ = verify_draft(
-        tokens, parents, target_logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=n - 1
+        tokens, parents, target_logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=n - 1,
+        impl=kernels,
     )
     return a, emitted
 
@@ -49,6 +51,7 @@ def sampling_accept(
     q: jax.Array,  # [B, K, V] draft probabilities over the target vocabulary (0 outside the draft vocabulary)
     uniforms: jax.Array,  # [B, K] in [0, 1)
     key: jax.Array,
+    kernels: str = "reference",  # the verifier's implementation (pallas_kernels.dispatch)
 ) -> tuple[jax.Array, jax.Array]:
     """Leviathan / Chen rejection sampling: accept x with probability min(1, p(x)/q(x)); at the first rejection draw
     from norm(max(p - q, 0)), after K acceptances from p_K. The output is distributed exactly as p."""
@@ -57,5 +60,5 @@ def sampling_accept(
     u = jnp.concatenate([jnp.zeros((b, 1), uniforms.dtype), uniforms], axis=1)  # u of node j+1 = uniforms[j]
     q_nodes = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # node j's child drafted from q_j; none at K
     noise = jax.random.exponential(key, (b, p.shape[-1]), jnp.float32)
-    a, emitted, _ = verify_draft(tokens, parents, p, u, noise, q_nodes, mode="chain", max_depth=n - 1)
+    a, emitted, _ = verify_draft(tokens, parents, p, u, noise, q_nodes, mode="chain", max_depth=n - 1, impl=kernels)
     return a, emitted

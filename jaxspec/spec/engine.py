@@ -158,10 +158,10 @@ def _commit(st: SpecState, new: SpecState, target_cache, head_cache, a, emitted,
 
 def spec_step(
     target, head, st: SpecState, eos_ids: jax.Array, *, num_draft: int, sampling: SamplingConfig,
-    forced_accept_prob: float | None = None,
+    forced_accept_prob: float | None = None, kernels: str = "reference",
 ) -> SpecState:
     """One chain step: catch-up and K drafts, verify K+1 tokens, accept, commit. `forced_accept_prob` is the
-    benchmark-only acceptance override (`accept.forced_accept`)."""
+    benchmark-only acceptance override (`accept.forced_accept`); `kernels` the verifier's implementation."""
     b = st.last_token.shape[0]
     k = num_draft
     vocab = target.config.vocab_size
@@ -192,18 +192,21 @@ def spec_step(
     if forced_accept_prob is not None:
         a, emitted = forced_accept(drafts, verify.logits, jax.random.uniform(keys[k], (b, k)), forced_accept_prob)
     elif sampling.greedy:
-        a, emitted = greedy_accept(drafts, verify.logits)
+        a, emitted = greedy_accept(drafts, verify.logits, kernels)
     else:
         qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, K, V]
         p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
         uniforms = jax.random.uniform(keys[k], (b, k))
-        a, emitted = sampling_accept(drafts, p, qs, uniforms, keys[k + 1])
+        a, emitted = sampling_accept(drafts, p, qs, uniforms, keys[k + 1], kernels)
 
     new = _emit(st, emitted, a + 1, eos_ids)._replace(key=keys[k + 2])
     return _commit(st, new, verify.cache, head_cache, a, emitted, verify.aux, running)
 
 
-def tree_step(target, head, st: SpecState, eos_ids: jax.Array, *, tree: TreeConfig, sampling: SamplingConfig) -> SpecState:
+def tree_step(
+    target, head, st: SpecState, eos_ids: jax.Array, *, tree: TreeConfig, sampling: SamplingConfig,
+    kernels: str = "reference",
+) -> SpecState:
     """One tree step: catch-up, expand and select a dynamic tree, verify all its nodes in one target forward with
     the ancestor mask, walk the accepted path, move its K/V entries to contiguous slots, commit."""
     b = st.last_token.shape[0]
@@ -223,13 +226,16 @@ def tree_step(target, head, st: SpecState, eos_ids: jax.Array, *, tree: TreeConf
     n, depth = tokens.shape[1], tree.depth
     if sampling.greedy:
         a, emitted, path = verify_draft(
-            tokens, dt.parents, verify.logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth
+            tokens, dt.parents, verify.logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth,
+            impl=kernels,
         )
     else:
         p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
         uniforms = jax.random.uniform(k_uniform, (b, n))
         noise = jax.random.exponential(k_noise, (b, p.shape[-1]), jnp.float32)
-        a, emitted, path = verify_draft(tokens, dt.parents, p, uniforms, noise, mode="tree", max_depth=depth)
+        a, emitted, path = verify_draft(
+            tokens, dt.parents, p, uniforms, noise, mode="tree", max_depth=depth, impl=kernels
+        )
 
     target_cache = kvc.compact(verify.cache, m, path)
     features = jnp.take_along_axis(verify.aux, jnp.maximum(path, 0)[:, :, None], axis=1)  # [B, D+1, F]
@@ -250,9 +256,11 @@ def spec_steps(
     sampling: SamplingConfig,
     tree: TreeConfig | None = None,
     forced_accept_prob: float | None = None,
+    kernels: str = "reference",
 ) -> SpecState:
     """Up to `num_steps` speculative steps (chains of `num_draft`, or trees; then num_draft = tree.depth sizes the
-    state), stopping once every row is done."""
+    state), stopping once every row is done. kernels: the verifier's implementation (`pallas_kernels.dispatch`;
+    the target's attention follows its own Numerics)."""
     target = nnx.merge(target_graphdef, target_params)
     head = nnx.merge(head_graphdef, head_params)
 
@@ -263,11 +271,11 @@ def spec_steps(
     def body(carry):
         i, st = carry
         if tree is not None:
-            st = tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling)
+            st = tree_step(target, head, st, eos_ids, tree=tree, sampling=sampling, kernels=kernels)
         else:
             st = spec_step(
                 target, head, st, eos_ids, num_draft=num_draft, sampling=sampling,
-                forced_accept_prob=forced_accept_prob,
+                forced_accept_prob=forced_accept_prob, kernels=kernels,
             )
         return i + 1, constrain_state(st)
 

@@ -9,10 +9,12 @@ from jaxspec import sharding
 from jaxspec.checkpoints.heads import validate_head
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import TargetGenerator
+from jaxspec.memory import device_bytes
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec import engine
 from jaxspec.spec.tree import TreeConfig
+from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 
 _prefill = jax.jit(
     engine.prefill,
@@ -21,7 +23,8 @@ _prefill = jax.jit(
 _steps = jax.jit(
     engine.spec_steps,
     static_argnames=(
-        "target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree", "forced_accept_prob"
+        "target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree", "forced_accept_prob",
+        "kernels",
     ),
     donate_argnums=(4,),
 )
@@ -41,7 +44,10 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
 class SpeculativeGenerator(TargetGenerator):
     """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts, or EAGLE-2 dynamic trees when
     `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
-    under sampling."""
+    under sampling.
+
+    kernels: the draft verifier's implementation ("reference", "pallas" or "interpret", `pallas_kernels.dispatch`);
+    None follows the target's numerics (whose attention the same choice set), or `auto` for plain numerics."""
 
     def __init__(
         self,
@@ -54,6 +60,7 @@ class SpeculativeGenerator(TargetGenerator):
         chunk_steps: int = 4,
         mesh: jax.sharding.Mesh | None = None,
         forced_accept_prob: float | None = None,
+        kernels: str | None = None,
     ):
         if tree is None and num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
@@ -75,7 +82,12 @@ class SpeculativeGenerator(TargetGenerator):
         self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
         self._prefill_fn, self._step_fn = _prefill, _steps
         self._extra_static = {"num_draft": self.num_draft}
-        self._step_static = {"tree": tree, "forced_accept_prob": forced_accept_prob}
+        if kernels is None:
+            kernels = model.numerics.kernels if model.numerics is not None else resolve_kernels()
+        if kernels not in IMPLEMENTATIONS:
+            raise JaxspecError(f"kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {kernels!r}")
+        self.kernels = kernels
+        self._step_static = {"tree": tree, "forced_accept_prob": forced_accept_prob, "kernels": kernels}
 
     @property
     def extra_capacity(self) -> int:
@@ -83,6 +95,12 @@ class SpeculativeGenerator(TargetGenerator):
         if self.tree is None:
             return self.num_draft + 1
         return max(self.tree.total_tokens, self.tree.depth + 1 + self.tree.window)
+
+    def _memory_parts(self, st) -> dict:
+        return {
+            "target_parameters": device_bytes(self.params), "target_kv_cache": device_bytes(st.target_cache),
+            "head_parameters": device_bytes(self.head_params), "head_kv_cache": device_bytes(st.head_cache),
+        }
 
     def _batch_stats(self, st, n_rows: int) -> list[dict]:
         calls, generated, accepted = (sharding.to_host(x) for x in (st.verify_calls, st.num_generated, st.accepted))

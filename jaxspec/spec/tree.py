@@ -127,3 +127,16 @@ def tree_from_parents(tokens: jax.Array, parents: jax.Array, max_depth: int) -> 
         mask = eye | (jnp.take_along_axis(mask, safe[:, :, None], axis=1) & (parents >= 0)[:, :, None])
         depths = jnp.where(parents >= 0, jnp.take_along_axis(depths, safe, axis=1) + 1, 0)
     return DraftTree(tokens, parents, depths, mask, kvc.ancestors_from_mask(mask, max_depth + 1))
+
+
+def random_parents(rng, n: int, max_depth: int):
+    """Parent pointers of a random tree of n nodes (node 0 the root, parents before children, depth ≤ max_depth),
+    drawn with a numpy Generator: tree shapes for the kernel tests and `bench --kernels-micro`."""
+    import numpy as np
+
+    parents, depth = [-1], [0]
+    for _ in range(1, n):
+        p = int(rng.choice([i for i in range(len(parents)) if depth[i] < max_depth]))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return np.asarray(parents, np.int32)
