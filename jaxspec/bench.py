@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     mesh = resolve_mesh(args)
+    draft = resolve_draft(args)  # first: with --draft alone, the head's config may name the target
     target_dir = resolve_target(args.target)
-    draft = resolve_draft(args)
     if draft is None and (args.accept_prob is not None or args.chain_lengths or args.tree):
         raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
     model, tokenizer = load_target_and_tokenizer(

@@ -53,7 +53,9 @@ COMPILE_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this
 def use_compile_cache(args) -> Path | None:
     """Turn on JAX's persistent compilation cache before anything compiles, so a second run of the same shapes
     loads the programs instead of compiling them (SmolLM2's step takes ~20 s to compile on CPU, 8B models longer).
-    Entries are keyed by the program, backend, versions and flags, so a stale one is never used. Where: the
+    Entries are keyed by the program, backend, versions and flags, so a stale one is never used; XLA:CPU also checks
+    the CPU features an entry was compiled for when loading it (on some CPUs it rejects every entry, logging why, and
+    recompiles: correct, only not faster; jax-ml/jax#38445). Where: the
     JAXSPEC_COMPILE_CACHE directory ("off" disables it; the tests set that), else the user's cache directory;
     `--no-compile-cache` disables it for one run. Returns the directory in use, or None."""
     import jax
@@ -121,14 +123,24 @@ def parse_tree(text: str):
 
 
 def resolve_draft(args) -> str | None:
-    """The head to draft with: --draft; else, for the built-in target, the head shipped with jaxspec; else none."""
+    """The head to draft with: --draft; else, for the built-in target, the head shipped with jaxspec; else none.
+    With --draft and no --target, a head whose config names its verifier picks the target: a local directory
+    (absolute, or relative to the head) becomes args.target, the built-in target's name keeps the default; a
+    verifier named but not found here is an error that says to pass --target. Call it before `resolve_target`."""
     from jaxspec.checkpoints.builtin import default_head_dir
+    from jaxspec.checkpoints.heads import locate_verifier, read_head_config
 
     if args.no_draft:
         if args.draft:
             raise JaxspecError("--draft and --no-draft contradict each other; pass one")
         return None
     if args.draft:
+        raw = read_head_config(args.draft)  # a missing head fails here, before any target is built
+        if args.target is None:
+            verifier = locate_verifier(raw, args.draft)
+            if verifier is not None:
+                print(f"target: {verifier} (the verifier the head's config names)", file=sys.stderr)
+                args.target = str(verifier)
         return args.draft
     if args.target is None and (default_head_dir() / "config.json").is_file():
         print(f"draft: the built-in EAGLE-3 head ({default_head_dir().name}); --no-draft for target-only",
@@ -146,25 +158,15 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
 
 def head_aux_layer_ids(draft: str | None, target_dir: Path):
     """The target layers a head reads (None: the target's default), read from the two config.json files and checked
-    (vocabulary, hidden sizes, layer ids) before any weights are loaded."""
+    (the verifier the head was exported for, vocabulary, hidden sizes, layer ids) before any weights are loaded."""
     if draft is None:
         return None
-    import json
-
-    from jaxspec.checkpoints.heads import head_config_from_hf, validate_head
+    from jaxspec.checkpoints.heads import head_config_from_hf, head_record, read_head_config, validate_head
     from jaxspec.config import load_target_config
 
-    config = Path(draft) / "config.json"
-    if not Path(draft).exists():
-        raise JaxspecError(f"draft head path {draft!r} does not exist")
-    if not config.is_file():
-        raise JaxspecError(f"draft head directory {draft!r} has no config.json")
-    try:
-        raw = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise JaxspecError(f"{str(config)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    raw = read_head_config(draft)
     head = head_config_from_hf(raw)[1]
-    validate_head(head, load_target_config(target_dir))
+    validate_head(head, load_target_config(target_dir), head_record(raw)[0])
     return head.aux_layer_ids
 
 

@@ -7,6 +7,9 @@ python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N]
     an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
 python -m jaxspec.convert head --draft DIR --out DIR --layout speculators|sglang|eagle [--target DIR]
     an EAGLE-3 head from any of the three layouts into another (checked against the target on the way)
+
+Heads are written with a record of their verifier (--verifier NAME, else the target: a relative --target is
+recorded relative to the head directory, the built-in target by its name), so that `--draft DIR` alone finds it.
 """
 
 from __future__ import annotations
@@ -49,16 +52,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint layout (default: speculators)",
     )
     rand.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    rand.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP)
     head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
     head.add_argument("--draft", metavar="DIR", required=True, help="the head, in any layout (detected)")
     head.add_argument("--out", metavar="DIR", required=True, help="directory for the converted head (created)")
     head.add_argument("--layout", choices=("speculators", "sglang", "eagle"), required=True, help="layout to write")
-    head.add_argument("--target", metavar="DIR", help="its target (default: the built-in SmolLM2-135M-Instruct)")
+    head.add_argument(
+        "--target", metavar="DIR",
+        help="its target (default: the verifier the head's config names, else the built-in SmolLM2-135M-Instruct)",
+    )
+    head.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP + "; default for a head converted without "
+                      "--target: the verifier the source head names")
+    head.add_argument(
+        "--acceptance", metavar="FILE.json",
+        help="the head's acceptance profile to record: a JSON list of {prompts, mean_accepted_length, "
+        "acceptance_per_position, method, num_speculative_tokens, num_prompts, max_new_tokens} (default: the "
+        "source head's, if it records one)",
+    )
     head.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="stored dtype (default: bfloat16)"
     )
     head.add_argument("--allow-pickle", action="store_true", help="allow a head stored as pickled .bin")
     return parser
+
+
+VERIFIER_HELP = ("the verifier's name_or_path to record in the head's config (a Hub id, or a path absolute or "
+                 "relative to --out); default: --target (the built-in target's name without one)")
 
 
 @main_guard
@@ -86,13 +105,40 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert_head(args) -> None:
-    from jaxspec.checkpoints.heads import export_head, load_head
+    import json
+
+    from jaxspec.checkpoints.heads import (
+        check_acceptance,
+        export_head,
+        head_record,
+        load_head,
+        locate_verifier,
+        read_head_config,
+        verifier_name,
+    )
     from jaxspec.cli_common import resolve_target
     from jaxspec.config import load_target_config
+    from jaxspec.errors import JaxspecError
 
-    target = load_target_config(resolve_target(args.target))
+    raw = read_head_config(args.draft)
+    acceptance = head_record(raw)[1]
+    if args.acceptance:
+        try:
+            acceptance = json.loads(Path(args.acceptance).read_text())
+        except FileNotFoundError:
+            raise JaxspecError(f"--acceptance file {args.acceptance!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise JaxspecError(f"--acceptance {args.acceptance!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        check_acceptance(acceptance)
+    target_arg = args.target
+    if target_arg is None:  # the verifier the source head names, as generate does
+        found = locate_verifier(raw, args.draft)
+        target_arg = str(found) if found is not None else None
+    target = load_target_config(resolve_target(target_arg))
     head = load_head(args.draft, target, dtype=args.dtype, allow_pickle=args.allow_pickle)
-    print(export_head(head, args.out, layout=args.layout, target=target, dtype=args.dtype))
+    name = args.verifier or verifier_name(target_arg, args.out)
+    print(export_head(head, args.out, layout=args.layout, target=target, dtype=args.dtype, verifier=name,
+                      acceptance=acceptance))
 
 
 def _convert_target(args) -> None:
@@ -131,7 +177,7 @@ def nnx_leaves(model):
 def _random_head(args) -> None:
     from flax import nnx
 
-    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.heads import export_head, verifier_name
     from jaxspec.cli_common import resolve_target
     from jaxspec.config import HeadConfig, load_target_config
     from jaxspec.models.eagle3 import Eagle3Head
@@ -139,7 +185,8 @@ def _random_head(args) -> None:
     target = load_target_config(resolve_target(args.target))
     cfg = HeadConfig.for_target(target, draft_vocab_size=args.draft_vocab or target.vocab_size)
     head = Eagle3Head(cfg, rngs=nnx.Rngs(args.seed))  # d2t = 0: the draft vocabulary is the first N target ids
-    print(export_head(head, args.out, layout=args.layout, target=target, dtype="bfloat16"))
+    name = args.verifier or verifier_name(args.target, args.out)
+    print(export_head(head, args.out, layout=args.layout, target=target, dtype="bfloat16", verifier=name))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,40 @@ The canonical operations, per (sequence, KV head, query token):
 A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
 capacity) does not matter either.
 
-The Pallas kernel (`invariant_attention`) runs those operations one program per (query token, KV head, sequence):
-grid (T, Hkv, B), the token axis first so that the programs reading one cache row run side by side. Its cache
-BlockSpec spans the row's S slots, but the kernel reads it `key_block` rows at a time (`pl.ds` in a `fori_loop`, as
-jax's own ops/gpu/decode_attention.py does), so one key block and one value block are live at a time, never the row;
-the loop stops at the query's last visible block. The G query heads are zero-padded to QUERY_ROWS (16) rows, the
-smallest Triton dot: every call has the same [16, D] x [D, Bk] and [16, Bk] x [Bk, D] dots, and a padding row
-changes no bit of a real one (each output of a dot is its own row's product; measured on XLA:CPU in interpret
-mode). Tree tails are gathered by XLA before the call (as the reference gathers them) and read per token, two
-[Bk, D] blocks.
+The Pallas kernel (`invariant_attention`), in its one-pass form, runs those operations one program per (query token,
+KV head, sequence): grid (T, Hkv, B), the token axis first so that the programs reading one cache row run side by
+side. Its cache BlockSpec spans the row's S slots, but the kernel reads it `key_block` rows at a time (`pl.ds` in a
+`fori_loop`, as jax's own ops/gpu/decode_attention.py does), so one key block and one value block are live at a time,
+never the row; the loop stops at the query's last visible block. The G query heads are zero-padded to QUERY_ROWS (16)
+rows, the smallest Triton dot: every call has the same [16, D] x [D, Bk] and [16, Bk] x [Bk, D] dots, and a padding
+row changes no bit of a real one (each output of a dot is its own row's product; measured on XLA:CPU in interpret
+mode). Tree tails are gathered by XLA before the call (as the reference gathers them) and read per token, two [Bk, D]
+blocks.
+
+The split (flash-decoding) form, Triton variant only. The one-pass grid has T·Hkv·B programs, each walking its
+blocks in turn: a decode of one sequence on Llama-3.1-8B is 8 programs walking 256 blocks each at 16k keys, on a
+GPU with 132 SMs (H100). The block partials do not depend on each other; only the fold is sequential, and it must
+stay so: `merge` rounds at every step and is not associative, so running states of separate ranges cannot be
+combined into the same bits (flash-decoding's usual combine would change them). So the split form computes the
+partials in parallel and folds them afterwards, in two calls:
+- phase 1 (`_kernel_partials`), grid (T, Hkv, B, splits): program c takes the contiguous blocks [c·P, (c + 1)·P),
+  computes each block the query can see with the one-pass kernel's code (`_partials`: `block_partial` on the same
+  [16, D] query rows and [Bk, D] blocks, tree tails included) and stores its (m, l, a) in float32 buffers
+  [B, T, Hkv, nb·G' (+ R − G'), (D)], G' = G rounded up to a power of two (masked stores: the padding rows are
+  neither written nor read; the R − G' spare rows keep the last block's 16-row store in bounds). Blocks past the
+  query's last visible block are skipped and their rows left unwritten;
+- phase 2 (`_kernel_fold`), grid (T, Hkv, B): folds blocks 0 .. end − 1 left to right with `merge`, then `finish`,
+  as the one-pass kernel does, elementwise on the G' kept rows instead of all 16 (an elementwise op's bits do not
+  depend on how many rows it runs on; the stored partials read back exactly). It loads 8 blocks' partials (G' = 4)
+  before folding them, so their loads are in flight together.
+Same operations, same order, same bits as the one-pass form and the reference. The price is the partials' traffic:
+G'·(D + 2)·4 bytes per token, KV head and block, written once and read once (2 KB on Llama-3.1-8B, against 32 KB of
+keys and values per block and sequence, which the one-pass form shares among a sequence's tokens). Hence the rule
+(`split_blocks`, static shapes): split when T·Hkv·B ≤ SPLIT_MAX_PROGRAMS (64) and nb ≥ SPLIT_MIN_BLOCKS (32, 2048
+keys), with P = max(4, ceil(T·Hkv·B·nb / 1024)) blocks per program (about 1024 programs): on Llama-3.1-8B, decodes of
+up to 8 sequences and verifies of up to 8 tokens of one sequence; its buffers then take at most 64·nb·G'·(D + 2)·4
+bytes (68 MB at 32k keys). The thresholds are estimates, not yet measured on a GPU. `split` forces either form
+(tests). The TPU variant has the one-pass form only.
 
 On GPUs it is lowered with Triton, chosen explicitly (`compiler_params=pallas.triton.CompilerParams`, a public name
 in JAX 0.10 and 0.11): since JAX 0.10 a plain `pallas_call` goes to Mosaic GPU, which stages every block in shared
@@ -228,29 +253,32 @@ def _unfenced(fn, *operands):
     return fn(*operands)
 
 
-def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree: bool, fence: bool):
-    """One (sequence, query token, KV head): its query rows (the G heads, zero-padded) against the key blocks in
-    position order, one block live at a time, with the same per-block operations and fold as the reference. Blocks
-    past the query's position are not visited: with nothing visible they would leave (m, l, a) exactly unchanged.
-    Tree tails (blocks n0 and n0 + 1, per token) come pre-gathered; the other blocks are read from the cache."""
-    if tree:
-        n0_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, o_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref = refs
-    pos = pos_ref[...]
+def _visible_blocks(pos, key_block: int, num_blocks: int):
+    """The number of blocks a query at `pos` can see: blocks 0 .. end - 1 (at least one, at most num_blocks)."""
+    return jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)
+
+
+def _rows(n, size: int):
+    """Rows n·size .. (n + 1)·size - 1 of a ref (`pl.ds`), with the alignment said for a traced n."""
+    start = n * size
+    return pl.ds(start if isinstance(start, int) or size == 1 else pl.multiple_of(start, size), size)
+
+
+def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: float, fence: bool):
+    """→ partial(n): block n's (m, l, a) for one query token's padded rows (Triton kernels), by `block_partial`.
+    Block n is read from the cache `key_block` rows at a time, or, for a tree's tail blocks (n0 and n0 + 1),
+    from the pre-gathered tails (`tail_refs` = (n0_ref, kt_ref, vt_ref); None: no tree)."""
     q = q_ref[...]  # [R, D]
-    canonical = functools.partial(
-        block_partial, fence=fenced if fence else _unfenced
-    )
+    canonical = functools.partial(block_partial, fence=fenced if fence else _unfenced)
 
     def cache_block(n):
-        start = n * key_block
-        rows = pl.ds(start if isinstance(start, int) else pl.multiple_of(start, key_block), key_block)
+        rows = _rows(n, key_block)
         return k_ref[rows, :], v_ref[rows, :]  # [Bk, D]
 
     def load(n):
-        if not tree:
+        if tail_refs is None:
             return cache_block(n)
+        n0_ref, kt_ref, vt_ref = tail_refs
         n0 = n0_ref[...]
         shared = (n < n0) | (n > n0 + 1)  # past n0 + 1 only if positions overrun the tree: the reference's choice too
         return jax.lax.cond(shared, cache_block, lambda n: (kt_ref[n - n0], vt_ref[n - n0]), n)
@@ -260,8 +288,88 @@ def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree:
         visible = n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
         return canonical(q, k, v, visible, scale)
 
-    end = jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)  # blocks 0 .. end-1 can be visible
+    return partial
+
+
+def _unpack_refs(refs, tree: bool, outputs: int):
+    """(q_ref, k_ref, v_ref, tail_refs or None, output refs) from a Triton kernel's refs after the positions."""
+    if tree:
+        n0_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, *outs = refs
+        tail = (n0_ref, kt_ref, vt_ref)
+    else:
+        q_ref, k_ref, v_ref, *outs = refs
+        tail = None
+    assert len(outs) == outputs
+    return q_ref, k_ref, v_ref, tail, outs
+
+
+def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree: bool, fence: bool):
+    """One (sequence, query token, KV head): its query rows (the G heads, zero-padded) against the key blocks in
+    position order, one block live at a time, with the same per-block operations and fold as the reference. Blocks
+    past the query's position are not visited: with nothing visible they would leave (m, l, a) exactly unchanged.
+    Tree tails (blocks n0 and n0 + 1, per token) come pre-gathered; the other blocks are read from the cache."""
+    q_ref, k_ref, v_ref, tail, (o_ref,) = _unpack_refs(refs, tree, 1)
+    pos = pos_ref[...]
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, fence=fence)
+    end = _visible_blocks(pos, key_block, num_blocks)
     state = jax.lax.fori_loop(1, end, lambda n, st: merge(st, partial(n), scale), partial(0))
+    o_ref[...] = finish(state).astype(o_ref.dtype)
+
+
+def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per_split: int, kept: int,
+                     scale: float, tree: bool, fence: bool):
+    """Split form, phase 1: one (query token, KV head, sequence, split) computes the partials (m, l, a) of its
+    contiguous range of blocks [c·P, (c + 1)·P), those the query can see, each exactly as `_kernel` computes it, and
+    stores block n's first `kept` rows at rows n·kept .. of the token's buffers (masked stores: the padding rows past
+    the G' kept are neither written nor read). Blocks past the query's last visible one are skipped, their rows left
+    unwritten: the fold never reads them."""
+    q_ref, k_ref, v_ref, tail, (m_ref, l_ref, a_ref) = _unpack_refs(refs, tree, 3)
+    pos = pos_ref[...]
+    rows = q_ref.shape[0]
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, fence=fence)
+    first = pl.program_id(3) * blocks_per_split
+    stop = jnp.minimum(first + blocks_per_split, _visible_blocks(pos, key_block, num_blocks))
+    keep = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < kept
+
+    def store(ref, value, n):
+        at = ref.at[pl.ds(_rows(n, kept).start, rows)]  # R rows from block n's first: R - kept rows to spare
+        if kept == rows:
+            at[...] = value
+        else:
+            plgpu.store(at, value, mask=keep if value.ndim == 1 else keep[:, None])
+
+    def block(n, carry):
+        for ref, value in zip((m_ref, l_ref, a_ref), partial(n)):  # (m, l, a)
+            store(ref, value, n)
+        return carry
+
+    jax.lax.fori_loop(first, stop, block, jnp.int32(0))
+
+
+def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blocks: int, scale: float,
+                 unroll: int):
+    """Split form, phase 2: one (query token, KV head, sequence) folds the stored partials of blocks 0 .. end - 1
+    left to right with `merge`, as `_kernel` folds them, then `finish`. Elementwise on the kept rows [G', D]: each
+    row's bits are those of the same row in `_kernel`'s [R, D]. `unroll` blocks' partials are loaded before they
+    are folded, so that their loads are in flight together."""
+    kept = o_ref.shape[0]
+    pos = pos_ref[...]
+    end = _visible_blocks(pos, key_block, num_blocks)
+
+    def load(n):
+        rows = _rows(n, kept)
+        return m_ref[rows], l_ref[rows], a_ref[rows, :]
+
+    def group(i, state):
+        first = 1 + i * unroll
+        parts = [load(first + u) for u in range(unroll)]
+        for part in parts:
+            state = merge(state, part, scale)
+        return state
+
+    groups = jax.lax.div(end - 1, unroll)
+    state = jax.lax.fori_loop(0, groups, group, load(0))
+    state = jax.lax.fori_loop(1 + groups * unroll, end, lambda n, st: merge(st, load(n), scale), state)
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
@@ -332,17 +440,44 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
 QUERY_ROWS = 16  # the kernel's dot has at least this many query rows (Triton's tl.dot needs M >= 16)
 NUM_WARPS, NUM_STAGES = 4, 2  # Triton launch parameters (as jax's own decode attention kernel)
 
+# The split (flash-decoding) form, Triton variant: when the one-pass grid has few programs and the cache is long.
+SPLIT_MAX_PROGRAMS = 64  # split when T·Hkv·B is at most this (an H100 has 132 SMs: most would sit idle)
+SPLIT_MIN_BLOCKS = 32  # ... and the cache holds at least this many key blocks (2048 keys at Bk = 64)
+SPLIT_TARGET_PROGRAMS = 1024  # phase 1 aims at about this many programs (several per SM)
+SPLIT_MIN_BLOCKS_PER_PROGRAM = 4  # ... each with at least this many blocks (its query rows are loaded once)
+FOLD_UNROLL_ROWS = 32  # phase 2 loads up to 8 blocks' partials at a time, G' · unroll ≤ this (registers)
 
-@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret", "backend"))
+
+def split_blocks(programs: int, num_blocks: int, split: bool | int | None = None) -> int:
+    """Blocks per phase-1 program of the split form, 0 for the one-pass form, from static shapes: `programs` is
+    T·Hkv·B (the one-pass grid), `num_blocks` the key blocks. `split` None: split when programs ≤
+    SPLIT_MAX_PROGRAMS and num_blocks ≥ SPLIT_MIN_BLOCKS; False / True: never / always; an int n ≥ 1: always,
+    n blocks per program (tests use it to cut ragged ranges). The split form aims at SPLIT_TARGET_PROGRAMS programs
+    of at least SPLIT_MIN_BLOCKS_PER_PROGRAM blocks."""
+    if split is None:
+        split = programs <= SPLIT_MAX_PROGRAMS and num_blocks >= SPLIT_MIN_BLOCKS
+    if split is False:
+        return 0
+    if split is True:
+        return min(num_blocks, max(SPLIT_MIN_BLOCKS_PER_PROGRAM, -(-programs * num_blocks // SPLIT_TARGET_PROGRAMS)))
+    if isinstance(split, int) and split >= 1:
+        return min(num_blocks, split)
+    raise ValueError(f"split must be None, a bool or a positive number of blocks, got {split!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret", "backend", "split"))
 def invariant_attention(
     q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
-    interpret: bool | pltpu.InterpretParams = False, backend: str | None = None,
+    interpret: bool | pltpu.InterpretParams = False, backend: str | None = None, split: bool | int | None = None,
 ) -> jax.Array:
     """The Pallas kernel; same signature and bits as `invariant_attention_reference` (see the module docstring for
     its grid, blocks and lowering). `backend` picks the variant: "tpu" the Mosaic TPU one, anything else ("cuda",
     "rocm", "gpu", "cpu") the Triton one; None is jax.default_backend(), so name it when exporting for another
     platform (`jax.export` traces on the host). `interpret` runs the variant in Pallas interpret mode: TPU interpret
-    mode for "tpu" (True, or its `pltpu.InterpretParams`), the generic one otherwise (pallas_kernels/variants.py)."""
+    mode for "tpu" (True, or its `pltpu.InterpretParams`), the generic one otherwise (pallas_kernels/variants.py).
+    `split` (Triton variant) picks the one-pass or the split form, the same bits either way: None by shapes
+    (`split_blocks`), False / True to force one, an int to force the split form with that many blocks per program.
+    The TPU variant has the one-pass form only (None or False)."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -355,34 +490,68 @@ def invariant_attention(
     rows = max(QUERY_ROWS, 1 << (g - 1).bit_length())
     qg = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0),) * 3 + ((0, rows - g), (0, 0)))  # [B, T, H, R, D]
     tree = ancestors is not None
-    # grid (token, KV head, sequence): the first axis is CUDA's x, whose blocks start first, so the tokens that read
-    # one cache row run side by side (their key blocks meet in L2)
-    token = pl.BlockSpec((None, None), lambda j, h, i: (i, j))  # one scalar per (sequence, token)
-    cache = pl.BlockSpec((None, None, s, d), lambda j, h, i: (i, h, 0, 0))  # an address range, read Bk rows at a time
-    in_specs = [token, pl.BlockSpec((None, None, None, rows, d), lambda j, h, i: (i, j, h, 0, 0)), cache, cache]
-    operands = [positions.astype(jnp.int32), qg, k_cache, v_cache]
-    if tree:
-        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
-        tail = pl.BlockSpec((None, None, None, 2, bk, d), lambda j, h, i: (i, h, j, 0, 0, 0))
-        in_specs[1:1] = [pl.BlockSpec((None,), lambda j, h, i: (i,))]
-        in_specs += [tail, tail]
-        operands[1:1] = [n0.astype(jnp.int32)]
-        operands += [k_tail, v_tail]
     if kernel_variant(backend) == "tpu":
+        if split not in (None, False):
+            raise ValueError("the TPU variant has no split form (split=None or False)")
         return _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, key_block=bk, num_blocks=nb,
                          interpret=interpret)[:, :, :, :g].reshape(b, t, hq, d)
     interpret = bool(interpret)
-    kernel = functools.partial(_kernel, key_block=bk, num_blocks=nb, scale=d**-0.5, tree=tree, fence=interpret)
-    out = pl.pallas_call(
-        kernel,
-        grid=(t, hkv, b),
+    # grid (token, KV head, sequence[, split]): the first axis is CUDA's x, whose blocks start first, so the tokens
+    # that read one cache row run side by side (their key blocks meet in L2). Index maps ignore the split axis.
+    token = pl.BlockSpec((None, None), lambda j, h, i, *_: (i, j))  # one scalar per (sequence, token)
+    cache = pl.BlockSpec((None, None, s, d), lambda j, h, i, *_: (i, h, 0, 0))  # read Bk rows at a time
+    in_specs = [token, pl.BlockSpec((None, None, None, rows, d), lambda j, h, i, *_: (i, j, h, 0, 0)), cache, cache]
+    operands = [positions.astype(jnp.int32), qg, k_cache, v_cache]
+    if tree:
+        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
+        tail = pl.BlockSpec((None, None, None, 2, bk, d), lambda j, h, i, *_: (i, h, j, 0, 0, 0))
+        in_specs[1:1] = [pl.BlockSpec((None,), lambda j, h, i, *_: (i,))]
+        in_specs += [tail, tail]
+        operands[1:1] = [n0.astype(jnp.int32)]
+        operands += [k_tail, v_tail]
+    opts = {"key_block": bk, "num_blocks": nb, "scale": d**-0.5}
+    params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    per = split_blocks(t * hkv * b, nb, split)
+    if not per:
+        out = pl.pallas_call(
+            functools.partial(_kernel, **opts, tree=tree, fence=interpret),
+            grid=(t, hkv, b),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, None, rows, d), lambda j, h, i: (i, j, h, 0, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, t, hkv, rows, d), q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="invariant_attention",
+        )(*operands)
+        return out[:, :, :, :g].reshape(b, t, hq, d)
+    # split form: phase 1 stores every visible block's partial (G' = the kept rows, a power of two ≥ G), phase 2
+    # folds them in order. Each token's buffers hold nb blocks of G' rows, and R - G' rows to spare so that the last
+    # block's [R]-row store (masked past G') stays in bounds.
+    kept = 1 << (g - 1).bit_length()
+    length = nb * kept + rows - kept
+    row_spec = pl.BlockSpec((None, None, None, length), lambda j, h, i, *_: (i, j, h, 0))
+    a_spec = pl.BlockSpec((None, None, None, length, d), lambda j, h, i, *_: (i, j, h, 0, 0))
+    partials = pl.pallas_call(  # (m, l, a)
+        functools.partial(_kernel_partials, **opts, blocks_per_split=per, kept=kept, tree=tree, fence=interpret),
+        grid=(t, hkv, b, -(-nb // per)),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, None, rows, d), lambda j, h, i: (i, j, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, t, hkv, rows, d), q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        out_specs=[row_spec, row_spec, a_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, t, hkv, length), jnp.float32)] * 2
+        + [jax.ShapeDtypeStruct((b, t, hkv, length, d), jnp.float32)],
+        compiler_params=params,
         interpret=interpret,
-        name="invariant_attention",
+        name="invariant_attention_partials",
     )(*operands)
+    out = pl.pallas_call(
+        functools.partial(_kernel_fold, **opts, unroll=max(1, min(8, FOLD_UNROLL_ROWS // kept))),
+        grid=(t, hkv, b),
+        in_specs=[token, row_spec, row_spec, a_spec],
+        out_specs=pl.BlockSpec((None, None, None, kept, d), lambda j, h, i: (i, j, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t, hkv, kept, d), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="invariant_attention_fold",
+    )(positions.astype(jnp.int32), *partials)
     return out[:, :, :, :g].reshape(b, t, hq, d)
 
 

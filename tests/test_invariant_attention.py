@@ -4,7 +4,8 @@ this call's K/V at slots lengths + i (write before read), and slots past them ho
 T = 1, verify) at positions lengths + i; prefills from an empty cache with a static block bound; draft trees at
 positions lengths + depth with their ancestors (jaxspec.spec.tree). Ragged committed lengths per row (small, a whole
 number of key blocks, one past, a block's last slot, up to 4096), GQA groups 1, 2, 3 and 4, float32 and bfloat16,
-batch 1 and 4; and each row's bits do not depend on the other rows (the batch invariance the engine relies on).
+batch 1 and 4; and each row's bits do not depend on the other rows (the batch invariance the engine relies on). The
+kernel's split (flash-decoding) form, forced on, gives the same bits as the reference and as its one-pass form.
 
 On CPU the kernel runs in Pallas interpret mode; on an accelerator it is compiled, which is the check
 pallas_kernels/dispatch.py asks for before a backend joins VALIDATED_BACKENDS."""
@@ -71,15 +72,15 @@ def make_inputs(seed: str, kind: str, dtype: str, b: int, t: int, hq: int, hkv: 
     return args, num_blocks
 
 
-def run_both(args, num_blocks):
-    """→ (kernel, reference) outputs."""
+def run_both(args, num_blocks, **kernel_opts):
+    """→ (kernel, reference) outputs; kernel_opts: `split`."""
     opts = {"key_block": KEY_BLOCK, "num_blocks": num_blocks}
-    return invariant_attention(*args, **opts, interpret=INTERPRET), reference(*args, **opts)
+    return invariant_attention(*args, **opts, interpret=INTERPRET, **kernel_opts), reference(*args, **opts)
 
 
-def check(args, num_blocks, what: str) -> np.ndarray:
+def check(args, num_blocks, what: str, **kernel_opts) -> np.ndarray:
     """The kernel's bits are the reference's; → the kernel's output."""
-    got, want = run_both(args, num_blocks)
+    got, want = run_both(args, num_blocks, **kernel_opts)
     q = args[0]
     assert got.shape == want.shape == q.shape and got.dtype == want.dtype == q.dtype
     np.testing.assert_array_equal(bits(got), bits(want), err_msg=what)
@@ -201,6 +202,41 @@ def test_long_context_equals_reference(kind, dtype, b, t, hq, hkv, d, length_set
     for lengths in length_sets:
         what = case_id(kind, dtype, b, t, hq, hkv, d, s, lengths)
         check(*make_inputs(what, kind, dtype, b, t, hq, hkv, d, s, lengths, max_depth), what)
+
+
+# The split (flash-decoding) form forced on, against the reference and the one-pass form (`split=False`). `split`:
+# True (the rule's blocks per program) or a number of blocks per program, so that the programs' ranges end inside
+# the rows' visible blocks and past them. G = 3 and 1 keep 4 and 1 of the 16 rows. The 4k decode's shapes are
+# test_long_context_equals_reference[decode]'s (which pick the split form by themselves) and the tree's are the first
+# FAST_TREES case's: compiles shared when the whole file runs.
+# (kind, dtype, B, T, Hq, Hkv, D, S, length sets, max depth, split)
+SPLIT = [
+    pytest.param("chain", "float32", 4, 1, 4, 2, 16, 4160, ((1, 2048, 2049, 4096), (4095, 64, 4032, 0)), None, True,
+                 id="decode4k-float32"),
+    pytest.param("chain", "bfloat16", 4, 6, 6, 2, 16, 520, ((0, 63, 64, 450),), None, 3, id="chain6-bfloat16"),
+    pytest.param("tree", "float32", 4, 6, 6, 2, 16, 256, ((62, 64, 127, 250),), 3, 1, id="tree6-float32"),
+    pytest.param("chain", "bfloat16", 1, 1, 8, 2, 32, 4160, ((4095,), (2047,)), None, True, id="decode4k-bfloat16",
+                 marks=pytest.mark.slow),
+    pytest.param("tree", "bfloat16", 2, 16, 8, 2, 16, 4160, ((4095, 4033),), 6, 5, id="tree16-4k-bfloat16",
+                 marks=pytest.mark.slow),
+    pytest.param("chain", "float32", 2, 6, 2, 2, 16, 300, ((0, 250),), None, 2, id="mha-chain6-float32",
+                 marks=pytest.mark.slow),
+    pytest.param("prefill", "bfloat16", 1, 100, 4, 2, 16, 200, ((0,),), None, 1, id="prefill100-bfloat16",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,b,t,hq,hkv,d,s,length_sets,max_depth,split", SPLIT)
+def test_split_equals_reference_and_one_pass(kind, dtype, b, t, hq, hkv, d, s, length_sets, max_depth, split):
+    """Phase 1 stores each visible block's partial, phase 2 folds them in order: the reference's bits, and the one-pass
+    kernel's."""
+    for lengths in length_sets:
+        what = case_id(kind, dtype, b, t, hq, hkv, d, s, lengths) + f"-split{split}"
+        args, num_blocks = make_inputs(what, kind, dtype, b, t, hq, hkv, d, s, lengths, max_depth)
+        got = check(args, num_blocks, what, split=split)
+        one_pass = invariant_attention(*args, key_block=KEY_BLOCK, num_blocks=num_blocks, interpret=INTERPRET,
+                                       split=False)
+        np.testing.assert_array_equal(bits(got), bits(one_pass), err_msg=f"{what}: split vs one pass")
 
 
 @pytest.mark.parametrize("kind,dtype,t,hq", [

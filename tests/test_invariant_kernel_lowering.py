@@ -3,7 +3,8 @@ shapes it lowers for CUDA with Triton and for TPUs with Mosaic (jax.export runs 
 without either device), and, where libtpu is installed, compiles for TPU v5e and v4 ahead of time (libtpu's
 compiler, Mosaic's own passes included, runs without a TPU); it never loads more than one key block at a time, and
 in interpret mode it gives the bits of its jax.numpy reference, on fresh random inputs: chains and trees, ragged
-lengths, float32 and bfloat16. TPU interpret mode: tests/test_tpu_interpret.py."""
+lengths, float32 and bfloat16. The same for the Triton variant's split (flash-decoding) form, whether the shapes pick
+it (small T·B, long caches) or a test forces it. TPU interpret mode: tests/test_tpu_interpret.py."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import pytest
 from jaxspec.models import numerics
 from jaxspec.spec.tree import random_parents, tree_from_parents
 from pallas_kernels.invariant_attention import (
+    SPLIT_MAX_PROGRAMS,
     invariant_attention,
     invariant_attention_reference,
+    split_blocks,
 )
 
 # Llama-3.1-8B attention: 32 query heads over 8 KV heads (G = 4), head_dim 128
@@ -83,12 +86,14 @@ def llama_8b_structs(b: int, t: int, s: int, depth: int | None):
     return args
 
 
-def attention_fn(tree: bool, backend: str | None = None):
+def attention_fn(tree: bool, backend: str | None = None, split: bool | int | None = None):
     if tree:
         return lambda q, k, v, lengths, positions, anc: invariant_attention(
-            q, k, v, lengths, positions, anc, backend=backend
+            q, k, v, lengths, positions, anc, backend=backend, split=split
         )
-    return lambda q, k, v, lengths, positions: invariant_attention(q, k, v, lengths, positions, backend=backend)
+    return lambda q, k, v, lengths, positions: invariant_attention(
+        q, k, v, lengths, positions, backend=backend, split=split
+    )
 
 
 class TritonIRBuilt(Exception):
@@ -157,19 +162,60 @@ def compile_for_tpu(fn, args, topology: str):
     return jax.jit(fn, in_shardings=sharding, out_shardings=sharding).lower(*args).compile()
 
 
-CHAIN_SHAPES = list(itertools.product((1, 8), (1, 6, 16, 64), (256, 4096, 32768)))  # (B, T, S); T = 1: decode
-TREE_SHAPES = list(itertools.product((1, 8), (6, 16, 64), (256, 4096, 32768)))
+CHAIN_SHAPES = list(itertools.product((1, 8), (1, 6, 16, 60, 64), (256, 4096, 32768)))  # (B, T, S); T = 1: decode
+TREE_SHAPES = list(itertools.product((1, 8), (6, 16, 60, 64), (256, 4096, 32768)))
 LOWERING_SHAPES = [(*shape, False) for shape in CHAIN_SHAPES] + [(*shape, True) for shape in TREE_SHAPES]
 
 
-@pytest.mark.parametrize("b,t,s,tree", LOWERING_SHAPES)
-def test_lowers_for_cuda_with_triton(b, t, s, tree):
-    depth = min(t, 8) - 1 if tree else None
-    text = export_for_cuda(attention_fn(tree), llama_8b_structs(b, t, s, depth))
+def check_cuda_export(text: str | None, b: int, t: int, split: bool):
+    """The exported module holds Triton calls only: the one-pass kernel, or the split form's two phases."""
     if text is not None:
         assert any(target in text for target in TRITON_TARGETS), "no Triton custom call in the exported module"
         assert "mosaic_gpu" not in text
         assert f"tensor<{b}x{t}x{HQ}x{D}xbf16>" in text  # the result
+        names = ("invariant_attention_partials", "invariant_attention_fold")
+        assert all((name in text) == split for name in names), f"split form expected: {split}"
+
+
+@pytest.mark.parametrize("b,t,s,tree", LOWERING_SHAPES)
+def test_lowers_for_cuda_with_triton(b, t, s, tree):
+    """The form the shapes pick (split_blocks): split at small T·B on long caches, one pass otherwise."""
+    depth = min(t, 8) - 1 if tree else None
+    text = export_for_cuda(attention_fn(tree), llama_8b_structs(b, t, s, depth))
+    check_cuda_export(text, b, t, split_blocks(t * HKV * b, s // KEY_BLOCK) > 0)
+
+
+# the split form forced on at 8B shapes: decodes and 6-token verifies of 1 and 8 rows, long caches
+SPLIT_SHAPES = list(itertools.product((1, 8), (1, 6), (4096, 16384, 32768), (False, True)))  # (B, T, S, tree)
+
+
+@pytest.mark.parametrize("b,t,s,tree", SPLIT_SHAPES)
+def test_split_form_lowers_for_cuda_with_triton(b, t, s, tree):
+    depth = min(t, 8) - 1 if tree else None
+    text = export_for_cuda(attention_fn(tree, split=True), llama_8b_structs(b, t, s, depth))
+    check_cuda_export(text, b, t, True)
+
+
+def test_split_rule():
+    """Which form the shapes pick, and the split form's blocks per program (Llama-3.1-8B: 8 KV heads)."""
+    nb = 16384 // KEY_BLOCK
+    assert split_blocks(1 * HKV * 1, nb) == 4  # decode of one row: 64 programs of 4 blocks per KV head, 512 in all
+    assert split_blocks(1 * HKV * 8, nb) == 16  # decode of 8 rows: 16 programs of 16 blocks per (row, KV head)
+    assert split_blocks(6 * HKV * 1, nb) == 12  # a 6-token verify
+    assert split_blocks(6 * HKV * 8, nb) == 0  # 384 programs: one pass
+    assert split_blocks(1 * HKV * 1, 4096 // KEY_BLOCK) == 4
+    assert split_blocks(1 * HKV * 1, 1024 // KEY_BLOCK) == 0  # a short cache: one pass
+    assert split_blocks(SPLIT_MAX_PROGRAMS, nb) > 0 and split_blocks(SPLIT_MAX_PROGRAMS + 1, nb) == 0
+    assert split_blocks(64 * HKV * 1, 2, split=True) == 2  # forced on: at most the row's blocks
+    assert split_blocks(1 * HKV * 1, nb, split=False) == 0
+    assert split_blocks(1, nb, split=3) == 3
+    with pytest.raises(ValueError):
+        split_blocks(1, nb, split=0)
+
+
+def test_tpu_variant_has_no_split_form():
+    with pytest.raises(ValueError, match="no split form"):
+        jax.make_jaxpr(attention_fn(False, "tpu", split=True))(*llama_8b_structs(1, 1, 4096, None))
 
 
 # the TPU shapes add a 60-token verify (T not a power of two) and committed lengths of 16k
@@ -218,17 +264,22 @@ def _reads(jaxpr):
             yield from _reads(sub)
 
 
-@pytest.mark.parametrize("backend", ["cuda", "tpu"])
+@pytest.mark.parametrize("backend,split", [("cuda", False), ("cuda", True), ("tpu", None)])
 @pytest.mark.parametrize("tree", [False, True])
-def test_one_key_block_at_a_time(tree, backend):
+def test_one_key_block_at_a_time(tree, backend, split):
     """The cache row is never loaded whole: every read in the kernel is at most one [Bk, D] block (TPU: of the VMEM
-    buffers the DMAs fill)."""
+    buffers the DMAs fill). The split form's phase 1 reads as the one-pass kernel does, and its fold reads one block's
+    partials at a time: [G', D] and [G'] (G' = 4 kept rows of 16)."""
     b, t, s = 1, 16, 32768
-    jaxpr = jax.make_jaxpr(attention_fn(tree, backend))(*llama_8b_structs(b, t, s, 7 if tree else None))
-    (kernel,) = list(_kernel_jaxprs(jaxpr))
-    reads = list(_reads(kernel))
-    assert reads and max(int(np.prod(shape)) for shape in reads) <= KEY_BLOCK * D, reads
-    assert (KEY_BLOCK, D) in reads
+    jaxpr = jax.make_jaxpr(attention_fn(tree, backend, split))(*llama_8b_structs(b, t, s, 7 if tree else None))
+    kernels = list(_kernel_jaxprs(jaxpr))
+    assert len(kernels) == (2 if split else 1)
+    for kernel in kernels:
+        reads = list(_reads(kernel))
+        assert reads and max(int(np.prod(shape)) for shape in reads) <= KEY_BLOCK * D, reads
+    assert (KEY_BLOCK, D) in list(_reads(kernels[0]))
+    if split:
+        assert (HQ // HKV, D) in list(_reads(kernels[1]))
 
 
 # --- interpret mode: the reference's bits ----------------------------------------------------------------------------
@@ -257,6 +308,18 @@ CASES = [
 ])
 def test_interpret_equals_reference(name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks):
     check_equals_reference((name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks), interpret=True)
+
+
+@pytest.mark.parametrize("name,dtype,b,t,hq,hkv,d,s,lengths,depth,key_block,num_blocks", CASES, ids=[
+    f"{c[0]}-{c[1]}" for c in CASES
+])
+def test_split_form_interpret_equals_reference(name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block,
+                                               num_blocks):
+    """The split form, forced on with one block per program, on the same cases: G = 1 (the chain: one row kept),
+    4 and 8 (masked stores of 4 and 8 of the 16 rows), 32 (wide: all 32 rows kept, unmasked stores), blocks of 16
+    with a static block bound (the prefill), trees."""
+    check_equals_reference((name, dtype, b, t, hq, hkv, d, s, lengths, depth, key_block, num_blocks), interpret=True,
+                           split=1)
 
 
 def case_inputs(name, dtype, b, t, hq, hkv, d, s, lengths, depth):

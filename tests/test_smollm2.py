@@ -85,8 +85,20 @@ def test_speculative_greedy_with_random_head_equals_target_only(target_dir, mode
     prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:4]]
     head = Eagle3Head(head_config_for(model, draft_vocab_size=8192), rngs=nnx.Rngs(0))
     ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
-    got = SpeculativeGenerator(model, head, num_draft=3, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
+    spec = SpeculativeGenerator(model, head, num_draft=3, batch_size=4)
+    got = spec.generate(prompts, max_new_tokens=24, stop_ids=stops)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+
+    # --memory-report's figures for SmolLM2, from its config: 30 layers, hidden 576, 9/3 heads of 64, MLP 1536,
+    # vocabulary 49152, tied embeddings, float32; the cache holds K and V [batch, 3, slots, 64] per layer.
+    c, m = model.config, spec.memory
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.vocab_size, c.tie_word_embeddings) == (30, 576, 9, 3, 64, 1536, 49152, True)
+    per_layer = 576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576
+    assert m.target_parameters == 4 * (49152 * 576 + 30 * per_layer + 576) == 538_060_032
+    assert m.target_kv_cache == 2 * 30 * 4 * 3 * m.cache_capacity * 64 * 4 + 4 * 4
+    hc = head.config
+    assert m.head_kv_cache % (2 * 4 * hc.num_kv_heads * hc.head_dim * 4) == 4 * 4
 
 
 QUESTIONS = [

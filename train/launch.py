@@ -92,6 +92,18 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> float:
     return (sum(c.num_generated for c in out) - len(out)) / max(calls, 1)
 
 
+def _acceptance(t: TrainSection, last_eval: tuple[int, float] | None) -> list[dict] | None:
+    """The exported head's acceptance profile: the run's last evaluation (`eval_every`), if it made one."""
+    if last_eval is None:
+        return None
+    step, mean = last_eval
+    return [{
+        "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts, "method": f"chain K={t.num_draft_steps}",
+        "num_speculative_tokens": t.num_draft_steps, "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
+        "mean_accepted_length": max(1.0, mean), "measured_by": f"train.launch evaluation after step {step}",
+    }]
+
+
 def _tensorboard(out: Path):
     """A TensorBoard writer on <out>/tensorboard when tensorboardX is installed (the JSONL log is always written)."""
     try:
@@ -106,7 +118,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from flax import nnx
     from tqdm import tqdm
 
-    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.heads import export_head, verifier_name
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.cli_common import resolve_target
     from train.checkpointing import RunCheckpoints
@@ -191,7 +203,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     metrics_file = (out / "metrics.jsonl").open("a")
     board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
-    last, interrupted = {}, False
+    last, interrupted, last_eval = {}, False, None
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         arrays = batches(step)
         ids = arrays[0]
@@ -214,6 +226,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             record["eval_mean_accepted_length"] = round(
                 evaluate(target, merged, load_tokenizer(target_dir), target_dir, t), 4
             )
+            last_eval = (step + 1, record["eval_mean_accepted_length"])
         if step % t.log_every == 0 or "eval_mean_accepted_length" in record or step == t.steps - 1:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -237,7 +250,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         return {**last, "interrupted": True}
     head = nnx.merge(hgd, params, frozen)
     for layout in ("speculators", "sglang"):
-        export_head(head, out / f"head-{layout}", layout=layout, target=target.config, dtype="bfloat16")
+        head_dir = out / f"head-{layout}"
+        export_head(head, head_dir, layout=layout, target=target.config, dtype="bfloat16",
+                    verifier=verifier_name(cfg.target, head_dir), acceptance=_acceptance(t, last_eval))
     return last
 
 
