@@ -128,7 +128,8 @@ def resolve_draft(args) -> str | None:
     (absolute, or relative to the head) becomes args.target, the built-in target's name keeps the default; a
     verifier named but not found here is an error that says to pass --target. Call it before `resolve_target`."""
     from jaxspec.checkpoints.builtin import default_head_dir
-    from jaxspec.checkpoints.heads import locate_verifier, read_head_config
+    from jaxspec.checkpoints.heads import read_head_config
+    from jaxspec.checkpoints.verifier import locate_verifier
 
     if args.no_draft:
         if args.draft:
@@ -161,7 +162,8 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     (the verifier the head was exported for, vocabulary, hidden sizes, layer ids) before any weights are loaded."""
     if draft is None:
         return None
-    from jaxspec.checkpoints.heads import head_config_from_hf, head_record, read_head_config, validate_head
+    from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config, validate_head
+    from jaxspec.checkpoints.verifier import head_record
     from jaxspec.config import load_target_config
 
     raw = read_head_config(draft)

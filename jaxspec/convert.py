@@ -107,15 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 def _convert_head(args) -> None:
     import json
 
-    from jaxspec.checkpoints.heads import (
-        check_acceptance,
-        export_head,
-        head_record,
-        load_head,
-        locate_verifier,
-        read_head_config,
-        verifier_name,
-    )
+    from jaxspec.checkpoints.heads import export_head, load_head, read_head_config
+    from jaxspec.checkpoints.verifier import check_acceptance, head_record, locate_verifier, verifier_name
     from jaxspec.cli_common import resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.errors import JaxspecError
@@ -177,7 +170,8 @@ def nnx_leaves(model):
 def _random_head(args) -> None:
     from flax import nnx
 
-    from jaxspec.checkpoints.heads import export_head, verifier_name
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli_common import resolve_target
     from jaxspec.config import HeadConfig, load_target_config
     from jaxspec.models.eagle3 import Eagle3Head

@@ -12,17 +12,8 @@ from hf_tiny import ByteTokenizer, make_tiny
 
 from jaxspec import generate
 from jaxspec.checkpoints import builtin
-from jaxspec.checkpoints.heads import (
-    RECORD_KEY,
-    check_acceptance,
-    detect_layout,
-    export_head,
-    head_record,
-    load_head,
-    locate_verifier,
-    read_head_config,
-    verifier_record,
-)
+from jaxspec.checkpoints.heads import detect_layout, export_head, load_head, read_head_config
+from jaxspec.checkpoints.verifier import RECORD_KEY, check_acceptance, head_record, locate_verifier, verifier_record
 from jaxspec.cli_common import head_aux_layer_ids, resolve_draft
 from jaxspec.config import HeadConfig, TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError

@@ -118,8 +118,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from flax import nnx
     from tqdm import tqdm
 
-    from jaxspec.checkpoints.heads import export_head, verifier_name
+    from jaxspec.checkpoints.heads import export_head
     from jaxspec.checkpoints.hf import load_target
+    from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli_common import resolve_target
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
