@@ -49,9 +49,10 @@ class Numerics:
 
 
 def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
-    """One-row tiles on CPU, where a dot's cost grows with its rows (measured, SmolLM2 float32 on 2 cores: decode at
-    29 tokens/s with 1-row tiles, as fast as plain XLA, but 12 with 8-row tiles; prefill and verify pay instead,
-    one matmul call per row). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot takes
+    """One-row tiles on CPU, where a dot's cost grows with its rows (measured, SmolLM2 float32 on 2 cores, before
+    the opaque loops: decode at 29 tokens/s with 1-row tiles, as fast as plain XLA, but 12 with 8-row tiles; prefill
+    and verify pay one matmul call per row; with the opaque loops a decode step takes 116 ms vs 37 ms plain, see
+    BENCHMARKS.md). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot takes
     what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels: the user's choice
     (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto."""
     backend = backend or jax.default_backend()
