@@ -1,28 +1,27 @@
 """What generation holds in device memory: parameters, KV caches, and the compiled step's peak, per device.
 
 Why: serving users size batches and contexts by memory (the ExecuTorch EAGLE-3 RFC asks for target, draft,
-draft-KV and peak memory). The figures are read from the arrays themselves (the bytes of each array's shard on the
-first device, so a mesh reports what one device holds) and from XLA's memory analysis of the compiled step, not
+draft-KV and peak memory). The figures are read from the arrays themselves (each array's shard shape times its
+item size, so a mesh reports what one device holds) and from XLA's memory analysis of the compiled step, not
 estimated from the config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
 
 def device_bytes(tree) -> int:
-    """Bytes the first device holds of the arrays in `tree` (its shard of each; the whole array on one device)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if not isinstance(leaf, jax.Array):
-            continue
-        shards = leaf.addressable_shards
-        first = shards[0].device
-        total += sum(s.data.nbytes for s in shards if s.device == first)
-    return total
+    """Bytes one device holds of the arrays in `tree`: each array's shard shape (from its sharding, no data touched;
+    the whole array on one device) times its item size."""
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array)
+    )
 
 
 def compiled_peak_bytes(compiled) -> int | None:

@@ -86,7 +86,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
 from pallas_kernels.dispatch import on_mesh
-from pallas_kernels.variants import kernel_variant, tpu_interpret
+from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
 NEG_INF = -1e30
 
@@ -411,17 +411,10 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
 
     def step(n, state):
         slot = jax.lax.rem(n, 2)
-
-        @pl.when(n + 1 < end)
-        def _():
-            for copy in copies(n + 1, 1 - slot):
-                copy.start()
-
-        for copy in copies(n, slot):
-            copy.wait()
+        prefetch_next_then_wait(copies, n, slot, n + 1 < end)
         return merge(state, partial(n, slot), scale)
 
-    end = jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)  # blocks 0 .. end-1 can be visible
+    end = _visible_blocks(pos, key_block, num_blocks)
     for copy in copies(0, 0):
         copy.start()
 

@@ -79,7 +79,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.dispatch import on_mesh
-from pallas_kernels.variants import kernel_variant, tpu_interpret
+from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
 Mode = Literal["greedy", "tree", "chain"]
 
@@ -306,14 +306,7 @@ def _race_kernel_tpu(node_ref, children_ref, num_children_ref, *refs, mode: Mode
 
     def visit(k, best):
         slot = jax.lax.rem(k - first, 2)
-
-        @pl.when(k + 1 < last)
-        def _():
-            for copy in copies(k + 1, 1 - slot):
-                copy.start()
-
-        for copy in copies(k, slot):
-            copy.wait()
+        prefetch_next_then_wait(copies, k, slot, k + 1 < last)
         start = start_of(k)
         vocab_ids = start + lanes
         p = p_buf[slot].astype(jnp.float32)

@@ -11,6 +11,7 @@ their bounds, and what a kernel reads before its DMA has been waited for (uninit
 from __future__ import annotations
 
 import jax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
@@ -26,3 +27,17 @@ def tpu_interpret(interpret: bool | pltpu.InterpretParams) -> bool | pltpu.Inter
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
     return pltpu.InterpretParams() if interpret else False
+
+
+def prefetch_next_then_wait(copies, i, slot, has_next) -> None:
+    """Double buffering in the TPU variants: start the DMAs of step i + 1 into the other slot (when there is one),
+    then wait for step i's, so the next block streams in while this one is computed. copies(i, slot) → the
+    step's async copies (`pltpu.make_async_copy`), started for step 0 before the loop."""
+
+    @pl.when(has_next)
+    def _():
+        for copy in copies(i + 1, 1 - slot):
+            copy.start()
+
+    for copy in copies(i, slot):
+        copy.wait()
