@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, sample
 from jaxspec.sharding import constrain_cache, constrain_state
@@ -26,6 +27,13 @@ class DecodeState(NamedTuple):
     done: jax.Array  # [B] bool
     max_new: jax.Array  # [B] int32, per-row budget (0 for padding rows)
     key: jax.Array  # PRNG key
+    processors: procs.ProcessorState | None  # logit processors' values and counts (None: none requested)
+
+
+def _next_token(logits: jax.Array, st: DecodeState, sampling: SamplingConfig, key: jax.Array) -> jax.Array:
+    """The token after one position per row: logits [B, V] raw → processed → sampled (argmax when greedy)."""
+    logits = procs.process(logits[:, None], st.processors)[:, 0]
+    return sample(logits, sampling, key, procs.min_p_of(st.processors))
 
 
 def _emit(st: DecodeState, token: jax.Array, eos_ids: jax.Array) -> DecodeState:
@@ -38,7 +46,8 @@ def _emit(st: DecodeState, token: jax.Array, eos_ids: jax.Array) -> DecodeState:
     hit_eos = jnp.any(token[:, None] == eos_ids[None, :], axis=-1)
     done = st.done | (active & hit_eos) | (num_generated >= st.max_new)
     last = jnp.where(active, token, st.last_token)
-    return st._replace(tokens=tokens, num_generated=num_generated, done=done, last_token=last)
+    processors = procs.record(st.processors, token[:, None], active.astype(jnp.int32))
+    return st._replace(tokens=tokens, num_generated=num_generated, done=done, last_token=last, processors=processors)
 
 
 def prefill(
@@ -49,6 +58,7 @@ def prefill(
     max_new: jax.Array,  # [B] int32
     eos_ids: jax.Array,  # [n_eos] int32
     key: jax.Array,
+    processor_values: procs.ProcessorValues | None,
     *,
     capacity: int,
     max_new_tokens: int,
@@ -62,17 +72,18 @@ def prefill(
     out = model(prompt, positions, cache, logit_indices=last_index, empty_cache=True)
     cache = kvc.advance(out.cache, prompt_lens)
     key, sub = jax.random.split(key)
-    first = sample(out.logits[:, 0], sampling, sub)
     st = DecodeState(
         cache=cache,
-        last_token=first,
+        last_token=jnp.zeros((b,), jnp.int32),
         tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),
         done=max_new <= 0,
         max_new=max_new,
         key=key,
+        processors=procs.init_state(processor_values, prompt, prompt_lens),
     )
-    return constrain_state(_emit(st, first, eos_ids))
+    first = _next_token(out.logits[:, 0], st, sampling, sub)
+    return constrain_state(_emit(st._replace(last_token=first), first, eos_ids))
 
 
 def decode_steps(
@@ -94,7 +105,7 @@ def decode_steps(
         out = model(tokens, positions, st.cache)
         cache = kvc.advance(out.cache, (~st.done).astype(jnp.int32))
         key, sub = jax.random.split(st.key)
-        token = sample(out.logits[:, 0], sampling, sub)
+        token = _next_token(out.logits[:, 0], st, sampling, sub)
         return i + 1, constrain_state(_emit(st._replace(cache=cache, key=key), token, eos_ids))
 
     def cond(carry):

@@ -64,6 +64,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default: 0, off)"
     )
+    processors = parser.add_argument_group(
+        "logit processors", "applied alike in target-only decoding, drafting and verification, so greedy output stays "
+        "exactly the target's and sampling stays lossless (in a tree, each node counts its own ancestors)",
+    )
+    processors.add_argument(
+        "--repetition-penalty", type=float, default=1.0, metavar="F",
+        help="divide positive (multiply negative) logits of tokens in the prompt or output by F, as transformers "
+        "(default: 1.0, off)",
+    )
+    processors.add_argument(
+        "--presence-penalty", type=float, default=0.0, metavar="F",
+        help="subtract F from the logit of every token the output holds, as OpenAI (default: 0.0, off)",
+    )
+    processors.add_argument(
+        "--frequency-penalty", type=float, default=0.0, metavar="F",
+        help="subtract F per occurrence in the output, as OpenAI (default: 0.0, off)",
+    )
+    processors.add_argument(
+        "--min-p", type=float, default=0.0, metavar="P",
+        help="sampling: drop tokens less likely than P times the most likely one, [0, 1] (default: 0.0, off)",
+    )
+    processors.add_argument(
+        "--logit-bias", metavar="JSON",
+        help='add biases to token logits, OpenAI\'s format: \'{"42": -100, "7": 2.5}\' (token id: bias)',
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument(
         "--batch-size", type=int, default=1, metavar="B", help="prompts generated together (default: 1)"
@@ -82,12 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspec.generation import TargetGenerator
+    from jaxspec.processors import LogitProcessors
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
     from jaxspec.sampling import SamplingConfig
 
     check_generation_args(args, tree_sets_depth=True)
     use_compile_cache(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)  # validates before any loading
+    processors = LogitProcessors(
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, min_p=args.min_p,
+        logit_bias=LogitProcessors.parse_bias(args.logit_bias) if args.logit_bias else (),
+    )
     prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
     mesh = resolve_mesh(args)
     kernels = kernels_impl(args)
@@ -120,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling=sampling,
         stop_ids=stops,
         seed=args.seed,
+        processors=processors,
         on_tokens=streamer.on_tokens if streamer else None,
         progress=None if stream or len(encoded) == 1 else "generate",
     )

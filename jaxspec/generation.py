@@ -14,6 +14,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxspec import decode, sharding
+from jaxspec import processors as procs
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
 from jaxspec.models.llama import LlamaModel
@@ -138,24 +139,39 @@ class TargetGenerator:
         seed: int = 0,
         on_tokens: Callable[[int, list[int]], None] | None = None,
         progress: str | None = None,
+        processors: procs.LogitProcessors | Sequence[procs.LogitProcessors] | None = None,
     ) -> list[Completion]:
         """Continuations in input order. on_tokens(prompt_index, new_ids) streams tokens as chunks finish;
-        `progress` names a progress bar over prompts on stderr (none by default)."""
+        `progress` names a progress bar over prompts on stderr (none by default). processors: logit processors
+        for every prompt, or one per prompt (`jaxspec.processors`); their values are arrays, so new values reuse
+        the compiled programs."""
         if max_new_tokens < 1:
             raise JaxspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         self.check_lengths([len(p) for p in prompts], max_new_tokens)
+        if not isinstance(processors, (list, tuple)):
+            requests = [procs.check_replayable(processors)] * len(prompts)
+        else:
+            requests = [procs.check_replayable(p) for p in processors]
+            if len(requests) != len(prompts):
+                raise JaxspecError(f"{len(requests)} logit processor settings for {len(prompts)} prompts")
+        procs.check_vocab(requests, self.config.vocab_size)
         results: list[Completion] = []
         key = jax.random.key(seed)
         bar = tqdm(total=len(prompts), desc=progress, unit="prompt", disable=progress is None, leave=False)
         for start in range(0, len(prompts), self.batch_size):
             key, sub = jax.random.split(key)
             batch = prompts[start : start + self.batch_size]
-            results += self._generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens)
+            values = procs.batch_values(
+                requests[start : start + self.batch_size], self.batch_size, self.config.vocab_size
+            )
+            results += self._generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens, values)
             bar.update(len(batch))
         bar.close()
         return results
 
-    def _generate_batch(self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens) -> list[Completion]:
+    def _generate_batch(
+        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
+    ) -> list[Completion]:
         b = self.batch_size
         longest = max(len(p) for p in batch)
         capacity = capacity_bucket(
@@ -169,7 +185,7 @@ class TargetGenerator:
             lens[i] = len(p)
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
-        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key, processor_values)
         static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling, **self._extra_static)
         prefill = self._compiled_fn("prefill", self._prefill_fn, *args, **static)
         step = self._compiled_fn(

@@ -1,4 +1,5 @@
-"""Temperature, top-k and top-p, shared by target-only and speculative decoding so both see the same distribution."""
+"""Temperature, top-k, top-p and min-p (a per-request value, `jaxspec.processors`), shared by target-only and
+speculative decoding so both see the same distribution."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
+from jaxspec.processors import min_p_filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +33,9 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """Apply temperature, then top-k, then top-p (the transformers order) to float32 logits [..., V].
+def filtered_logits(logits: jax.Array, cfg: SamplingConfig, min_p: jax.Array | None = None) -> jax.Array:
+    """Apply temperature, then top-k, then top-p, then min-p (the transformers order) to float32 logits [B, ..., V].
+    min_p [B]: per-row values (`jaxspec.processors`; None is off).
 
     Filtered-out tokens get -inf, so softmax of the result is the distribution sampling draws from.
     """
@@ -51,11 +54,13 @@ def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
         keep = mass_before < cfg.top_p  # always keeps the most likely token
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    if min_p is not None:
+        logits = min_p_filter(logits, min_p)
     return logits
 
 
-def sample(logits: jax.Array, cfg: SamplingConfig, key: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, cfg: SamplingConfig, key: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
     """One token per row from logits [B, V] → [B] int32 (argmax when greedy)."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, cfg, min_p), axis=-1).astype(jnp.int32)

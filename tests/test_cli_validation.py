@@ -64,6 +64,12 @@ def one_line_error(capsys, main, argv) -> str:
         (["--tree", "8,3,2", "--num-speculative-tokens", "3"], "drop --num-speculative-tokens"),
         (["--no-draft", "--tree", "8,3,2"], "--no-draft runs the target alone, --tree drafts"),
         (["--no-draft", "--num-speculative-tokens", "3"], "--no-draft runs the target alone"),
+        (["--repetition-penalty", "0"], "repetition penalty must be a finite number > 0"),
+        (["--presence-penalty", "nan"], "presence penalty must be a finite number"),
+        (["--min-p", "1.5"], "min-p must be in [0, 1]"),
+        (["--logit-bias", "[1, 2]"], "--logit-bias wants a JSON object of token id to bias"),
+        (["--logit-bias", '{"x": 1}'], "--logit-bias wants a JSON object of token id to bias"),
+        (["--logit-bias", '{"-3": 1}'], "logit bias: token ids must be integers >= 0"),
     ],
 )
 def test_generate_flags_are_checked_before_loading(extra, message, tiny_dir, capsys, no_loading):

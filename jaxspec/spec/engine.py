@@ -9,6 +9,10 @@ propose drafts 2..K; the target verifies [x_m, d_1..d_K] in one forward; a draft
 token follows; the target cache commits x_m, d_1..d_a (their K/V were written by the verify); the verify's
 features become the next pending pairs, so no extra target call is needed. Draft entries in the head cache are
 rolled back by resetting its length: the next catch-up overwrites them.
+
+Logit processors (`jaxspec.processors`) are replayed per position: verify position j is processed with the
+committed prompt and output plus d_1..d_j (a tree node: its ancestors), exactly what a target-only decode step
+would see there, and each draft with the drafts before it, on the head's vocabulary.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
 from jaxspec.sharding import constrain_cache, constrain_state
@@ -41,6 +46,7 @@ class SpecState(NamedTuple):
     key: jax.Array
     verify_calls: jax.Array  # [B] steps while the row was running
     accepted: jax.Array  # [B, K] how often draft j was accepted
+    processors: procs.ProcessorState | None  # logit processors' values and output counts (None: none requested)
 
 
 def _embed_table(target, head):
@@ -59,7 +65,8 @@ def _emit(st: SpecState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Arra
     tokens = st.tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
     num_generated = st.num_generated + n
     done = st.done | (first_eos < n) | (num_generated >= st.max_new)
-    return st._replace(tokens=tokens, num_generated=num_generated, done=done)
+    processors = procs.record(st.processors, emitted, n)
+    return st._replace(tokens=tokens, num_generated=num_generated, done=done, processors=processors)
 
 
 def prefill(
@@ -72,6 +79,7 @@ def prefill(
     max_new: jax.Array,  # [B]
     eos_ids: jax.Array,  # [n_eos]
     key: jax.Array,
+    processor_values: procs.ProcessorValues | None,
     *,
     capacity: int,
     max_new_tokens: int,
@@ -86,7 +94,8 @@ def prefill(
     target_cache = constrain_cache(target.init_cache(b, capacity))
     out = target(prompt, positions, target_cache, logit_indices=last[:, None], return_aux=True, empty_cache=True)
     key, sub = jax.random.split(key)
-    first = sample(out.logits[:, 0], sampling, sub)
+    processors = procs.init_state(processor_values, prompt, prompt_lens)
+    first = sample(procs.process(out.logits, processors)[:, 0], sampling, sub, procs.min_p_of(processors))
     # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
     next_tokens = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
     _, _, head_cache = head(
@@ -109,15 +118,30 @@ def prefill(
         key=key,
         verify_calls=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b, num_draft), jnp.int32),
+        processors=processors,
     )
     return constrain_state(_emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
 
 
-def _propose(head, logits: jax.Array, sampling: SamplingConfig, key: jax.Array, vocab: int):
-    """Draft token (target id) from draft logits [B, V_d], and its distribution over the target vocab when sampling."""
+def draft_processor(head, processors: procs.ProcessorState | None):
+    """The logit processors on the head's draft vocabulary: process(logits [B, N, V_d], path [B, N, D]) with the
+    committed counts plus each position's path, as the target will apply them (drafts only change speed, but a
+    draft the processed target would not pick is a wasted one)."""
+    if processors is None:
+        return None
+    columns = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
+    return lambda logits, path: procs.process(logits, processors, path, columns)
+
+
+def _propose(head, logits: jax.Array, sampling: SamplingConfig, key: jax.Array, vocab: int, processors, path):
+    """Draft token (target id) from draft logits [B, V_d] (processed with the drafts so far, path [B, D]), and its
+    distribution over the target vocab when sampling."""
+    process = draft_processor(head, processors)
+    if process is not None:
+        logits = process(logits[:, None], path[:, None])[:, 0]
     if sampling.greedy:
         return head.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
-    filtered = filtered_logits(logits, sampling)
+    filtered = filtered_logits(logits, sampling, procs.min_p_of(processors))
     draft = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
     ids = head.to_target_ids(jnp.arange(logits.shape[-1], dtype=jnp.int32))
     q = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, ids].set(jax.nn.softmax(filtered, axis=-1))
@@ -171,16 +195,21 @@ def spec_step(
 
     # Draft 1: the head catches up on the pending pairs in one forward.
     logits0, state, head_cache, h0 = _catch_up(head, st, embed)
-    draft, q = _propose(head, logits0, sampling, keys[0], vocab)
+    path = jnp.full((b, k), -1, jnp.int32)  # drafts so far, for the logit processors
+    draft, q = _propose(head, logits0, sampling, keys[0], vocab, st.processors, path)
 
     # Drafts 2..K: the head feeds its own state back.
-    def draft_step(carry, step_key):
-        head_cache, state, token = carry
+    def draft_step(carry, step):
+        head_cache, state, token, path = carry
+        j, step_key = step
+        path = path.at[:, j].set(token)
         logits, out, head_cache = head(token[:, None], state[:, None], head_cache.lengths[:, None], head_cache, embed)
-        nxt, q = _propose(head, logits[:, 0], sampling, step_key, vocab)
-        return (kvc.advance(head_cache, 1), out[:, 0], nxt), (nxt, q)
+        nxt, q = _propose(head, logits[:, 0], sampling, step_key, vocab, st.processors, path)
+        return (kvc.advance(head_cache, 1), out[:, 0], nxt, path), (nxt, q)
 
-    (head_cache, _, _), (more, more_q) = jax.lax.scan(draft_step, (head_cache, state, draft), keys[1:k])
+    (head_cache, _, _, _), (more, more_q) = jax.lax.scan(
+        draft_step, (head_cache, state, draft, path), (jnp.arange(k - 1), keys[1:k])
+    )
     drafts = jnp.concatenate([draft[:, None], jnp.moveaxis(more, 0, 1)], axis=1)  # [B, K]
     head_cache = head_cache._replace(lengths=h0 + st.num_pending * running)  # drop the draft entries
 
@@ -188,14 +217,15 @@ def spec_step(
     tokens = jnp.concatenate([st.last_token[:, None], drafts], axis=1)
     positions = st.target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     verify = target(tokens, positions, st.target_cache, return_aux=True)
+    logits = procs.process(verify.logits, st.processors, procs.chain_paths(drafts))  # [B, K+1, V]
 
     if forced_accept_prob is not None:
-        a, emitted = forced_accept(drafts, verify.logits, jax.random.uniform(keys[k], (b, k)), forced_accept_prob)
+        a, emitted = forced_accept(drafts, logits, jax.random.uniform(keys[k], (b, k)), forced_accept_prob)
     elif sampling.greedy:
-        a, emitted = greedy_accept(drafts, verify.logits, kernels)
+        a, emitted = greedy_accept(drafts, logits, kernels)
     else:
         qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, K, V]
-        p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
+        p = jax.nn.softmax(filtered_logits(logits, sampling, procs.min_p_of(st.processors)), axis=-1)
         uniforms = jax.random.uniform(keys[k], (b, k))
         a, emitted = sampling_accept(drafts, p, qs, uniforms, keys[k + 1], kernels)
 
@@ -215,22 +245,23 @@ def tree_step(
     key, k_uniform, k_noise = jax.random.split(st.key, 3)
 
     logits0, state0, head_cache, h0 = _catch_up(head, st, embed)
-    dt = draft_tree(head, embed, logits0, state0, head_cache, tree)
+    dt = draft_tree(head, embed, logits0, state0, head_cache, tree, draft_processor(head, st.processors))
     head_cache = head_cache._replace(lengths=h0 + st.num_pending * running)  # drop the tree levels' entries
     tokens = dt.tokens.at[:, 0].set(st.last_token)  # [B, N]
     m = st.target_cache.lengths
     verify = target(
         tokens, m[:, None] + dt.depths, st.target_cache, block_mask=dt.mask, ancestors=dt.ancestors, return_aux=True
     )
+    logits = procs.process(verify.logits, st.processors, procs.tree_paths(tokens, dt.ancestors, dt.depths))
 
     n, depth = tokens.shape[1], tree.depth
     if sampling.greedy:
         a, emitted, path = verify_draft(
-            tokens, dt.parents, verify.logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth,
+            tokens, dt.parents, logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth,
             impl=kernels,
         )
     else:
-        p = jax.nn.softmax(filtered_logits(verify.logits, sampling), axis=-1)
+        p = jax.nn.softmax(filtered_logits(logits, sampling, procs.min_p_of(st.processors)), axis=-1)
         uniforms = jax.random.uniform(k_uniform, (b, n))
         noise = jax.random.exponential(k_noise, (b, p.shape[-1]), jnp.float32)
         a, emitted, path = verify_draft(

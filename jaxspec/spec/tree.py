@@ -69,16 +69,23 @@ class DraftTree(NamedTuple):
     ancestors: jax.Array  # [B, N, depth+1] int32: node i's ancestor at depth j (i itself at its depth; 0 past it)
 
 
-def draft_tree(head, embed_table, logits0: jax.Array, state0: jax.Array, head_cache, cfg: TreeConfig) -> DraftTree:
+def draft_tree(
+    head, embed_table, logits0: jax.Array, state0: jax.Array, head_cache, cfg: TreeConfig, process=None
+) -> DraftTree:
     """Expand and select a tree. logits0 [B, V_d]: the head's distribution after the root; state0 [B, H]: its state
-    there; head_cache: committed through the root (levels are written above it and dropped by the caller)."""
+    there; head_cache: committed through the root (levels are written above it and dropped by the caller).
+    process(logits [B, n, V_d], path [B, n, D]): the logit processors (`engine.draft_processor`), applied to each
+    frontier node's children with the node's own path (branch-aware); None: none."""
     b = logits0.shape[0]
     k = cfg.top_k
     h = head_cache.lengths  # [B]
+    if process is not None:
+        logits0 = process(logits0[:, None], jnp.full((b, 1, cfg.depth), -1, jnp.int32))[:, 0]
     score, ids = jax.lax.top_k(jax.nn.log_softmax(logits0, axis=-1), k)  # [B, k]
     cand_tok, cand_score, cand_parent = [head.to_target_ids(ids)], [score], [jnp.full((b, k), -1, jnp.int32)]
     front_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index of each frontier node
     front_tok, front_score = cand_tok[0], score
+    front_path = jnp.full((b, k, cfg.depth), -1, jnp.int32).at[:, :, 0].set(front_tok)  # tokens below the root
     front_state = jnp.broadcast_to(state0[:, None], (b, k, state0.shape[-1]))
     slots = jnp.arange(cfg.window)
     front_mask = jnp.broadcast_to(slots[None, :] == jnp.arange(k)[:, None], (b, k, cfg.window))  # own slot only
@@ -89,6 +96,8 @@ def draft_tree(head, embed_table, logits0: jax.Array, state0: jax.Array, head_ca
             front_tok, front_state, positions, head_cache, embed_table, block_mask=front_mask,
             write_offset=(level - 1) * k,
         )
+        if process is not None:
+            logits = process(logits, front_path)
         child_score, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k, k]
         child_score = (front_score[:, :, None] + child_score).reshape(b, k * k)
         child_tok = head.to_target_ids(child_ids).reshape(b, k * k)
@@ -100,6 +109,7 @@ def draft_tree(head, embed_table, logits0: jax.Array, state0: jax.Array, head_ca
             parent_slot = sel // k  # which frontier node each comes from
             front_idx = base + sel
             front_tok = jnp.take_along_axis(child_tok, sel, axis=1)
+            front_path = jnp.take_along_axis(front_path, parent_slot[:, :, None], axis=1).at[:, :, level].set(front_tok)
             front_state = jnp.take_along_axis(out, parent_slot[:, :, None], axis=1)
             own = slots[None, None, :] == (level * k + jnp.arange(k))[None, :, None]
             front_mask = jnp.take_along_axis(front_mask, parent_slot[:, :, None], axis=1) | own
