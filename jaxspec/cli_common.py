@@ -298,7 +298,8 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", metavar="data=D,model=M",
         help="shard over a device mesh: batch rows over D devices, attention heads, MLP width and vocabulary over "
-        "M (tensor parallel); D*M devices are used, M must divide the query and KV head counts",
+        "M (tensor parallel); D*M devices are used; M must divide the query heads and divide, or be a multiple of, the "
+        "KV heads (then each KV head is repeated so every device holds the one it reads)",
     )
     parser.add_argument(
         "--distributed", action="store_true",

@@ -7,9 +7,16 @@ are [batch, kv_heads, slots, head_dim] split as (data, model): each device holds
 heads, and every update in the jitted step keeps that sharding. The Pallas kernels run per shard in
 `jax.shard_map` (pallas_kernels/*); the generators compile under `jax.set_mesh(mesh)` so that they can find it.
 
-Query and KV head counts must divide the model axis (an error says which sizes would work; padding heads would
-waste the memory tensor parallelism is for). A vocabulary or MLP width that does not divide it stays replicated,
-said once in the log.
+The model axis must divide the query heads, and either divide the KV heads or be a multiple of them (an error lists
+the sizes that work; padding heads would waste the memory tensor parallelism is for). An axis wider than the KV
+heads (Llama-3-70B's 8 KV heads on 16 chips) repeats each KV head r = model / kv_heads times in the cache
+(`kv_head_replication`), so that each device holds the one KV head its query heads read: the cache is
+[batch, model, slots, head_dim], split like any other. K and V are computed from the unrepeated k/v projections
+exactly as on one device and repeated before the cache write; the attention then sees `model` KV heads of
+num_heads / model query heads each, and the invariant attention's bits per query row do not depend on that group
+size. A vocabulary, MLP width or k/v projection width that does not divide the axis stays replicated, said once
+in the log (a k/v projection that does divide it is split by output features like q_proj, even where that cuts
+a head: XLA gathers the K/V activations before the repeat).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ log = logging.getLogger(__name__)
 DATA, MODEL = "data", "model"
 _SPLIT_OUT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})  # kernel [in, out]
 _SPLIT_IN = frozenset({"o_proj", "down_proj"})
-CACHE_SPEC = P(DATA, MODEL, None, None)  # [batch, kv_heads, slots, head_dim]
+CACHE_SPEC = P(DATA, MODEL, None, None)  # [batch, kv_heads · kv_head_replication, slots, head_dim]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,18 +87,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def model_axis_fits(num_heads: int, num_kv_heads: int, model_axis: int) -> bool:
+    """Whether attention splits over a model axis of this size: whole query heads per device, and either whole KV
+    heads per device or one KV head repeated on model_axis / num_kv_heads devices."""
+    return num_heads % model_axis == 0 and (num_kv_heads % model_axis == 0 or model_axis % num_kv_heads == 0)
+
+
+def kv_head_replication(num_heads: int, num_kv_heads: int, model_axis: int) -> int:
+    """How many times the KV cache repeats each KV head on a model axis of this size: model_axis / num_kv_heads when
+    the axis is wider than the KV heads (and fits), so that each device holds the KV head its query heads read;
+    1 otherwise (one device, or KV heads split over the axis). Head j of a repeated cache is KV head j // r."""
+    if model_axis > num_kv_heads and model_axis_fits(num_heads, num_kv_heads, model_axis):
+        return model_axis // num_kv_heads
+    return 1
+
+
+def cache_kv_heads(num_heads: int, num_kv_heads: int) -> int:
+    """KV heads of a cache built now: num_kv_heads times `kv_head_replication` for the (data, model) mesh set for
+    the function being traced (the generators trace under `jax.set_mesh`), num_kv_heads without one. Models call it
+    from `init_cache`; their attention reads the repetition back from the cache's shape, so that a cache's layout
+    is decided once, where it is made."""
+    if not on_mesh():
+        return num_kv_heads
+    model_axis = jax.sharding.get_abstract_mesh().shape[MODEL]
+    return num_kv_heads * kv_head_replication(num_heads, num_kv_heads, model_axis)
+
+
 def check_fits(mesh: jax.sharding.Mesh, configs: dict, batch_size: int) -> None:
-    """Head counts must divide the model axis and the batch the data axis; `configs` maps a name ('target',
-    'draft head') to a TargetConfig or HeadConfig."""
+    """Head counts must fit the model axis (`model_axis_fits`) and the batch the data axis; `configs` maps a name
+    ('target', 'draft head') to a TargetConfig or HeadConfig."""
     m, d = mesh.shape[MODEL], mesh.shape[DATA]
     if batch_size % d:
         raise JaxspecError(f"--batch-size {batch_size} is not a multiple of the mesh's data axis ({d})")
     for name, cfg in configs.items():
-        if cfg.num_heads % m or cfg.num_kv_heads % m:
-            fits = [x for x in _divisors(cfg.num_kv_heads) if cfg.num_heads % x == 0]
+        if not model_axis_fits(cfg.num_heads, cfg.num_kv_heads, m):
+            fits = [x for x in _divisors(cfg.num_heads) if model_axis_fits(cfg.num_heads, cfg.num_kv_heads, x)]
             raise JaxspecError(
                 f"the {name} has {cfg.num_heads} query and {cfg.num_kv_heads} KV heads, which the mesh's model axis "
-                f"({m}) does not divide; use model in {fits}"
+                f"({m}) does not fit (it must divide the query heads and divide or be a multiple of the KV heads); "
+                f"use model in {fits}"
             )
 
 

@@ -207,7 +207,8 @@ def test_generate_on_a_data_mesh_equals_one_device(tiny_dir, capsys, monkeypatch
 
 
 @pytest.mark.parametrize("mesh, message", [
-    ("model=2", "has 4 query and 1 KV heads, which the mesh's model axis (2) does not divide; use model in [1]"),
+    ("model=3", "has 4 query and 1 KV heads, which the mesh's model axis (3) does not fit (it must divide the query "
+                "heads and divide or be a multiple of the KV heads); use model in [1, 2, 4]"),
     ("data=16", "needs 16 devices"),
     ("data=2,pipe=2", "--mesh expects data=D,model=M"),
 ])

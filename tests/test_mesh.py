@@ -1,9 +1,17 @@
 """Sharded inference on 8 simulated CPU devices: a data=2 × model=4 mesh gives the single-device output token for
-token, with parameters and KV caches really split; the kernels run per shard; bad meshes get clear errors."""
+token, with parameters and KV caches really split; the kernels run per shard; bad meshes get clear errors. A model
+axis wider than the KV heads repeats each KV head in the cache and gives the same output too: here on 8 devices,
+on 9 in a process of its own (tests/wide_mesh_worker.py), and with the built-in SmolLM2 through the CLI."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +26,7 @@ from jaxspec import sharding
 from jaxspec.config import TargetConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import TargetGenerator
+from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.generator import SpeculativeGenerator
 from jaxspec.spec.tree import TreeConfig
@@ -26,15 +35,21 @@ from pallas_kernels import invariant_attention, rejection
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 
 
-@functools.cache
-def target() -> LlamaModel:
-    """Like the engine tests' tiny target, with head counts and a vocabulary the model axis (4) divides."""
+def _tiny_target(num_layers: int, num_kv_heads: int, seed: int) -> LlamaModel:
+    """Like the engine tests' tiny target (8 query heads, embeddings dominating the residual stream)."""
     cfg = TargetConfig(
-        vocab_size=104, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16
+        vocab_size=104, hidden_size=64, intermediate_size=128, num_layers=num_layers, num_heads=8,
+        num_kv_heads=num_kv_heads, head_dim=16,
     )
-    model = LlamaModel(cfg, rngs=nnx.Rngs(0))
+    model = LlamaModel(cfg, rngs=nnx.Rngs(seed))
     model.embed_tokens.set_value(model.embed_tokens[...] * 20.0)
     return model
+
+
+@functools.cache
+def target() -> LlamaModel:
+    """Head counts and a vocabulary the model axis (4) divides."""
+    return _tiny_target(num_layers=4, num_kv_heads=4, seed=0)
 
 
 @functools.cache
@@ -85,7 +100,7 @@ def test_parameters_and_caches_are_split_not_replicated():
     (prefill,) = [f for key, f in gen._compiled.items() if key[0] == "prefill"]
     prompt = jnp.zeros((4, 16), jnp.int32)
     st = prefill(gen.params, gen.head_params, prompt, jnp.full((4,), 5), jnp.full((4,), 8), jnp.zeros((1,), jnp.int32),
-                 jax.random.key(0))
+                 jax.random.key(0), None)  # no logit processors
     capacity = st.target_cache.capacity
     for cache, kv_heads in ((st.target_cache, 4), (st.head_cache, 4)):
         k = cache.k[0]
@@ -139,8 +154,8 @@ def test_bad_meshes_are_clear_errors():
         sharding.make_mesh(sharding.MeshConfig(data=4, model=4))
     with pytest.raises(JaxspecError, match="not a multiple of the mesh's data axis"):
         TargetGenerator(target(), batch_size=3, mesh=mesh())
-    three = sharding.make_mesh(sharding.MeshConfig(data=1, model=8))
-    with pytest.raises(JaxspecError, match=r"8 query and 4 KV heads.*model in \[1, 2, 4\]"):
+    three = sharding.make_mesh(sharding.MeshConfig(data=1, model=3))
+    with pytest.raises(JaxspecError, match=r"8 query and 4 KV heads.*model axis \(3\).*model in \[1, 2, 4, 8\]"):
         TargetGenerator(target(), batch_size=2, mesh=three)
 
 
@@ -165,3 +180,135 @@ def test_an_orbax_target_restores_straight_into_the_mesh_shardings(tmp_path):
     reference = TargetGenerator(load_target(tmp_path / "hf"), batch_size=4).generate(PROMPTS, max_new_tokens=12)
     sharded = TargetGenerator(model, batch_size=4, mesh=mesh_4x2).generate(PROMPTS, max_new_tokens=12)
     assert _ids(sharded) == _ids(reference)
+
+
+# --- A model axis wider than the KV heads: each KV head repeated in the cache (sharding.kv_head_replication) ---
+
+
+def test_kv_heads_repeat_when_the_model_axis_is_wider():
+    assert [sharding.kv_head_replication(9, 3, m) for m in (1, 3, 9)] == [1, 1, 3]  # SmolLM2-135M
+    assert [sharding.kv_head_replication(64, 8, m) for m in (8, 16, 32, 64)] == [1, 2, 4, 8]  # Llama-3-70B
+    assert sharding.kv_head_replication(8, 4, 2) == 1  # KV heads split over the axis
+    fits = [m for m in range(1, 17) if sharding.model_axis_fits(12, 4, m)]
+    assert fits == [1, 2, 4, 12]  # 3 and 6 split neither the 4 KV heads nor a whole number of them
+    new = jnp.arange(2 * 3 * 2 * 1, dtype=jnp.float32).reshape(2, 3, 2, 1)  # [B, T, Hkv, D]
+    repeated = kvc.repeat_heads(new, 6)  # [B, T, 6, D]: head j is KV head j // 3
+    np.testing.assert_array_equal(repeated[:, :, [0, 1, 2, 3, 4, 5]], new[:, :, [0, 0, 0, 1, 1, 1]])
+    assert kvc.repeat_heads(new, 2) is new
+
+
+@pytest.mark.parametrize("kind, dtype, t, impl", [
+    ("chain", "bfloat16", 1, "reference"), ("tree", "float32", 6, "reference"), ("tree", "bfloat16", 5, "interpret"),
+])
+@pytest.mark.parametrize("hq, hkv", [(9, 3), (8, 2)])
+def test_invariant_attention_rows_do_not_depend_on_the_group_size(kind, dtype, t, impl, hq, hkv):
+    """What makes a wide model axis give one device's bits: the target's attention over the cache with each KV head
+    repeated r times (G / r query heads per KV head, down to one row, which is padded to two) gives every query row
+    the same bits as over the unrepeated cache (G query heads per KV head)."""
+    from test_invariant_attention import KEY_BLOCK, bits, make_inputs
+
+    args, num_blocks = make_inputs(f"group {kind} {hq}", kind, dtype, 2, t, hq, hkv, 16, 160, (7, 100), 3)
+    q, k_cache, v_cache, *rest = args
+    attend = jax.jit(functools.partial(
+        invariant_attention.invariant_attend, key_block=KEY_BLOCK, num_blocks=num_blocks, impl=impl
+    ))
+    want = bits(attend(*args))
+    for r in [r for r in range(2, hq // hkv + 1) if hq % (hkv * r) == 0]:
+        got = attend(q, jnp.repeat(k_cache, r, axis=1), jnp.repeat(v_cache, r, axis=1), *rest)
+        np.testing.assert_array_equal(bits(got), want, err_msg=f"KV heads repeated {r} times")
+
+
+@functools.cache
+def narrow_kv_target() -> LlamaModel:
+    """8 query heads on 2 KV heads: model=4 and model=8 are wider than the KV heads (each repeated 2 or 4 times)."""
+    return _tiny_target(num_layers=3, num_kv_heads=2, seed=1)
+
+
+@functools.cache
+def narrow_kv_head():
+    return fit_head(narrow_kv_target(), steps=100, n_seqs=32, seq_len=32)
+
+
+@functools.cache
+def narrow_kv_reference() -> list[list[int]]:
+    return _ids(TargetGenerator(narrow_kv_target(), batch_size=4).generate(PROMPTS, max_new_tokens=24))
+
+
+@pytest.mark.parametrize("data, model", [(2, 4), (1, 8)])
+def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
+    wide = sharding.make_mesh(sharding.MeshConfig(data=data, model=model))
+    gen = TargetGenerator(narrow_kv_target(), batch_size=4, mesh=wide)
+    assert _ids(gen.generate(PROMPTS, max_new_tokens=24)) == narrow_kv_reference()
+    # the cache holds `model` KV heads (2 repeated model / 2 times), one per device; 3 layers' K and V, float32
+    capacity = gen.memory.cache_capacity
+    assert gen.memory.target_kv_cache == 2 * 3 * (4 // data) * 1 * capacity * 16 * 4 + (4 // data) * 4
+    with sharding.mesh_context(wide):
+        cache = jax.jit(lambda: sharding.constrain_cache(narrow_kv_target().init_cache(4, 32)))()
+    assert cache.k[0].shape == (4, model, 32, 16) and _shard_shapes(cache.k[0]) == {(4 // data, 1, 32, 16)}
+    attn = gen.params["layers"][0]["self_attn"]
+    assert _shard_shapes(attn["q_proj"]["kernel"][...]) == {(64, 128 // model)}  # whole query heads per device
+    # k/v projections (2 heads of 16 = 32 outputs) divide the axis, so they are split by output features like any
+    # other, cutting a head (XLA gathers K and V before the repeat); a width that does not divide stays replicated
+    assert _shard_shapes(attn["k_proj"]["kernel"][...]) == {(64, 32 // model)}
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
+def test_speculative_with_repeated_kv_heads_equals_one_device(tree):
+    wide = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
+    gen = SpeculativeGenerator(narrow_kv_target(), narrow_kv_head(), num_draft=4, tree=tree, batch_size=4, mesh=wide)
+    out = gen.generate(PROMPTS, max_new_tokens=24)
+    assert _ids(out) == narrow_kv_reference()
+    assert np.mean([c.stats["mean_accepted_length"] for c in out]) > 1.5  # drafts were really accepted
+    assert gen.memory.head_kv_cache % (2 * 2 * 1 * 16 * 4) == 2 * 4  # the head's cache: one KV head per device too
+
+
+def _run_on_nine_devices(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=9", "JAXSPEC_COMPILE_CACHE": "off",
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_nine_devices_for_nine_query_and_three_kv_heads_equal_one_device():
+    """Issue #17: `--mesh data=1,model=9` on SmolLM2's head counts (9 query, 3 KV) equals one device, target-only,
+    chain and tree, with each KV head repeated on 3 devices: caches [B, 9, S, D] split to one head per device,
+    q/o projections split by head, the k/v projections (3 · 16 outputs: not a multiple of 9) replicated."""
+    start = time.perf_counter()
+    done = _run_on_nine_devices([str(Path(__file__).parent / "wide_mesh_worker.py")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("target_only", "chain", "tree"):
+        assert out[name] == out["one_device"], name
+    assert out["chain_accepted"] > 1.5 and out["tree_accepted"] > 1.5  # drafts were really accepted
+    assert out["weights"] == {"q_proj": [[64, 16]], "o_proj": [[16, 64]], "k_proj": [[64, 48]], "v_proj": [[64, 48]]}
+    assert out["head_weights"] == {"q_proj": [[128, 16]], "o_proj": [[16, 64]], "k_proj": [[128, 48]]}
+    assert out["cache"] == {"shape": [2, 9, 32, 16], "shards": [[2, 1, 32, 16]], "head_shape": [2, 9, 32, 16],
+                            "head_shards": [[2, 1, 32, 16]]}
+    for name, kv_heads in (("one_device", 3), ("target_only", 1), ("chain", 1), ("tree", 1)):
+        report = out["memory"][name]  # 3 layers' K and V [2, heads, capacity, 16] float32, and the lengths
+        assert report["target_kv_cache"] == 2 * 3 * 2 * kv_heads * report["cache_capacity"] * 16 * 4 + 2 * 4, name
+    for name in ("chain", "tree"):
+        assert out["memory"][name]["head_kv_cache"] % (2 * 2 * 1 * 16 * 4) == 2 * 4, name
+    print(f"nine devices: {time.perf_counter() - start:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_the_cli_on_nine_devices_equals_one_device_with_smollm2():
+    """The issue's command: the built-in SmolLM2-135M (9 query / 3 KV heads) and its shipped head (the default
+    draft, 9 / 3 heads too) on `--mesh data=1,model=9` print the single-device tokens; each device holds one
+    KV head per layer."""
+    from jaxspec.checkpoints import builtin
+
+    builtin.ensure_default_target()
+    argv = ["-m", "jaxspec.generate", "--max-new-tokens", "16", "--json", "--memory-report",
+            "--prompt", "Explain speculative decoding in one sentence."]
+    outputs = []
+    for mesh in ([], ["--mesh", "data=1,model=9"]):
+        done = _run_on_nine_devices(argv + mesh)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    one, nine = outputs
+    assert nine["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 16
+    mem = nine["memory"]
+    assert mem["devices"] == 9
+    assert mem["target_kv_cache"] == 2 * 30 * 1 * 1 * mem["cache_capacity"] * 64 * 4 + 4  # K, V: one head per device

@@ -20,6 +20,7 @@ from jaxspec.config import HeadConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.layers import rope_cos_sin
 from jaxspec.models.llama import MLP, Attention, Linear, RMSNorm, _normal
+from jaxspec.sharding import cache_kv_heads
 
 
 class Buffer(nnx.Variable):
@@ -65,8 +66,10 @@ class Eagle3Head(nnx.Module):
         self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t[draft id]
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
+        """One layer's empty cache, KV heads repeated under a wide model axis as the target's are (LlamaModel)."""
         cfg = self.config
-        return kvc.init_cache(1, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_heads = cache_kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        return kvc.init_cache(1, batch, capacity, kv_heads, cfg.head_dim, self.dtype)
 
     def project(self, features: jax.Array) -> jax.Array:
         """Target features [B, T, n_aux * Ht] → the first step's state [B, T, H]."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-    k: tuple[jax.Array, ...]  # one [batch, kv_heads, capacity, head_dim] array per layer
+    k: tuple[jax.Array, ...]  # one [batch, kv_heads, capacity, head_dim] array per layer (kv_heads: repeat_heads)
     v: tuple[jax.Array, ...]  # one [batch, kv_heads, capacity, head_dim] array per layer
     lengths: jax.Array  # [batch] int32, committed tokens per row
 
@@ -29,6 +29,18 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
     k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
+
+
+def repeat_heads(new: jax.Array, cache_heads: int) -> jax.Array:
+    """New keys or values [B, T, Hkv, D] laid out for a cache of `cache_heads` KV heads: each head repeated
+    r = cache_heads / Hkv times (head j is KV head j // r), as a cache is built under a model axis wider than the
+    KV heads (sharding.kv_head_replication); unchanged when r = 1. A copy, so the values keep their bits."""
+    hkv = new.shape[2]
+    if cache_heads == hkv:
+        return new
+    if cache_heads % hkv:
+        raise ValueError(f"a cache of {cache_heads} KV heads cannot hold repeats of {hkv}")
+    return jnp.repeat(new, cache_heads // hkv, axis=2)  # [B, T, cache_heads, D]
 
 
 def advance(cache: KVCache, num_tokens: jax.Array) -> KVCache:

@@ -22,6 +22,7 @@ from jaxspec.models import kv_cache as kvc
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
 from jaxspec.models.numerics import Numerics, default_numerics, invariant_rms_norm, tiled_matmul
+from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
 
@@ -77,8 +78,8 @@ class Attention(nnx.Module):
         x: jax.Array,  # [B, T, H]
         cos: jax.Array,  # [B, T, D]
         sin: jax.Array,  # [B, T, D]
-        k_cache: jax.Array,  # [B, Hkv, S, D]
-        v_cache: jax.Array,  # [B, Hkv, S, D]
+        k_cache: jax.Array,  # [B, Hkv·r, S, D] r = the cache's repetition of each KV head (init_cache)
+        v_cache: jax.Array,  # [B, Hkv·r, S, D]
         lengths: jax.Array,  # [B] committed tokens, seen by every new token
         mask: jax.Array,  # [B, T, W] which of the W uncommitted slots [lengths, lengths + W) each new token sees
         write_offset: int | jax.Array = 0,  # the new tokens go to slots lengths + write_offset + t
@@ -96,6 +97,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         q, k = apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv)
+        k, v = kvc.repeat_heads(k, k_cache.shape[1]), kvc.repeat_heads(v, v_cache.shape[1])  # [B, T, Hkv·r, D]
         k_cache = kvc.write_block(k_cache, k, lengths + write_offset)
         v_cache = kvc.write_block(v_cache, v, lengths + write_offset)
         if numerics is not None:  # keys read back from the cache in position order (write before read)
@@ -182,8 +184,11 @@ class LlamaModel(nnx.Module):
         )
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
+        """An empty cache; under a mesh whose model axis is wider than the KV heads, each KV head repeated so that
+        every device holds the one its query heads read (sharding.cache_kv_heads)."""
         cfg = self.config
-        return kvc.init_cache(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_heads = cache_kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        return kvc.init_cache(cfg.num_layers, batch, capacity, kv_heads, cfg.head_dim, self.dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
