@@ -38,6 +38,7 @@ from jaxspec.cli_common import (
     load_target_and_tokenizer,
     main_guard,
     method_name,
+    ngram_proposer,
     parse_tree,
     resolve_draft,
     resolve_mesh,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import jax
 
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
 
     if args.load_time:
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = resolve_mesh(args)
     draft = resolve_draft(args)  # first: with --draft alone, the head's config may name the target
     target_dir = resolve_target(args.target)
+    ngram = ngram_proposer(args)
     if draft is None and (args.accept_prob is not None or args.chain_lengths or args.tree):
         raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
     model, tokenizer = load_target_and_tokenizer(
@@ -271,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
     if args.suite:
-        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh)
+        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
-    gen = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
+    gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
     completions, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label="target-only")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     bandwidth = measure_bandwidth_gbs()
@@ -308,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                 **component_timings(model, head, verified - 1, args.batch_size),
             })
             result["memory"][method] = spec.memory.as_dict()
+    if ngram is not None:
+        spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
+        method = method_name(ngram.num_draft, None, proposer=ngram)
+        measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
+        row = speculative_row(*measured, ngram.depth, completions, tokens / seconds)
+        result["speculative"] = [{"method": method, "draft": ngram.name, **row}]
+        result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:
         result["numerics_cost"] = numerics_cost(args, model, head, encoded, stops, mesh, result)
     if args.compare_hf:
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list[dict]:
     """Every method of this run again with the other numerics, tokens/s both ways. The
     ratio is plain / invariant, i.e. how much faster dropping invariance would be."""
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.models.numerics import default_numerics
     from jaxspec.spec.generator import SpeculativeGenerator
 
@@ -345,7 +354,7 @@ def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list
     try:
         for method, tree, first in measured:
             if method == "target-only":
-                gen = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
+                gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
             else:
                 gen = SpeculativeGenerator(
                     model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size,
@@ -390,27 +399,29 @@ def run_load_time(args) -> int:
     return 0
 
 
-def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int:
+def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out."""
     from pathlib import Path
 
     from tqdm import tqdm
 
     from jaxspec.bench_suite import write_report
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.spec.generator import SpeculativeGenerator
     from jaxspec.spec.tree import TreeConfig
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
+    if ngram is not None:
+        methods.append((ngram.num_draft, "ngram"))
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:
         name = f"batch {b} target-only"
         bar.set_postfix_str(name)
-        gen = TargetGenerator(model, batch_size=b, mesh=mesh)
+        gen = Generator(model, batch_size=b, mesh=mesh)
         base, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, name)
         baselines[b] = (base, tokens / seconds)
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
@@ -418,13 +429,18 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
                      "memory": gen.memory.as_dict()})
         bar.update()
         for num_draft, tree in methods:
-            name = method_name(num_draft, tree, args.accept_prob)
+            if tree == "ngram":
+                name = method_name(num_draft, None, proposer=ngram)
+                spec = Generator(model, proposer=ngram, batch_size=b, mesh=mesh, kernels=kernels_impl(args))
+            else:
+                name = method_name(num_draft, tree, args.accept_prob)
+                spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
+                                            forced_accept_prob=args.accept_prob, kernels=kernels_impl(args))
             bar.set_postfix_str(f"batch {b} {name}")
-            spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
-                                        forced_accept_prob=args.accept_prob, kernels=kernels_impl(args))
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
             runs.append({"batch_size": b, "method": name,
-                         **speculative_row(*measured, spec.num_draft, *baselines[b]), "memory": spec.memory.as_dict()})
+                         **speculative_row(*measured, spec.proposer.depth, *baselines[b]),
+                         "memory": spec.memory.as_dict()})
             bar.update()
     if args.compare_hf:
         bar.set_postfix_str("batch 1 transformers")
@@ -442,7 +458,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh) -> int
 
     result = {
         "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
-        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else "", "prompts": len(encoded),
+        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (ngram.name if ngram else ""),
+        "prompts": len(encoded),
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
     out_dir = Path(args.out or Path("bench-results") / suite)

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxspec.generation import Completion, TargetGenerator
+    from jaxspec.generation import Completion, Generator
 
 
 def measure(
-    gen: TargetGenerator, encoded: Sequence[Sequence[int]], max_new_tokens: int, stops, label: str | None = None
+    gen: Generator, encoded: Sequence[Sequence[int]], max_new_tokens: int, stops, label: str | None = None
 ) -> tuple:
     """(completions, tokens, seconds) of one timed pass; a first batch is generated before it to compile and warm
     up (other shape buckets compile during the pass, outside the timed part of their batch). `label` names a
@@ -35,9 +35,9 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
     """Mean accepted length (tokens per verify, bonus included), acceptance rate by draft position, and how many
     verify steps accepted 0..depth drafts (accepted drafts are a prefix of the path, so steps that accepted at
     least j drafts = times position j was accepted)."""
-    calls = sum(c.stats["target_calls"] - 1 for c in out)
-    at_least = np.sum([np.asarray(c.stats["acceptance_per_position"]) * (c.stats["target_calls"] - 1) for c in out], 0)
-    at_least = np.rint(np.concatenate([[calls], at_least, [0]])).astype(int)  # [depth + 2]
+    calls = sum(c.stats["verify_calls"] for c in out)  # raw integer counts from the engine (Generator stats)
+    at_least = np.sum([np.asarray(c.stats["accepted_per_position"], np.int64) for c in out], 0)
+    at_least = np.concatenate([[calls], at_least, [0]]).astype(int)  # [depth + 2]
     tokens = sum(c.num_generated for c in out)
     return {
         "mean_accepted_length": round((tokens - len(out)) / max(calls, 1), 3),

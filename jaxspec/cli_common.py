@@ -91,6 +91,9 @@ def resolve_target(target: str | None) -> Path:
     return Path(target)
 
 
+PROPOSERS = ("eagle3", "ngram")
+
+
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
@@ -108,6 +111,19 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
+    )
+    parser.add_argument(
+        "--proposer", choices=PROPOSERS, default="eagle3",
+        help="how drafts are made: eagle3 (an EAGLE-3 head, --draft, chains or --tree) or ngram (prompt lookup: "
+        "the K tokens that followed the latest earlier occurrence of the text's last n tokens; no model) "
+        "(default: eagle3)",
+    )
+    parser.add_argument(
+        "--ngram-min", type=int, default=1, metavar="N", help="--proposer ngram: shortest suffix matched (default: 1)"
+    )
+    parser.add_argument(
+        "--ngram-max", type=int, default=3, metavar="N",
+        help="--proposer ngram: longest suffix matched, tried first (default: 3)",
     )
 
 
@@ -135,6 +151,8 @@ def resolve_draft(args) -> str | None:
         if args.draft:
             raise JaxspecError("--draft and --no-draft contradict each other; pass one")
         return None
+    if getattr(args, "proposer", "eagle3") != "eagle3":
+        return None  # drafts without a head
     if args.draft:
         raw = read_head_config(args.draft)  # a missing head fails here, before any target is built
         if args.target is None:
@@ -175,10 +193,21 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
 DEFAULT_SPECULATIVE_TOKENS = 5
 
 
-def method_name(num_draft: int, tree, accept_prob: float | None = None) -> str:
-    """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`."""
+def method_name(num_draft: int, tree, accept_prob: float | None = None, proposer=None) -> str:
+    """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`, `ngram K=5 n=1..3`."""
+    if proposer is not None and proposer.name == "ngram":
+        return f"ngram K={num_draft} n={proposer.min_n}..{proposer.max_n}"
     name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
     return name if accept_prob is None else f"{name} (forced p={accept_prob})"
+
+
+def ngram_proposer(args):
+    """The n-gram proposer of `--proposer ngram`, or None."""
+    if getattr(args, "proposer", "eagle3") != "ngram":
+        return None
+    from jaxspec.spec.ngram import NgramProposer
+
+    return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
 
 
 def check_generation_args(args, *, tree_sets_depth: bool) -> None:
@@ -195,6 +224,16 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
     if args.no_draft and (k is not None or args.tree):
         given = "--num-speculative-tokens" if k is not None else "--tree"
         raise JaxspecError(f"--no-draft runs the target alone, {given} drafts; pass one of them")
+    if getattr(args, "proposer", "eagle3") == "ngram":
+        if args.no_draft or args.draft:
+            given = "--no-draft" if args.no_draft else "--draft"
+            raise JaxspecError(f"--proposer ngram drafts from the prompt itself; drop {given}")
+        if args.tree:
+            raise JaxspecError("--proposer ngram drafts chains; drop --tree")
+        if not 1 <= args.ngram_min <= args.ngram_max:
+            raise JaxspecError(
+                f"--ngram-min and --ngram-max need 1 <= min <= max, got {args.ngram_min} and {args.ngram_max}"
+            )
     if tree_sets_depth and args.tree and k is not None:
         raise JaxspecError(
             f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"

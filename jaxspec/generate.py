@@ -23,6 +23,7 @@ from jaxspec.cli_common import (
     load_target_and_tokenizer,
     main_guard,
     method_name,
+    ngram_proposer,
     parse_tree,
     resolve_draft,
     resolve_mesh,
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.processors import LogitProcessors
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
     from jaxspec.sampling import SamplingConfig
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
+    ngram = ngram_proposer(args)
     if draft:
         from jaxspec.spec.generator import SpeculativeGenerator
 
@@ -138,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size,
             mesh=mesh, kernels=kernels,
         )
-    else:
-        generator = TargetGenerator(model, batch_size=args.batch_size, mesh=mesh)
+    else:  # target-only, or drafts by prompt lookup
+        generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
     generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
     generator.on_compile = lambda msg: print(msg, file=sys.stderr)
 
@@ -187,20 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         total = sum(c.num_generated for c in completions)
         seconds = _wall(completions, args.batch_size)
-        method = _method_summary(args, draft, completions)
+        method = _method_summary(args, draft or ngram, completions, ngram)
         print(f"[{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s; {method}]", file=sys.stderr)
     return 0
 
 
-def _method_summary(args, draft: str | None, completions) -> str:
+def _method_summary(args, draft, completions, proposer=None) -> str:
     """What ran and, when speculating, how many tokens each target verify step produced (bonus token included):
     the number that says whether speculation paid (1.0 means every draft was rejected)."""
     if not draft:
         return "target-only"
-    method = method_name(args.num_speculative_tokens, args.tree)
-    verifies = sum(c.stats["target_calls"] - 1 for c in completions)  # the first call is the prefill
-    produced = sum(c.num_generated - 1 for c in completions)  # the first token comes from the prefill
-    per_verify = f"{produced / verifies:.2f}" if verifies else "n/a"
+    method = method_name(args.num_speculative_tokens, args.tree, proposer=proposer)
+    from jaxspec.generation import tokens_per_verify
+
+    per_verify = tokens_per_verify(completions)
+    per_verify = f"{per_verify:.2f}" if per_verify is not None else "n/a"
     return f"{method}, {per_verify} tokens per verify step"
 
 

@@ -1,4 +1,5 @@
-"""Host side of target-only generation: batching, shape buckets, compilation, streaming and timing."""
+"""Host side of generation, target-only or with a draft proposer: batching, shape buckets, compilation, streaming,
+timing and statistics."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxspec import decode, sharding
 from jaxspec import processors as procs
+from jaxspec import sharding
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
+from jaxspec.spec import engine
+from jaxspec.spec.proposer import Proposer
+from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 
 CAPACITY_QUANTUM = 256  # cache capacities are multiples of this: one compile serves many lengths
 MIN_PROMPT_BUCKET = 16
@@ -52,50 +56,112 @@ class Completion:
         return len(self.token_ids)
 
 
-_prefill = jax.jit(decode.prefill, static_argnames=("graphdef", "capacity", "max_new_tokens", "sampling"))
-_decode = jax.jit(decode.decode_steps, static_argnames=("graphdef", "num_steps", "sampling"), donate_argnums=(2,))
+def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
+    """Pooled over rows: tokens the verify steps produced (bonus included; the prefill's first token excluded) per
+    verify step, from the raw counts in `stats` — what says whether speculation paid (1.0: every draft rejected).
+    None without speculative statistics or verify steps."""
+    calls = sum(c.stats.get("verify_calls", 0) for c in completions)
+    if not calls:
+        return None
+    return sum(c.num_generated - 1 for c in completions if c.num_generated) / calls
 
 
-class TargetGenerator:
-    """Generates continuations of tokenized prompts with the target alone, `batch_size` rows at a time."""
+_prefill = jax.jit(
+    engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "max_new_tokens", "sampling")
+)
+_steps = jax.jit(
+    engine.steps,
+    static_argnames=("target_graphdef", "proposer", "num_steps", "sampling", "forced_accept_prob", "kernels"),
+    donate_argnums=(4,),
+)
+
+
+class Generator:
+    """Generates continuations of tokenized prompts, `batch_size` rows at a time: with the target alone, or with a
+    draft `proposer` (`jaxspec.spec.proposer`; its parameters in `proposer_params`) whose drafts the target verifies.
+    Greedy output is the target's token for token either way; sampled output follows the target's distribution.
+
+    kernels: the draft verifier's implementation ("reference", "pallas" or "interpret", `pallas_kernels.dispatch`);
+    None follows the target's numerics (whose attention the same choice set), or `auto` for plain numerics.
+    forced_accept_prob: benchmarks only (chains): accept each draft with this probability whatever the target says
+    — the output is then not the target's."""
 
     def __init__(
-        self, model: LlamaModel, *, batch_size: int = 1, chunk_steps: int = 16, mesh: jax.sharding.Mesh | None = None
+        self,
+        model: LlamaModel,
+        *,
+        proposer: Proposer | None = None,
+        proposer_params=None,
+        batch_size: int = 1,
+        chunk_steps: int | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        forced_accept_prob: float | None = None,
+        kernels: str | None = None,
     ):
         if batch_size < 1:
             raise JaxspecError(f"batch size must be >= 1, got {batch_size}")
+        if forced_accept_prob is not None:
+            if proposer is None or proposer.tree is not None:
+                raise JaxspecError("--accept-prob (forced acceptance, benchmarks only) applies to chains, not --tree")
+            if not 0.0 <= forced_accept_prob <= 1.0:
+                raise JaxspecError(f"--accept-prob must be in [0, 1], got {forced_accept_prob}")
+        if kernels is None:
+            kernels = model.numerics.kernels if model.numerics is not None else resolve_kernels()
+        if kernels not in IMPLEMENTATIONS:
+            raise JaxspecError(f"kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {kernels!r}")
         self.config = model.config
         self.mesh = mesh  # None: one device; else params, caches and batch rows are split over its (data, model) axes
         self.graphdef, self.params = nnx.split(model)
+        self.proposer, self.proposer_params = proposer, proposer_params
         if mesh is not None:
             sharding.check_fits(mesh, {"target": model.config}, batch_size)
             self.params = sharding.shard_params(self.params, mesh)
+            if proposer_params is not None:
+                self.proposer_params = sharding.shard_params(proposer_params, mesh)
         self.batch_size = batch_size
-        self.chunk_steps = chunk_steps
+        self.chunk_steps = chunk_steps or (16 if proposer is None else 4)
+        self.kernels = kernels
+        self.forced_accept_prob = forced_accept_prob
         self.compile_seconds = 0.0
         self._compiled: dict[tuple, Callable] = {}
-        # What the jitted functions take first: graphdefs (static) interleaved with their parameters.
-        self._models: tuple = (self.graphdef, self.params)
-        self._prefill_fn, self._step_fn = _prefill, _decode
-        self._extra_static: dict = {}  # static arguments of both prefill and step
-        self._step_static: dict = {}  # of the step only
         self.on_compile: Callable[[str], None] | None = None  # told what compiles and how long it took (CLIs: stderr)
         self.memory: MemoryReport | None = None  # of the last batch generated (`--memory-report`)
 
     @property
     def extra_capacity(self) -> int:
-        """Cache slots needed beyond prompt + max-new-tokens (a verify window writes ahead)."""
-        return 0
+        """Cache slots needed beyond prompt + max-new-tokens (a verify block writes ahead)."""
+        return 0 if self.proposer is None else self.proposer.extra_capacity()
 
     def _batch_stats(self, st, n_rows: int) -> list[dict]:
-        """Engine-specific statistics per row, read from the final state once per batch."""
-        return [{} for _ in range(n_rows)]
+        """Speculative statistics per row from the state's raw counters, read once per batch: integer counts
+        (`verify_calls`, `accepted_per_position`, `draft_calls`) and the rates derived from them."""
+        if self.proposer is None:
+            return [{} for _ in range(n_rows)]
+        calls, generated, accepted = (
+            sharding.to_host(x) for x in (st.stats.verify_calls, st.num_generated, st.stats.accepted)
+        )
+        forwards = self.proposer.forwards_per_step
+        stats = []
+        for row in range(n_rows):
+            c = int(calls[row])
+            stats.append({
+                "proposer": self.proposer.name,
+                # tokens per target verify call, bonus included (the first token comes from the prefill)
+                "mean_accepted_length": round((int(generated[row]) - 1) / c, 4) if c else 0.0,
+                "acceptance_per_position": [round(float(x) / c, 4) if c else 0.0 for x in accepted[row]],
+                "accepted_per_position": [int(x) for x in accepted[row]],
+                "verify_calls": c,
+                "target_calls": c + 1,
+                "draft_calls": c * forwards + (1 if forwards else 0),  # the head also reads the prompt
+            })
+        return stats
 
     def _memory_parts(self, st) -> dict:
-        """Bytes per device of the parameters and caches of a batch (the speculative generator adds its head's)."""
+        """Bytes per device of the parameters and caches of a batch: the target's and the proposer's."""
+        own_cache = None if self.proposer is None else self.proposer.kv_cache(st.proposer)
         return {
             "target_parameters": device_bytes(self.params), "target_kv_cache": device_bytes(st.cache),
-            "head_parameters": 0, "head_kv_cache": 0,
+            "head_parameters": device_bytes(self.proposer_params), "head_kv_cache": device_bytes(own_cache),
         }
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
@@ -113,6 +179,11 @@ class TargetGenerator:
                     "--max-new-tokens)"
                 )
 
+    def compiled_programs(self, name: str) -> list[Callable]:
+        """The ahead-of-time compiled "prefill" or "step" programs so far, one per shape bucket (for inspecting
+        their shardings or memory). They take (target params, proposer params, *arguments)."""
+        return [fn for key, fn in self._compiled.items() if key[0] == name]
+
     def _compiled_fn(self, name: str, fn, *args, **static):
         """AOT-compile once per static shape; compile time is kept apart from generation time."""
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
@@ -122,7 +193,8 @@ class TargetGenerator:
                 self.on_compile(f"compiling the {name} (batch {self.batch_size}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
-                self._compiled[key] = fn.lower(*self._models, *args, **static).compile()
+                models = (self.graphdef, self.params, self.proposer, self.proposer_params)
+                self._compiled[key] = fn.lower(*models, *args, **static).compile()
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             if self.on_compile is not None:
@@ -186,13 +258,13 @@ class TargetGenerator:
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key, processor_values)
-        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling, **self._extra_static)
-        prefill = self._compiled_fn("prefill", self._prefill_fn, *args, **static)
+        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling)
+        prefill = self._compiled_fn("prefill", _prefill, *args, **static)
         step = self._compiled_fn(
-            "step", self._step_fn, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
-            **self._extra_static, **self._step_static,
+            "step", _steps, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
+            forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
         )
-        params = [m for m in self._models if isinstance(m, nnx.State)]
+        params = (self.params, self.proposer_params)
 
         start = time.perf_counter()
         st = prefill(*params, *args)

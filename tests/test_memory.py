@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxspec import sharding
 from jaxspec.config import TargetConfig
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.generator import SpeculativeGenerator
@@ -44,7 +44,7 @@ def kv_cache_bytes(layers: int, batch: int, kv_heads: int, capacity: int, head_d
 
 def test_target_only_report_matches_the_shapes():
     target, _ = models()
-    gen = TargetGenerator(target, batch_size=2)
+    gen = Generator(target, batch_size=2)
     gen.generate(PROMPTS[:2], max_new_tokens=6)
     m = gen.memory
     assert (m.devices, m.batch_size, m.head_parameters, m.head_kv_cache) == (1, 2, 0, 0)
@@ -72,7 +72,7 @@ def test_a_mesh_reports_per_device_bytes():
     """data=2 × model=4: each device holds a quarter of the KV heads of half the rows."""
     target, _ = models()
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
-    gen = TargetGenerator(target, batch_size=4, mesh=mesh)
+    gen = Generator(target, batch_size=4, mesh=mesh)
     gen.generate(PROMPTS, max_new_tokens=6)
     m = gen.memory
     assert m.devices == 8

@@ -25,7 +25,7 @@ from spec_fixtures import PROMPTS
 from jaxspec import sharding
 from jaxspec.config import TargetConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.generator import SpeculativeGenerator
@@ -67,14 +67,14 @@ def _ids(completions):
 
 
 def test_target_only_on_the_mesh_equals_one_device():
-    single = TargetGenerator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
-    sharded = TargetGenerator(target(), batch_size=4, mesh=mesh()).generate(PROMPTS, max_new_tokens=24)
+    single = Generator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
+    sharded = Generator(target(), batch_size=4, mesh=mesh()).generate(PROMPTS, max_new_tokens=24)
     assert _ids(sharded) == _ids(single)
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
 def test_speculative_on_the_mesh_equals_one_device(tree):
-    reference = TargetGenerator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
+    reference = Generator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
     gen = SpeculativeGenerator(target(), head(), num_draft=4, tree=tree, batch_size=4, mesh=mesh())
     out = gen.generate(PROMPTS, max_new_tokens=24)
     assert _ids(out) == _ids(reference)
@@ -97,19 +97,19 @@ def test_parameters_and_caches_are_split_not_replicated():
     assert _shard_shapes(gen.head_params["midlayer"]["self_attn"]["k_proj"]["kernel"][...]) == {(128, 64 // 4)}
 
     gen.generate(PROMPTS, max_new_tokens=8)  # compiles prefill and step for this shape
-    (prefill,) = [f for key, f in gen._compiled.items() if key[0] == "prefill"]
+    (prefill,) = gen.compiled_programs("prefill")
     prompt = jnp.zeros((4, 16), jnp.int32)
     st = prefill(gen.params, gen.head_params, prompt, jnp.full((4,), 5), jnp.full((4,), 8), jnp.zeros((1,), jnp.int32),
                  jax.random.key(0), None)  # no logit processors
-    capacity = st.target_cache.capacity
-    for cache, kv_heads in ((st.target_cache, 4), (st.head_cache, 4)):
+    capacity = st.cache.capacity
+    for cache, kv_heads in ((st.cache, 4), (st.proposer.head_cache, 4)):
         k = cache.k[0]
         assert k.shape == (4, kv_heads, capacity, 16)
         assert _shard_shapes(k) == {(2, kv_heads // 4, capacity, 16)}  # rows over data, KV heads over model
         assert k.sharding.spec[:2] == ("data", "model")
-    (step,) = [f for key, f in gen._compiled.items() if key[0] == "step"]
+    (step,) = gen.compiled_programs("step")
     st = step(gen.params, gen.head_params, st, jnp.zeros((1,), jnp.int32))
-    assert _shard_shapes(st.target_cache.v[-1]) == {(2, 1, capacity, 16)}  # the step keeps the cache split
+    assert _shard_shapes(st.cache.v[-1]) == {(2, 1, capacity, 16)}  # the step keeps the cache split
 
 
 @pytest.mark.parametrize("t", [1, 6])
@@ -153,10 +153,10 @@ def test_bad_meshes_are_clear_errors():
     with pytest.raises(JaxspecError, match="needs 16 devices"):
         sharding.make_mesh(sharding.MeshConfig(data=4, model=4))
     with pytest.raises(JaxspecError, match="not a multiple of the mesh's data axis"):
-        TargetGenerator(target(), batch_size=3, mesh=mesh())
+        Generator(target(), batch_size=3, mesh=mesh())
     three = sharding.make_mesh(sharding.MeshConfig(data=1, model=3))
     with pytest.raises(JaxspecError, match=r"8 query and 4 KV heads.*model axis \(3\).*model in \[1, 2, 4, 8\]"):
-        TargetGenerator(target(), batch_size=2, mesh=three)
+        Generator(target(), batch_size=2, mesh=three)
 
 
 def test_dimensions_the_model_axis_does_not_divide_stay_replicated():
@@ -177,8 +177,8 @@ def test_an_orbax_target_restores_straight_into_the_mesh_shardings(tmp_path):
     model = load_target(out, mesh=mesh_4x2)
     q = model.layers[0].self_attn.q_proj.kernel[...]
     assert q.sharding.spec == P(None, "model") and _shard_shapes(q) == {(64, 64 // 2)}
-    reference = TargetGenerator(load_target(tmp_path / "hf"), batch_size=4).generate(PROMPTS, max_new_tokens=12)
-    sharded = TargetGenerator(model, batch_size=4, mesh=mesh_4x2).generate(PROMPTS, max_new_tokens=12)
+    reference = Generator(load_target(tmp_path / "hf"), batch_size=4).generate(PROMPTS, max_new_tokens=12)
+    sharded = Generator(model, batch_size=4, mesh=mesh_4x2).generate(PROMPTS, max_new_tokens=12)
     assert _ids(sharded) == _ids(reference)
 
 
@@ -231,13 +231,13 @@ def narrow_kv_head():
 
 @functools.cache
 def narrow_kv_reference() -> list[list[int]]:
-    return _ids(TargetGenerator(narrow_kv_target(), batch_size=4).generate(PROMPTS, max_new_tokens=24))
+    return _ids(Generator(narrow_kv_target(), batch_size=4).generate(PROMPTS, max_new_tokens=24))
 
 
 @pytest.mark.parametrize("data, model", [(2, 4), (1, 8)])
 def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
     wide = sharding.make_mesh(sharding.MeshConfig(data=data, model=model))
-    gen = TargetGenerator(narrow_kv_target(), batch_size=4, mesh=wide)
+    gen = Generator(narrow_kv_target(), batch_size=4, mesh=wide)
     assert _ids(gen.generate(PROMPTS, max_new_tokens=24)) == narrow_kv_reference()
     # the cache holds `model` KV heads (2 repeated model / 2 times), one per device; 3 layers' K and V, float32
     capacity = gen.memory.cache_capacity

@@ -12,7 +12,7 @@ from spec_fixtures import PROMPTS, fitted_head, tiny_target
 from test_spec_sampling import SHAPE, VOCAB, chi_square_p, first_two, plain_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.processors import LogitProcessors, ProcessorValues, batch_values, chain_paths, init_state, process, record
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.spec.generator import SpeculativeGenerator
@@ -96,7 +96,7 @@ def test_chain_paths():
 
 @functools.cache
 def reference(processors: LogitProcessors) -> list[list[int]]:
-    gen = TargetGenerator(tiny_target(), batch_size=1)
+    gen = Generator(tiny_target(), batch_size=1)
     return [c.token_ids for c in gen.generate(PROMPTS, max_new_tokens=30, processors=processors)]
 
 
@@ -134,7 +134,7 @@ def test_per_request_values_need_no_recompile_and_min_p_leaves_greedy_alone():
 
 
 def test_unreplayable_processors_and_bad_biases_are_one_line_errors():
-    gen = TargetGenerator(tiny_target(), batch_size=1)
+    gen = Generator(tiny_target(), batch_size=1)
     with pytest.raises(JaxspecError, match="cannot be replayed across speculative positions"):
         gen.generate(PROMPTS[:1], max_new_tokens=2, processors=lambda ids, logits: logits)
     with pytest.raises(JaxspecError, match="logit bias names token 500, but the vocabulary has 101 tokens"):
@@ -178,7 +178,7 @@ def test_sampling_with_processors_is_lossless(tree):
     accepted = np.mean([c.stats["acceptance_per_position"][0] for c in spec])
     assert 0.05 < accepted < 0.98  # both branches of the verifier are exercised
     if tree is None:
-        plain = TargetGenerator(plain_target(), batch_size=N).generate(
+        plain = Generator(plain_target(), batch_size=N).generate(
             [PROMPT] * N, max_new_tokens=2, sampling=sampling, seed=22, processors=SAMPLED
         )
         assert chi_square_p(first_two(plain), joint) > 0.01

@@ -9,7 +9,7 @@ import transformers
 
 from jaxspec.checkpoints import builtin
 from jaxspec.checkpoints.hf import load_target
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.prompts import encode_prompt, load_tokenizer, stop_token_ids, suite_prompts
 
 pytestmark = pytest.mark.smollm2
@@ -63,7 +63,7 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
     prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:8]]
-    got = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=48, stop_ids=stops)
+    got = Generator(model, batch_size=4).generate(prompts, max_new_tokens=48, stop_ids=stops)
     for prompt, c in zip(prompts, got):
         with torch.no_grad():
             out = hf_model.generate(
@@ -103,7 +103,7 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
     want = transformers_greedy(repetition_penalty=1.3)
     assert want != transformers_greedy()  # the penalty changes these texts
     penalty = LogitProcessors(repetition_penalty=1.3)
-    alone = TargetGenerator(model, batch_size=2).generate(
+    alone = Generator(model, batch_size=2).generate(
         prompts, max_new_tokens=48, stop_ids=stops, processors=penalty
     )
     assert [c.token_ids for c in alone] == want
@@ -133,7 +133,7 @@ def test_speculative_greedy_with_random_head_equals_target_only(target_dir, mode
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
     prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:4]]
     head = Eagle3Head(head_config_for(model, draft_vocab_size=8192), rngs=nnx.Rngs(0))
-    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
+    ref = Generator(model, batch_size=4).generate(prompts, max_new_tokens=24, stop_ids=stops)
     spec = SpeculativeGenerator(model, head, num_draft=3, batch_size=4)
     got = spec.generate(prompts, max_new_tokens=24, stop_ids=stops)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
@@ -185,7 +185,7 @@ def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
     prompts = [encode_prompt(tok, text, raw=False) for text in QUESTIONS]
     head = load_head(builtin.default_head_dir(), model.config, dtype="float32")
-    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=40, stop_ids=stops)
+    ref = Generator(model, batch_size=4).generate(prompts, max_new_tokens=40, stop_ids=stops)
     tree = SpeculativeGenerator(model, head, tree=TreeConfig(16, 5, 4), batch_size=batch)
     got = tree.generate(prompts, max_new_tokens=40, stop_ids=stops)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
@@ -206,7 +206,7 @@ def bf16_run(target_dir):
     prompts, stops = [encode_prompt(tok, text, raw=False) for text in texts], stop_token_ids(tok, target_dir)
     model = load_target(target_dir, dtype="bfloat16")
     head = load_head(builtin.default_head_dir(), model.config, dtype="bfloat16")
-    ref = TargetGenerator(model, batch_size=4).generate(prompts, max_new_tokens=32, stop_ids=stops)
+    ref = Generator(model, batch_size=4).generate(prompts, max_new_tokens=32, stop_ids=stops)
     return model, head, prompts, stops, [c.token_ids for c in ref]
 
 

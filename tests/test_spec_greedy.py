@@ -6,14 +6,14 @@ from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.spec.generator import SpeculativeGenerator
 from jaxspec.spec.tree import TreeConfig
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return [c.token_ids for c in TargetGenerator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+    return [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
 
 
 @pytest.mark.parametrize("head_kind", ["random", "fitted"])
@@ -53,7 +53,7 @@ def test_a_prompt_that_fills_the_context_speculates_to_its_last_token(tree):
     verify window's slots past the context are scratch, never committed)."""
     model = tiny_target(context=40)
     prompts = [[(7 * i + j) % 101 for i in range(40 - 9)] for j in range(2)]
-    want = [c.token_ids for c in TargetGenerator(model, batch_size=2).generate(prompts, max_new_tokens=9)]
+    want = [c.token_ids for c in Generator(model, batch_size=2).generate(prompts, max_new_tokens=9)]
     spec = SpeculativeGenerator(model, fitted_head(), num_draft=5, tree=tree, batch_size=2)
     got = spec.generate(prompts, max_new_tokens=9)
     assert [c.token_ids for c in got] == want
@@ -72,24 +72,17 @@ def test_forced_rejection_never_changes_output(reference):
     assert max(max(c.stats["acceptance_per_position"]) for c in got) < 0.15
 
 
-def test_step_compiles_once_per_bucket(monkeypatch):
+def test_step_compiles_once_per_bucket():
     gen = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=3, batch_size=2)
     gen.generate(PROMPTS[:2], max_new_tokens=16)
-    lowered = []
-
-    class Counting:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def lower(self, *args, **kwargs):
-            lowered.append(self.fn)
-            return self.fn.lower(*args, **kwargs)
-
-    gen._prefill_fn, gen._step_fn = Counting(gen._prefill_fn), Counting(gen._step_fn)
+    messages = []
+    gen.on_compile = messages.append
     gen.generate([[1, 2, 3], [9] * 12, [4] * 7, [8] * 9], max_new_tokens=16)  # new prompts, same buckets
-    assert lowered == []
-    gen.generate([[5] * 40], max_new_tokens=16)  # a longer prompt bucket compiles (and the counter sees it)
-    assert len(lowered) == 2
+    assert messages == []
+    gen.generate([[5] * 40], max_new_tokens=16)  # a longer prompt bucket compiles a prefill and a step
+    assert [m.split(" (")[0] for m in messages if m.startswith("compiling")] == [
+        "compiling the prefill", "compiling the step"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from flax import nnx
 from scipy import stats
 from spec_fixtures import fitted_head, tiny_target
 
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.spec.generator import SpeculativeGenerator
 from jaxspec.spec.tree import TreeConfig
@@ -76,14 +76,14 @@ def test_joint_distribution_and_acceptance_rate(sampling):
     )
     assert chi_square_p(first_two(spec), joint) > 0.01
 
-    plain = TargetGenerator(target, batch_size=N).generate(prompts, max_new_tokens=2, sampling=sampling, seed=12)
+    plain = Generator(target, batch_size=N).generate(prompts, max_new_tokens=2, sampling=sampling, seed=12)
     assert chi_square_p(first_two(plain), joint) > 0.01
 
     # One verify per row: the first draft is accepted with probability Σ_x1 P(x1) Σ_x min(p(x|x1), q(x|x1)).
     p1 = joint.sum(axis=1)
     expected = float(np.sum(p1 * np.minimum(p2, q).sum(axis=1)))
     rate = np.mean([c.stats["acceptance_per_position"][0] for c in spec])
-    assert 0.05 < expected < 0.95, expected  # both branches (accept, resample) are exercised 
+    assert 0.05 < expected < 0.95, expected  # both branches (accept, resample) are exercised
     assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / N) + 1e-3
 
 

@@ -6,7 +6,7 @@ import pytest
 from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
+from jaxspec.generation import Generator
 from jaxspec.models import kv_cache as kvc
 from jaxspec.spec.generator import SpeculativeGenerator
 from jaxspec.spec.tree import TreeConfig, draft_tree, tree_from_parents
@@ -14,7 +14,7 @@ from jaxspec.spec.tree import TreeConfig, draft_tree, tree_from_parents
 
 @pytest.fixture(scope="module")
 def reference():
-    return [c.token_ids for c in TargetGenerator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+    return [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
 
 
 def mean_accepted(completions) -> float:

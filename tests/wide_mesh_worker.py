@@ -22,7 +22,7 @@ from spec_fixtures import PROMPTS  # noqa: E402
 
 from jaxspec import sharding  # noqa: E402
 from jaxspec.config import TargetConfig  # noqa: E402
-from jaxspec.generation import TargetGenerator  # noqa: E402
+from jaxspec.generation import Generator  # noqa: E402
 from jaxspec.models.llama import LlamaModel  # noqa: E402
 from jaxspec.spec.generator import SpeculativeGenerator  # noqa: E402
 from jaxspec.spec.tree import TreeConfig  # noqa: E402
@@ -55,10 +55,10 @@ def main() -> None:
     head = fit_head(model, steps=100, n_seqs=32, seq_len=32)
     log("head fitted")
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1, model=9))
-    one = TargetGenerator(model, batch_size=2)
+    one = Generator(model, batch_size=2)
     out: dict = {"one_device": [c.token_ids for c in one.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]}
     log("one device")
-    gen = TargetGenerator(model, batch_size=2, mesh=mesh)
+    gen = Generator(model, batch_size=2, mesh=mesh)
     out["target_only"] = [c.token_ids for c in gen.generate(PROMPTS, max_new_tokens=NEW_TOKENS)]
     log("target-only on the mesh")
     out["memory"] = {"one_device": one.memory.as_dict(), "target_only": gen.memory.as_dict()}

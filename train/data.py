@@ -176,7 +176,7 @@ def generate(args) -> None:
 
     from jaxspec.cli_common import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
-    from jaxspec.generation import TargetGenerator
+    from jaxspec.generation import Generator
     from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
 
     if args.host_index >= args.num_hosts:
@@ -222,7 +222,7 @@ def generate(args) -> None:
         return
     model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, numerics=args.numerics)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    gen = TargetGenerator(model, batch_size=args.batch_size)
+    gen = Generator(model, batch_size=args.batch_size)
     limit = model.config.context_length - args.max_new_tokens
     for i in tqdm(mine, desc="shards", unit="shard"):
         chunk = prompts[i * args.shard_size : (i + 1) * args.shard_size]

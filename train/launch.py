@@ -80,6 +80,7 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
 
 def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> float:
     """Mean accepted length (tokens per verify, bonus included) on the first prompts of the eval file."""
+    from jaxspec.generation import tokens_per_verify
     from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
     from jaxspec.spec.generator import SpeculativeGenerator
 
@@ -88,8 +89,7 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> float:
     stops = stop_token_ids(tokenizer, target_dir, target.config.eos_token_ids)
     gen = SpeculativeGenerator(target, head, num_draft=t.num_draft_steps, batch_size=len(encoded))
     out = gen.generate(encoded, max_new_tokens=t.eval_max_new_tokens, stop_ids=stops)
-    calls = sum(c.stats["target_calls"] - 1 for c in out)
-    return (sum(c.num_generated for c in out) - len(out)) / max(calls, 1)
+    return tokens_per_verify(out) or 1.0
 
 
 def _acceptance(t: TrainSection, last_eval: tuple[int, float] | None) -> list[dict] | None:

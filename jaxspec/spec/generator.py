@@ -1,4 +1,4 @@
-"""Host side of speculative generation: the target-only driver with the speculative prefill and step plugged in."""
+"""The EAGLE-3 generator: `Generator` with an EAGLE-3 head as its proposer, checked against the target."""
 
 from __future__ import annotations
 
@@ -8,26 +8,11 @@ from flax import nnx
 from jaxspec import sharding
 from jaxspec.checkpoints.heads import validate_head
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import TargetGenerator
-from jaxspec.memory import device_bytes
+from jaxspec.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec import engine
+from jaxspec.spec.eagle3_proposer import Eagle3Proposer
 from jaxspec.spec.tree import TreeConfig
-from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
-
-_prefill = jax.jit(
-    engine.prefill,
-    static_argnames=("target_graphdef", "head_graphdef", "capacity", "max_new_tokens", "sampling", "num_draft"),
-)
-_steps = jax.jit(
-    engine.spec_steps,
-    static_argnames=(
-        "target_graphdef", "head_graphdef", "num_steps", "num_draft", "sampling", "tree", "forced_accept_prob",
-        "kernels",
-    ),
-    donate_argnums=(4,),
-)
 
 
 def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
@@ -41,13 +26,10 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
         )
 
 
-class SpeculativeGenerator(TargetGenerator):
+class SpeculativeGenerator(Generator):
     """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts, or EAGLE-2 dynamic trees when
     `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
-    under sampling.
-
-    kernels: the draft verifier's implementation ("reference", "pallas" or "interpret", `pallas_kernels.dispatch`);
-    None follows the target's numerics (whose attention the same choice set), or `auto` for plain numerics."""
+    under sampling. A convenience constructor: everything else is `Generator`'s."""
 
     def __init__(
         self,
@@ -67,51 +49,24 @@ class SpeculativeGenerator(TargetGenerator):
         check_head_fits(model, head)
         if tree is not None and tree.top_k > head.config.draft_vocab_size:
             raise JaxspecError(f"tree TOPK={tree.top_k} exceeds the head's draft vocabulary ({head.config.draft_vocab_size})")
-        if forced_accept_prob is not None:  # benchmarks only: the output is then not the target's
-            if tree is not None:
-                raise JaxspecError("--accept-prob (forced acceptance, benchmarks only) applies to chains, not --tree")
-            if not 0.0 <= forced_accept_prob <= 1.0:
-                raise JaxspecError(f"--accept-prob must be in [0, 1], got {forced_accept_prob}")
-        super().__init__(model, batch_size=batch_size, chunk_steps=chunk_steps, mesh=mesh)
-        self.head_graphdef, self.head_params = nnx.split(head)
         if mesh is not None:
             sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
-            self.head_params = sharding.shard_params(self.head_params, mesh)
-        self.tree = tree
-        self.num_draft = tree.depth if tree is not None else num_draft  # the longest acceptable run of drafts
-        self._models = (self.graphdef, self.params, self.head_graphdef, self.head_params)
-        self._prefill_fn, self._step_fn = _prefill, _steps
-        self._extra_static = {"num_draft": self.num_draft}
-        if kernels is None:
-            kernels = model.numerics.kernels if model.numerics is not None else resolve_kernels()
-        if kernels not in IMPLEMENTATIONS:
-            raise JaxspecError(f"kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {kernels!r}")
-        self.kernels = kernels
-        self._step_static = {"tree": tree, "forced_accept_prob": forced_accept_prob, "kernels": kernels}
+        graphdef, params = nnx.split(head)
+        proposer = Eagle3Proposer(graphdef, num_draft=tree.depth if tree is not None else num_draft, tree=tree)
+        super().__init__(
+            model, proposer=proposer, proposer_params=params, batch_size=batch_size, chunk_steps=chunk_steps,
+            mesh=mesh, forced_accept_prob=forced_accept_prob, kernels=kernels,
+        )
 
     @property
-    def extra_capacity(self) -> int:
-        """Slots past the committed length one step may write: the verify block, and the head's tree levels."""
-        if self.tree is None:
-            return self.num_draft + 1
-        return max(self.tree.total_tokens, self.tree.depth + 1 + self.tree.window)
+    def head_params(self) -> nnx.State:
+        return self.proposer_params
 
-    def _memory_parts(self, st) -> dict:
-        return {
-            "target_parameters": device_bytes(self.params), "target_kv_cache": device_bytes(st.target_cache),
-            "head_parameters": device_bytes(self.head_params), "head_kv_cache": device_bytes(st.head_cache),
-        }
+    @property
+    def num_draft(self) -> int:
+        """The longest acceptable run of drafts: a chain's K, a tree's depth."""
+        return self.proposer.depth
 
-    def _batch_stats(self, st, n_rows: int) -> list[dict]:
-        calls, generated, accepted = (sharding.to_host(x) for x in (st.verify_calls, st.num_generated, st.accepted))
-        stats = []
-        for row in range(n_rows):
-            c = int(calls[row])
-            stats.append({
-                # tokens per target verify call, bonus included (the first token comes from the prefill)
-                "mean_accepted_length": round((int(generated[row]) - 1) / c, 4) if c else 0.0,
-                "acceptance_per_position": [round(float(x) / c, 4) if c else 0.0 for x in accepted[row]],
-                "target_calls": c + 1,
-                "draft_calls": c * (self.num_draft if self.tree is None else self.tree.depth) + 1,
-            })
-        return stats
+    @property
+    def tree(self) -> TreeConfig | None:
+        return self.proposer.tree

@@ -1,0 +1,70 @@
+"""The Proposer contract is enough for an MTP-style draft method: a proposer that drafts from the target's final
+hidden state (as MTP heads read it) plugs into the engine and the verifier unchanged, and stays exact."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from spec_fixtures import PROMPTS, tiny_target
+
+from jaxspec.generation import Generator
+from jaxspec.sampling import SamplingConfig
+from jaxspec.spec.proposer import PrefillView, Proposal, StepView, Verified
+
+
+class HiddenState(NamedTuple):
+    hidden: jax.Array  # [B, H] the target's final hidden state at the token before last_token
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenStateProposer:
+    """A stand-in for an MTP head with no weights of its own: draft j+1 = argmax of the target's LM head on
+    (hidden state + embedding of draft j), the hidden state being the target's at the position before the root."""
+
+    num_draft: int = 3
+    name: str = "mtp-test"
+    tree: None = None
+    needs_aux: bool = False
+    needs_hidden: bool = True
+    forwards_per_step: int = 0
+
+    @property
+    def depth(self) -> int:
+        return self.num_draft
+
+    @property
+    def verify_width(self) -> int:
+        return self.num_draft + 1
+
+    def extra_capacity(self) -> int:
+        return self.num_draft + 1
+
+    def init(self, params, target, view: PrefillView, capacity: int) -> HiddenState:
+        return HiddenState(view.hidden[:, 0])
+
+    def propose(self, params, target, st: HiddenState, view: StepView, sampling, key):
+        token, drafts = view.last_token, []
+        for _ in range(self.num_draft):
+            token = jnp.argmax(target.logits(st.hidden + target.embed(token)), axis=-1).astype(jnp.int32)
+            drafts.append(token)
+        tokens = jnp.stack([jnp.zeros_like(token), *drafts], axis=1)  # [B, K+1], root set by the engine
+        return Proposal(tokens, None, None), st
+
+    def commit(self, params, st: HiddenState, verified: Verified) -> HiddenState:
+        # the hidden state at the last accepted node: the position before the new root (the bonus token)
+        at = jnp.take_along_axis(verified.hidden, verified.num_accepted[:, None, None], axis=1)[:, 0]
+        return HiddenState(jnp.where(verified.running[:, None] > 0, at, st.hidden))
+
+    def kv_cache(self, st) -> None:
+        return None
+
+
+def test_a_hidden_state_proposer_plugs_in_and_stays_exact():
+    want = Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=24)
+    gen = Generator(tiny_target(), proposer=HiddenStateProposer(), batch_size=4)
+    got = gen.generate(PROMPTS, max_new_tokens=24)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert all(c.stats["proposer"] == "mtp-test" and c.stats["verify_calls"] > 0 for c in got)
+    sampled = gen.generate(PROMPTS, max_new_tokens=8, sampling=SamplingConfig(1.0), seed=3)
+    assert all(len(c.token_ids) == 8 for c in sampled)  # sampling runs through the walk that needs no q
