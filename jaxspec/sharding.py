@@ -32,12 +32,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
+from jaxspec.mesh_axes import DATA, MODEL
 from jaxspec.models import kv_cache as kvc
 from pallas_kernels.dispatch import on_mesh
 
 log = logging.getLogger(__name__)
 
-DATA, MODEL = "data", "model"
 _SPLIT_OUT = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"})  # kernel [in, out]
 _SPLIT_IN = frozenset({"o_proj", "down_proj"})
 CACHE_SPEC = P(DATA, MODEL, None, None)  # [batch, kv_heads · kv_head_replication, slots, head_dim]

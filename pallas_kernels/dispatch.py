@@ -22,6 +22,8 @@ import os
 
 import jax
 
+from jaxspec.mesh_axes import DATA, MODEL
+
 CHOICES = ("auto", "pallas", "reference", "interpret")  # what a user asks for
 IMPLEMENTATIONS = ("reference", "pallas", "interpret")  # what runs
 ENV_VAR = "JAXSPEC_KERNELS"
@@ -69,4 +71,4 @@ def describe(impl: str, backend: str | None = None) -> str:
 def on_mesh() -> bool:
     """Whether a (data, model) mesh is set for the function being traced: the kernels then run per shard."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and {"data", "model"} <= set(mesh.axis_names)
+    return not mesh.empty and {DATA, MODEL} <= set(mesh.axis_names)

@@ -84,6 +84,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.mesh_axes import DATA, MODEL
 from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
@@ -598,9 +599,9 @@ def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_
     )
     if not on_mesh():
         return fn(q, k_cache, v_cache, lengths, positions, ancestors)
-    rows, q_heads, kv_heads = P("data"), P("data", None, "model", None), P("data", "model", None, None)
-    tokens = P("data", None)
-    specs = (q_heads, kv_heads, kv_heads, rows, tokens) + (() if ancestors is None else (P("data", None, None),))
+    rows, q_heads, kv_heads = P(DATA), P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)
+    tokens = P(DATA, None)
+    specs = (q_heads, kv_heads, kv_heads, rows, tokens) + (() if ancestors is None else (P(DATA, None, None),))
     sharded = jax.shard_map(
         lambda *a: fn(*a) if ancestors is not None else fn(*a, None), in_specs=specs, out_specs=q_heads,
         check_vma=False,

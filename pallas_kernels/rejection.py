@@ -78,6 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.mesh_axes import DATA
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
@@ -462,7 +463,7 @@ def per_shard(fn, mesh=None, *, with_q: bool):
     """`fn(tokens, parents, probs, uniforms, noise[, q])` run per shard of a (data, model) mesh in `jax.shard_map`:
     rows split over data, each row's whole vocabulary on its device (gathered over model), outputs split by row.
     `mesh=None` uses the mesh set with `jax.set_mesh`."""
-    rows = P("data")
+    rows = P(DATA)
     return jax.shard_map(
         fn, mesh=mesh, in_specs=(rows,) * (6 if with_q else 5), out_specs=(rows, rows, rows), check_vma=False
     )

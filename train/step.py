@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.mesh_axes import DATA, FSDP
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from train.config import OptimConfig  # the `optim:` section of the training config
@@ -89,18 +90,18 @@ def train_step(
 
 def make_mesh(data: int, fsdp: int, devices=None) -> Mesh:
     devices = devices if devices is not None else jax.devices()[: data * fsdp]
-    return jax.make_mesh((data, fsdp), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+    return jax.make_mesh((data, fsdp), (DATA, FSDP), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
 
 
 def param_sharding(mesh: Mesh, tree):
     """FSDP: each array split over 'fsdp' along its first axis that divides evenly; small ones replicated."""
-    fsdp = mesh.shape["fsdp"]
+    fsdp = mesh.shape[FSDP]
 
     def spec(x):
         for axis, size in enumerate(x.shape):
             if size % fsdp == 0 and size >= fsdp:
                 parts = [None] * x.ndim
-                parts[axis] = "fsdp"
+                parts[axis] = FSDP
                 return NamedSharding(mesh, P(*parts))
         return NamedSharding(mesh, P())
 
@@ -109,4 +110,4 @@ def param_sharding(mesh: Mesh, tree):
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch rows over both axes (FSDP shards data too), sequence whole."""
-    return NamedSharding(mesh, P(("data", "fsdp"), None))
+    return NamedSharding(mesh, P((DATA, FSDP), None))

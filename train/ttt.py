@@ -15,30 +15,26 @@ import jax.numpy as jnp
 
 from jaxspec.config import rope_inv_freq
 from jaxspec.models.eagle3 import Eagle3Head
-from jaxspec.models.layers import NEG_INF, apply_rope, attention, rope_cos_sin
+from jaxspec.models.layers import NEG_INF, attention, rope_cos_sin
 
 
 def _project_step(head: Eagle3Head, emb, state, positions):
-    """q, k, v [B, T, heads, D] and the residual for one step's inputs."""
-    layer, cfg = head.midlayer, head.config
-    b, t, _ = emb.shape
-    normed = layer.hidden_norm(state)
-    u = jnp.concatenate([layer.input_layernorm(emb), normed], axis=-1)  # [B, T, 2H]
-    q = layer.self_attn.q_proj(u).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = layer.self_attn.k_proj(u).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = layer.self_attn.v_proj(u).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)))
-    residual = normed if cfg.norm_before_residual else state
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+    """q, k, v [B, T, heads, D] and the residual for one step's inputs: the head layer's own code
+    (`Eagle3Layer.attention_input`, `Attention.project`), as drafting runs it."""
+    layer = head.midlayer
+    u, residual = layer.attention_input(emb, state)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(head.config)))
+    q, k, v = layer.self_attn.project(u, cos, sin)
+    return q, k, v, residual
 
 
 def _finish_step(head: Eagle3Head, residual, attn):
-    """o_proj, MLP and the draft logits; returns (logits [B, T, V_d] float32, next state [B, T, H])."""
+    """o_proj, MLP and the draft logits (`Eagle3Layer.finish`, `Eagle3Head.logits`); returns (logits [B, T, V_d]
+    float32, next state [B, T, H])."""
     layer = head.midlayer
     b, t = attn.shape[:2]
-    y = residual + layer.self_attn.o_proj(attn.reshape(b, t, -1))
-    out = y + layer.mlp(layer.post_attention_layernorm(y))
-    return head.lm_head(head.norm(out)).astype(jnp.float32), out
+    out = layer.finish(residual, layer.self_attn.o_proj(attn.reshape(b, t, -1)))
+    return head.logits(out), out
 
 
 def _causal_with_lse(q, k, v):

@@ -38,11 +38,22 @@ class Eagle3Layer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0, empty_cache=False):
+        u, residual = self.attention_input(emb, state)
+        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset, empty_cache)
+        return self.finish(residual, attn), k_cache, v_cache
+
+    def attention_input(self, emb: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(u [B, T, 2H] that attention reads, the residual stream [B, T, H]) from the token embeddings and the state.
+        The training-time test (`train.ttt`) runs the layer as attention_input → self_attn.project → its own
+        attention → self_attn.o_proj → finish, so that training and drafting share this code."""
         normed_state = self.hidden_norm(state)
         u = jnp.concatenate([self.input_layernorm(emb), normed_state], axis=-1)  # [B, T, 2H]
-        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset, empty_cache)
-        y = (normed_state if self.cfg.norm_before_residual else state) + attn
-        return y + self.mlp(self.post_attention_layernorm(y)), k_cache, v_cache
+        return u, (normed_state if self.cfg.norm_before_residual else state)
+
+    def finish(self, residual: jax.Array, attn: jax.Array) -> jax.Array:
+        """The layer's output (the next state) [B, T, H] from the residual and attention's o_proj output."""
+        y = residual + attn
+        return y + self.mlp(self.post_attention_layernorm(y))
 
 
 class Eagle3Head(nnx.Module):
@@ -81,6 +92,10 @@ class Eagle3Head(nnx.Module):
             x = self.input_norm(x)
         return self.fc(x)
 
+    def logits(self, out: jax.Array) -> jax.Array:
+        """Draft logits [.., V_d] float32 of the layer's output [.., H]."""
+        return self.lm_head(self.norm(out)).astype(jnp.float32)
+
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids + self.d2t[...][draft_ids]
 
@@ -112,5 +127,5 @@ class Eagle3Head(nnx.Module):
             empty_cache,
         )
         picked = out if logit_indices is None else jnp.take_along_axis(out, logit_indices[:, :, None], axis=1)
-        logits = self.lm_head(self.norm(picked)).astype(jnp.float32)
+        logits = self.logits(picked)
         return logits, out, cache._replace(k=(k,), v=(v,))

@@ -90,13 +90,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
-        inv = numerics is not None
-        q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, inv), self.k_norm(k, inv)
-        q, k = apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv)
+        q, k, v = self.project(x, cos, sin, numerics)
         k, v = kvc.repeat_heads(k, k_cache.shape[1]), kvc.repeat_heads(v, v_cache.shape[1])  # [B, T, Hkv·r, D]
         k_cache = kvc.write_block(k_cache, k, lengths + write_offset)
         v_cache = kvc.write_block(v_cache, v, lengths + write_offset)
@@ -115,6 +109,22 @@ class Attention(nnx.Module):
         k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
         out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask).reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out), k_cache, v_cache
+
+
+    def project(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, numerics: Numerics | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B, T, Hq, D], k and v [B, T, Hkv, D] of x [B, T, d_in]: the projections, q/k norms and RoPE — shared by
+        the cached forward above and the head's training-time test (`train.ttt`), which attends without a cache."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        inv = numerics is not None
+        q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q, inv), self.k_norm(k, inv)
+        return apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv), v
 
 
 class MLP(nnx.Module):

@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspec.mesh_axes import DATA
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 
 
@@ -105,9 +106,9 @@ def exact_mul(a: jax.Array, b: jax.Array) -> jax.Array:
 def data_shards() -> int:
     """Rows are split over the mesh's `data` axis when one is set; tiles are cut inside each shard."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "data" not in mesh.axis_names:
+    if mesh.empty or DATA not in mesh.axis_names:
         return 1
-    return mesh.shape["data"]
+    return mesh.shape[DATA]
 
 
 def tiled_matmul(
