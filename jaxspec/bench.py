@@ -26,7 +26,7 @@ import sys
 import time
 
 from jaxspec.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
-from jaxspec.bench_suite import measure, speculative_row
+from jaxspec.bench_suite import measure, rejection_table, speculative_row
 from jaxspec.cli_common import (
     add_draft_args,
     add_mesh_args,
@@ -473,7 +473,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
 def _table(r: dict) -> str:
     rows = [("jaxspec target-only", r["jaxspec"])]
     for sp in r.get("speculative", []):
-        rows.append((f"jaxspec EAGLE-3 {sp['method']}", sp))
+        rows.append((f"jaxspec {sp['method']}", sp))
     if "transformers" in r:
         rows.append(("transformers generate", r["transformers"]))
     lines = [
@@ -499,6 +499,7 @@ def _table(r: dict) -> str:
             f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
             f"({sp['head_step_over_decode']}x)",
         ]
+    lines += rejection_table(r.get("speculative", []))
     if "numerics_cost" in r:
         lines += ["", "| method | invariant numerics tokens/s | plain numerics tokens/s | plain / invariant |",
                   "|---|---|---|---|"]

@@ -44,7 +44,27 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
         "acceptance_per_position": [round(float(a) / max(calls, 1), 3) for a in at_least[1 : depth + 1]],
         "accepted_drafts_histogram": (at_least[:-1] - at_least[1:]).tolist(),  # steps with a = 0..depth
         "verify_steps": int(calls),
+        "rejections": {k: sum(c.stats["rejections"][k] for c in out) for k in out[0].stats["rejections"]},
+        "accepted_via_sibling": sum(c.stats["accepted_via_sibling"] for c in out),
     }
+
+
+def rejection_table(runs: Sequence[dict]) -> list[str]:
+    """Markdown rows: the share of verify steps per outcome (`jaxspec.spec.telemetry`) of each speculative run."""
+    runs = [run for run in runs if "rejections" in run]
+    if not runs:
+        return []
+    names = list(runs[0]["rejections"])
+    lines = [
+        "", "why verify steps stopped accepting (share of verify steps; `jaxspec.spec.telemetry`):", "",
+        "| batch | method | " + " | ".join(n.replace("_", " ") for n in names) + " | accepted via a sibling |",
+        "|---|---|" + "---|" * (len(names) + 1),
+    ]
+    for run in runs:
+        calls = max(run["verify_steps"], 1)
+        shares = " | ".join(f"{run['rejections'][n] / calls:.3f}" for n in names)
+        lines.append(f"| {run.get('batch_size', '')} | {run['method']} | {shares} | {run['accepted_via_sibling']} |")
+    return lines
 
 
 def speculative_row(out, tokens: int, seconds: float, depth: int, baseline, baseline_tps: float) -> dict:
@@ -82,7 +102,7 @@ def markdown(r: dict) -> str:
             f"| {run['batch_size']} | {run['method']} | {run['tokens_per_second']} | "
             f"{run.get('speedup_vs_target_only', '')} | {tau} | {run.get('identical_outputs', '')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + rejection_table(r["runs"]))
 
 
 def plot(r: dict, out_dir: Path) -> list[Path]:

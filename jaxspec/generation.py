@@ -22,6 +22,7 @@ from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import engine
 from jaxspec.spec.proposer import Proposer
+from jaxspec.spec.telemetry import OUTCOMES
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 
 CAPACITY_QUANTUM = 256  # cache capacities are multiples of this: one compile serves many lengths
@@ -137,8 +138,11 @@ class Generator:
         (`verify_calls`, `accepted_per_position`, `draft_calls`) and the rates derived from them."""
         if self.proposer is None:
             return [{} for _ in range(n_rows)]
-        calls, generated, accepted = (
-            sharding.to_host(x) for x in (st.stats.verify_calls, st.num_generated, st.stats.accepted)
+        calls, generated, accepted, outcomes, siblings = (
+            sharding.to_host(x) for x in (
+                st.stats.verify_calls, st.num_generated, st.stats.accepted, st.stats.outcomes,
+                st.stats.sibling_accepts,
+            )
         )
         forwards = self.proposer.forwards_per_step
         stats = []
@@ -153,6 +157,9 @@ class Generator:
                 "verify_calls": c,
                 "target_calls": c + 1,
                 "draft_calls": c * forwards + (1 if forwards else 0),  # the head also reads the prompt
+                # why each verify step stopped accepting (`jaxspec.spec.telemetry`): counts summing to verify_calls
+                "rejections": {name: int(n) for name, n in zip(OUTCOMES, outcomes[row])},
+                "accepted_via_sibling": int(siblings[row]),
             })
         return stats
 

@@ -177,8 +177,12 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
             hist = r["accepted_drafts_histogram"]
             assert len(hist) == 3 and sum(hist) == r["verify_steps"] > 0
             assert len(r["acceptance_per_position"]) == 2
+            assert sum(r["rejections"].values()) == r["verify_steps"]  # one outcome per verify step
+            full, cut = r["rejections"]["all_accepted"], r["rejections"]["cut_by_stop"]
+            assert full <= hist[-1] <= full + cut  # steps that accepted every draft, unless the stop cut them
     table = (out / "results.md").read_text()
     assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= 7
+    assert "| batch | method | all accepted | outside draft vocab |" in table  # the rejection table
     for name in ("tokens_per_second.png", "acceptance_by_position.png", "accepted_lengths.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

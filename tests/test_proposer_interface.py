@@ -10,7 +10,7 @@ from spec_fixtures import PROMPTS, tiny_target
 
 from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec.proposer import PrefillView, Proposal, StepView, Verified
+from jaxspec.spec.proposer import ChainDrafts, PrefillView, Proposal, StepView, Verified
 
 
 class HiddenState(NamedTuple):
@@ -18,27 +18,15 @@ class HiddenState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class HiddenStateProposer:
+class HiddenStateProposer(ChainDrafts):
     """A stand-in for an MTP head with no weights of its own: draft j+1 = argmax of the target's LM head on
     (hidden state + embedding of draft j), the hidden state being the target's at the position before the root."""
 
     num_draft: int = 3
     name: str = "mtp-test"
-    tree: None = None
     needs_aux: bool = False
     needs_hidden: bool = True
     forwards_per_step: int = 0
-
-    @property
-    def depth(self) -> int:
-        return self.num_draft
-
-    @property
-    def verify_width(self) -> int:
-        return self.num_draft + 1
-
-    def extra_capacity(self) -> int:
-        return self.num_draft + 1
 
     def init(self, params, target, view: PrefillView, capacity: int) -> HiddenState:
         return HiddenState(view.hidden[:, 0])
@@ -55,9 +43,6 @@ class HiddenStateProposer:
         # the hidden state at the last accepted node: the position before the new root (the bonus token)
         at = jnp.take_along_axis(verified.hidden, verified.num_accepted[:, None, None], axis=1)[:, 0]
         return HiddenState(jnp.where(verified.running[:, None] > 0, at, st.hidden))
-
-    def kv_cache(self, st) -> None:
-        return None
 
 
 def test_a_hidden_state_proposer_plugs_in_and_stays_exact():

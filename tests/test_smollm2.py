@@ -30,6 +30,19 @@ def model(target_dir):
     return load_target(target_dir)
 
 
+def transformers_greedy(hf_model, prompts, stops, max_new_tokens: int = 48, **kwargs) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time: the reference token ids."""
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf_model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **kwargs,
+            )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
 def test_conversion_equals_transformers_gguf_loader(tmp_path, hf_model):
     gguf = builtin.fetch_gguf(tmp_path, log=lambda *_: None)
     ref = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -64,13 +77,7 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
     prompts = [encode_prompt(tok, text, raw=False) for _, text in suite_prompts("mt_bench")[:8]]
     got = Generator(model, batch_size=4).generate(prompts, max_new_tokens=48, stop_ids=stops)
-    for prompt, c in zip(prompts, got):
-        with torch.no_grad():
-            out = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=48, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
-            )
-        assert c.token_ids == out[0, len(prompt) :].tolist()
+    assert [c.token_ids for c in got] == transformers_greedy(hf_model, prompts, stops)
 
 
 def test_repetition_penalty_equals_transformers_with_and_without_speculation(target_dir, model, hf_model, tmp_path,
@@ -89,19 +96,8 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
     texts = [text for _, text in suite_prompts("mt_bench")[:4]]
     prompts = [encode_prompt(tok, text, raw=False) for text in texts]
 
-    def transformers_greedy(**kwargs) -> list[list[int]]:
-        out = []
-        for prompt in prompts:
-            with torch.no_grad():
-                ids = hf_model.generate(
-                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=48, do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **kwargs,
-                )
-            out.append(ids[0, len(prompt) :].tolist())
-        return out
-
-    want = transformers_greedy(repetition_penalty=1.3)
-    assert want != transformers_greedy()  # the penalty changes these texts
+    want = transformers_greedy(hf_model, prompts, stops, repetition_penalty=1.3)
+    assert want != transformers_greedy(hf_model, prompts, stops)  # the penalty changes these texts
     penalty = LogitProcessors(repetition_penalty=1.3)
     alone = Generator(model, batch_size=2).generate(
         prompts, max_new_tokens=48, stop_ids=stops, processors=penalty
@@ -120,6 +116,24 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
     assert [r["token_ids"] for r in records] == want
     # drafts are accepted (the shipped head, trained without penalties, reaches ~1.2 tokens per verify here)
     assert np.mean([r["stats"]["mean_accepted_length"] for r in records]) > 1.1
+
+
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
+def test_ngram_greedy_equals_transformers_on_mt_bench_and_grounded_prompts(target_dir, model, hf_model, batch):
+    """`--proposer ngram`: prompt lookup changes nothing on chat prompts and on long input-grounded ones
+    (summaries, extraction: where it is accepted), at batch 1 and 4 (ragged: long and short prompts mixed)."""
+    from jaxspec.spec.ngram import NgramProposer
+
+    tok = load_tokenizer(target_dir)
+    stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
+    texts = [t for _, t in suite_prompts("mt_bench")[:2]] + [t for _, t in suite_prompts("grounded")[:4]]
+    prompts = [encode_prompt(tok, text, raw=False) for text in texts]
+    gen = Generator(model, proposer=NgramProposer(5, 1, 3), batch_size=batch)
+    got = gen.generate(prompts, max_new_tokens=48, stop_ids=stops)
+    assert [c.token_ids for c in got] == transformers_greedy(hf_model, prompts, stops)
+    grounded = [c.stats for c in got[2:]]
+    tokens_per_verify = (sum(c.num_generated - 1 for c in got[2:])) / sum(s["verify_calls"] for s in grounded)
+    assert tokens_per_verify > 1.5  # copying from the input is accepted
 
 
 def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):

@@ -77,6 +77,17 @@ def test_draft_tree_is_a_valid_tree_with_best_first_nodes():
         for p in set(parents[row, 1:].tolist()):
             kids = tok[1:][parents[row, 1:] == p]
             assert len(set(kids.tolist())) == len(kids)
+    # Telemetry candidates: each expanded node's top_k children as ranked; the tree's children of a node are among
+    # them, best first (a node's first child is its top-1 whenever it has children).
+    cands = np.asarray(dt.candidates)
+    assert cands.shape == (b, cfg.total_tokens, cfg.top_k)
+    for row in range(b):
+        tok = np.asarray(dt.tokens[row])
+        for i in range(cfg.total_tokens):
+            kids = tok[parents[row] == i]
+            assert set(kids.tolist()) <= set(cands[row, i].tolist())
+            if len(kids):
+                assert kids[0] == cands[row, i, 0]
     # the first level holds the head's top tokens after the root
     top = np.argsort(-np.asarray(logits0), axis=1)[:, :1]
     first = np.asarray(head.to_target_ids(jnp.asarray(top)))

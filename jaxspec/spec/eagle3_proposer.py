@@ -25,6 +25,8 @@ from jaxspec.sharding import constrain_cache
 from jaxspec.spec.proposer import PrefillView, Proposal, StepView, Verified
 from jaxspec.spec.tree import TreeConfig, draft_tree
 
+TELEMETRY_TOP_K = 8  # a chain's candidates per position for the rejection telemetry (a tree uses its own TOPK)
+
 
 class Eagle3State(NamedTuple):
     head_cache: kvc.KVCache
@@ -48,19 +50,27 @@ def draft_processor(head, processors: procs.ProcessorState | None):
     return lambda logits, path: procs.process(logits, processors, path, columns)
 
 
+def draft_vocab(head, vocab: int) -> jax.Array:
+    """[V] bool: the target tokens the head can draft (all of them unless its draft vocabulary is reduced)."""
+    ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
+    return jnp.zeros((vocab,), jnp.bool_).at[ids].set(True)
+
+
 def _propose_one(head, logits, sampling: SamplingConfig, key, vocab: int, processors, path):
-    """Draft token (target id) from draft logits [B, V_d] (processed with the drafts so far, path [B, D]), and its
-    distribution over the target vocab when sampling."""
+    """Draft token (target id) from draft logits [B, V_d] (processed with the drafts so far, path [B, D]), the
+    head's best TELEMETRY_TOP_K tokens there [B, C] (target ids), and the draft's distribution over the target
+    vocab when sampling."""
     process = draft_processor(head, processors)
     if process is not None:
         logits = process(logits[:, None], path[:, None])[:, 0]
+    best = head.to_target_ids(jax.lax.top_k(logits, min(TELEMETRY_TOP_K, logits.shape[-1]))[1])
     if sampling.greedy:
-        return head.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+        return best[:, 0], best, None
     filtered = filtered_logits(logits, sampling, procs.min_p_of(processors))
     draft = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
     ids = head.to_target_ids(jnp.arange(logits.shape[-1], dtype=jnp.int32))
     q = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, ids].set(jax.nn.softmax(filtered, axis=-1))
-    return head.to_target_ids(draft), q
+    return head.to_target_ids(draft), best, q
 
 
 def _catch_up(head, st: Eagle3State, embed):
@@ -136,9 +146,10 @@ class Eagle3Proposer:
         logits0, state, head_cache, h0 = _catch_up(head, st, embed)
         if self.tree is not None:
             dt = draft_tree(head, embed, logits0, state, head_cache, self.tree, draft_processor(head, view.processors))
-            proposal = Proposal(dt.tokens, dt, None)
+            proposal = Proposal(dt.tokens, dt, None, dt.candidates)
         else:
             proposal, head_cache = self._chain(head, target, embed, logits0, state, head_cache, view, sampling, key)
+        proposal = proposal._replace(draft_vocab=draft_vocab(head, target.config.vocab_size))
         # Drop the draft entries (chain steps, tree levels): the next catch-up overwrites them.
         head_cache = head_cache._replace(lengths=h0 + st.num_pending * view.running)
         return proposal, st._replace(head_cache=head_cache)
@@ -148,7 +159,7 @@ class Eagle3Proposer:
         vocab = target.config.vocab_size
         keys = jax.random.split(key, k)
         path = jnp.full((b, k), -1, jnp.int32)  # drafts so far, for the logit processors
-        draft, q = _propose_one(head, logits0, sampling, keys[0], vocab, view.processors, path)
+        draft, best, q = _propose_one(head, logits0, sampling, keys[0], vocab, view.processors, path)
 
         def draft_step(carry, step):  # drafts 2..K: the head feeds its own state back
             head_cache, state, token, path = carry
@@ -157,16 +168,18 @@ class Eagle3Proposer:
             logits, out, head_cache = head(
                 token[:, None], state[:, None], head_cache.lengths[:, None], head_cache, embed
             )
-            nxt, q = _propose_one(head, logits[:, 0], sampling, step_key, vocab, view.processors, path)
-            return (kvc.advance(head_cache, 1), out[:, 0], nxt, path), (nxt, q)
+            nxt, best, q = _propose_one(head, logits[:, 0], sampling, step_key, vocab, view.processors, path)
+            return (kvc.advance(head_cache, 1), out[:, 0], nxt, path), (nxt, best, q)
 
-        (head_cache, _, _, _), (more, more_q) = jax.lax.scan(
+        (head_cache, _, _, _), (more, more_best, more_q) = jax.lax.scan(
             draft_step, (head_cache, state, draft, path), (jnp.arange(k - 1), keys[1:])
         )
         drafts = jnp.concatenate([draft[:, None], jnp.moveaxis(more, 0, 1)], axis=1)  # [B, K]
         tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)  # [B, K+1], root set by the engine
         qs = None if q is None else jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)  # [B, K, V]
-        return Proposal(tokens, None, qs), head_cache
+        # node j's candidates are those of the distribution that drafted node j + 1; the last node has none
+        cands = jnp.concatenate([best[:, None], jnp.moveaxis(more_best, 0, 1), jnp.full_like(best[:, None], -1)], axis=1)
+        return Proposal(tokens, None, qs, cands), head_cache
 
     def commit(self, params, st: Eagle3State, verified: Verified) -> Eagle3State:
         """The accepted path's features and next tokens become the pending pairs."""

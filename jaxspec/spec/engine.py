@@ -29,6 +29,7 @@ from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
 from jaxspec.sharding import constrain_cache, constrain_state
+from jaxspec.spec import telemetry
 from jaxspec.spec.accept import forced_accept
 from jaxspec.spec.proposer import PrefillView, Proposer, StepView, Verified
 from pallas_kernels.rejection import chain_parents, verify_draft
@@ -39,6 +40,8 @@ class Stats(NamedTuple):
 
     verify_calls: jax.Array  # [B] speculative steps while the row was running (target forwards after the prefill)
     accepted: jax.Array  # [B, D] how often draft position j was accepted (D = the proposer's depth; 0 without one)
+    outcomes: jax.Array  # [B, len(telemetry.OUTCOMES)] why each verify step stopped accepting (they sum to verify_calls)
+    sibling_accepts: jax.Array  # [B] accepted tree nodes that were not their parent's first child
 
 
 class GenState(NamedTuple):
@@ -114,7 +117,10 @@ def prefill(
         max_new=max_new,
         key=key,
         processors=processors,
-        stats=Stats(jnp.zeros((b,), jnp.int32), jnp.zeros((b, depth), jnp.int32)),
+        stats=Stats(
+            jnp.zeros((b,), jnp.int32), jnp.zeros((b, depth), jnp.int32),
+            jnp.zeros((b, len(telemetry.OUTCOMES)), jnp.int32), jnp.zeros((b,), jnp.int32),
+        ),
         proposer=own,
     )
     return constrain_state(emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
@@ -186,15 +192,33 @@ def spec_step(
         safe = jnp.maximum(path, 0)[:, :, None]
         on_path = lambda x: None if x is None else jnp.take_along_axis(x, safe, axis=1)  # noqa: E731
     emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
+    before = st.num_generated
     st = emit(st, emitted, count, eos_ids)
     verified = Verified(emitted, a, running, on_path(verify.aux), on_path(verify.hidden))
-    accepted = (jnp.arange(depth)[None, :] < a[:, None]) & (running[:, None] > 0)
+    own_token = jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0]  # [B] the target's token after the path
     return st._replace(
         cache=kvc.advance(target_cache, count * running),
-        last_token=jnp.where(running > 0, jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0], st.last_token),
+        last_token=jnp.where(running > 0, own_token, st.last_token),
         key=key,
-        stats=Stats(st.stats.verify_calls + running, st.stats.accepted + accepted.astype(jnp.int32)),
+        stats=_count(st.stats, proposal, tokens, parents, path, a, own_token, st.num_generated - before < count,
+                     depth, running),
         proposer=proposer.commit(params, own, verified),
+    )
+
+
+def _count(stats: Stats, proposal, tokens, parents, path, a, own_token, cut, depth: int, running) -> Stats:
+    """The step's counters for running rows: accepted positions, the outcome (`telemetry`), sibling acceptances."""
+    node = a if proposal.tree is None else jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]  # [B] last accepted
+    outcome = telemetry.step_outcome(
+        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut
+    )
+    live = running[:, None] > 0
+    accepted = (jnp.arange(depth)[None, :] < a[:, None]) & live
+    outcomes = (outcome[:, None] == jnp.arange(len(telemetry.OUTCOMES))[None, :]) & live
+    siblings = 0 if proposal.tree is None else telemetry.sibling_accepts(parents, path, a) * running
+    return Stats(
+        stats.verify_calls + running, stats.accepted + accepted.astype(jnp.int32),
+        stats.outcomes + outcomes.astype(jnp.int32), stats.sibling_accepts + siblings,
     )
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.proposer import PrefillView, Proposal, StepView, Verified
+from jaxspec.spec.proposer import ChainDrafts, PrefillView, Proposal, StepView, Verified
 
 
 def ngram_match(
@@ -110,7 +110,7 @@ class NgramState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(ChainDrafts):
     """Prompt lookup as a proposer: chains of `num_draft` tokens from `ngram_match` over each row's own history,
     kept on device. No parameters, no target outputs, no model forwards: a step where nothing matches costs only
     the verify the step runs anyway. The drafts are deterministic, so sampling verifies them with the walk that
@@ -120,7 +120,6 @@ class NgramProposer:
     min_n: int = 1
     max_n: int = 3
     name: str = "ngram"
-    tree: None = None
     needs_aux: bool = False
     needs_hidden: bool = False
     forwards_per_step: int = 0
@@ -131,17 +130,6 @@ class NgramProposer:
         if self.num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {self.num_draft}")
 
-    @property
-    def depth(self) -> int:
-        return self.num_draft
-
-    @property
-    def verify_width(self) -> int:
-        return self.num_draft + 1
-
-    def extra_capacity(self) -> int:
-        return self.num_draft + 1
-
     def init(self, params, target, view: PrefillView, capacity: int) -> NgramState:
         b, t = view.prompt.shape
         history = jnp.zeros((b, max(capacity, t + 1)), jnp.int32).at[:, :t].set(view.prompt)
@@ -149,11 +137,14 @@ class NgramProposer:
         return NgramState(history, jnp.where(view.prompt_lens > 0, view.prompt_lens + 1, 0))
 
     def propose(self, params, target, st: NgramState, view: StepView, sampling, key) -> tuple[Proposal, NgramState]:
-        drafts, _ = ngram_match(
+        drafts, match_n = ngram_match(
             st.history, st.length, num_draft=self.num_draft, min_n=self.min_n, max_n=self.max_n
-        )  # [B, K]
+        )  # [B, K], [B]
         tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)  # root set by the engine
-        return Proposal(tokens, None, None), st
+        # Telemetry: node j's one candidate is draft j + 1 when a suffix matched; without a match, none (no_draft).
+        proposed = jnp.where((match_n > 0)[:, None], drafts, -1)
+        candidates = jnp.concatenate([proposed, jnp.full_like(drafts[:, :1], -1)], axis=1)[:, :, None]  # [B, K+1, 1]
+        return Proposal(tokens, None, None, candidates), st
 
     def commit(self, params, st: NgramState, verified: Verified) -> NgramState:
         """Append the emitted tokens (accepted drafts and the target's own) of running rows."""
@@ -163,6 +154,3 @@ class NgramProposer:
         slots = jnp.where(j < count[:, None], st.length[:, None] + j, st.history.shape[1])  # out of range: dropped
         history = st.history.at[jnp.arange(b)[:, None], slots].set(verified.emitted, mode="drop")
         return NgramState(history, st.length + count)
-
-    def kv_cache(self, st: NgramState) -> None:
-        return None

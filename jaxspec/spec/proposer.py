@@ -54,6 +54,10 @@ class Proposal(NamedTuple):
     tree: DraftTree | None  # parents, depths, mask, ancestors; None: a chain (node j's parent is j - 1)
     q: jax.Array | None  # [B, N-1, V] a chain's draft distributions over the target vocabulary (sampling); None:
     # deterministic drafts or a tree — sampling then verifies with the lossless walk that needs no q
+    # For the rejection telemetry only (`jaxspec.spec.telemetry`):
+    candidates: jax.Array | None = None  # [B, N, C] node i's top-C next-token candidates (target ids, best first,
+    # -1 where none); None: the drafted children
+    draft_vocab: jax.Array | None = None  # [V] bool, the target tokens the proposer can draft; None: all
 
 
 class Verified(NamedTuple):
@@ -64,6 +68,27 @@ class Verified(NamedTuple):
     running: jax.Array  # [B] int32, rows that ran this step (others must keep their state)
     aux: jax.Array | None  # [B, D+1, F] features of the root and accepted nodes, path order (needs_aux)
     hidden: jax.Array | None  # [B, D+1, H] final hidden states there (needs_hidden)
+
+
+class ChainDrafts:
+    """The shape of a proposer that drafts one chain of `num_draft` tokens per step (no tree, no KV cache of its
+    own): mixed into such proposers (n-gram lookup, an MTP head) so they state only what they draft."""
+
+    tree = None
+
+    @property
+    def depth(self) -> int:
+        return self.num_draft
+
+    @property
+    def verify_width(self) -> int:
+        return self.num_draft + 1
+
+    def extra_capacity(self) -> int:
+        return self.num_draft + 1
+
+    def kv_cache(self, state) -> None:
+        return None
 
 
 class Proposer(Protocol):

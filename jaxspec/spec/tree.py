@@ -67,6 +67,8 @@ class DraftTree(NamedTuple):
     depths: jax.Array  # [B, N] int32, 0 for the root
     mask: jax.Array  # [B, N, N] bool: node i sees node j iff j is i or an ancestor of i
     ancestors: jax.Array  # [B, N, depth+1] int32: node i's ancestor at depth j (i itself at its depth; 0 past it)
+    candidates: jax.Array | None = None  # [B, N, top_k] node i's top_k children as the head ranked them (target
+    # ids, best first; -1 for nodes never expanded), selected or not: for the rejection telemetry
 
 
 def draft_tree(
@@ -89,6 +91,8 @@ def draft_tree(
     front_state = jnp.broadcast_to(state0[:, None], (b, k, state0.shape[-1]))
     slots = jnp.arange(cfg.window)
     front_mask = jnp.broadcast_to(slots[None, :] == jnp.arange(k)[:, None], (b, k, cfg.window))  # own slot only
+    expanded = jnp.full((b, cfg.num_candidates, k), -1, jnp.int32)  # [B, C, k] each expanded candidate's children
+    rows = jnp.arange(b)[:, None]
     base = k
     for level in range(1, cfg.depth):
         positions = jnp.broadcast_to((h + level - 1)[:, None], (b, k))
@@ -101,6 +105,7 @@ def draft_tree(
         child_score, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, k, k]
         child_score = (front_score[:, :, None] + child_score).reshape(b, k * k)
         child_tok = head.to_target_ids(child_ids).reshape(b, k * k)
+        expanded = expanded.at[rows, front_idx].set(child_tok.reshape(b, k, k))
         cand_tok.append(child_tok)
         cand_score.append(child_score)
         cand_parent.append(jnp.repeat(front_idx, k, axis=1))
@@ -124,7 +129,8 @@ def draft_tree(
     parent_node = jnp.where(jnp.any(match, axis=-1), 1 + jnp.argmax(match, axis=-1), 0).astype(jnp.int32)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_node], axis=1)  # [B, N]
     tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.take_along_axis(all_tok, sel, axis=1)], axis=1)
-    return tree_from_parents(tokens, parents, cfg.depth)
+    candidates = jnp.concatenate([cand_tok[0][:, None], jnp.take_along_axis(expanded, sel[:, :, None], axis=1)], axis=1)
+    return tree_from_parents(tokens, parents, cfg.depth)._replace(candidates=candidates)
 
 
 def tree_from_parents(tokens: jax.Array, parents: jax.Array, max_depth: int) -> DraftTree:
