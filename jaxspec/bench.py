@@ -499,7 +499,7 @@ def _table(r: dict) -> str:
             f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
             f"({sp['head_step_over_decode']}x)",
         ]
-    lines += rejection_table(r.get("speculative", []))
+    lines += rejection_table([{"batch_size": r["batch_size"], **sp} for sp in r.get("speculative", [])])
     if "numerics_cost" in r:
         lines += ["", "| method | invariant numerics tokens/s | plain numerics tokens/s | plain / invariant |",
                   "|---|---|---|---|"]

@@ -305,3 +305,21 @@ def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
     got = gen.generate(PROMPTS, max_new_tokens=40)
     assert [c.token_ids for c in got] == want
     assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.5  # drafts really are accepted
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bfloat16_ngram_equals_target_only(batch):
+    """Prompt lookup in bfloat16: steps that verify K + 1 tokens and steps without a match, which run the root alone
+    (a one-token decode), both emit the target-only tokens."""
+    from spec_fixtures import PROMPTS, tiny_target
+
+    from jaxspec.generation import Generator
+    from jaxspec.spec.ngram import NgramProposer
+
+    target = _as_dtype(tiny_target(), jnp.bfloat16)
+    prompts = PROMPTS + [PROMPTS[1] * 3]
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(prompts, max_new_tokens=40)]
+    got = Generator(target, proposer=NgramProposer(4, 2, 3), batch_size=batch).generate(prompts, max_new_tokens=40)
+    assert [c.token_ids for c in got] == want
+    outcomes = {k: sum(c.stats["rejections"][k] for c in got) for k in ("no_draft", "miss", "all_accepted")}
+    assert outcomes["no_draft"] > 0 and outcomes["miss"] + outcomes["all_accepted"] > 0  # both kinds of step ran

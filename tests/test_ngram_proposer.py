@@ -115,3 +115,16 @@ def test_cli_errors(extra, message, tiny_dir, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
 
+
+
+def test_sampling_is_lossless_when_no_row_matches():
+    """No 3-token suffix recurs in these rows, so the step runs the root alone (a one-token decode) and samples the
+    target's token itself: the first two tokens still follow the target."""
+    n = 20000
+    prompt = [3, 7, 1, 12, 5]
+    sampling = SamplingConfig(1.0)
+    joint = target_joint(prompt, sampling)
+    gen = Generator(plain_target(), proposer=NgramProposer(3, 3, 3), batch_size=n)
+    out = gen.generate([prompt] * n, max_new_tokens=2, sampling=sampling, seed=7)
+    assert chi_square_p(first_two(out), joint) > 0.01
+    assert all(c.stats["rejections"]["no_draft"] == 1 for c in out if c.num_generated == 2)

@@ -27,6 +27,8 @@ class HiddenStateProposer(ChainDrafts):
     needs_aux: bool = False
     needs_hidden: bool = True
     forwards_per_step: int = 0
+    # declare drafts only at even positions (`Proposal.has_draft`): the other steps run the root alone
+    skip_odd_positions: bool = False
 
     def init(self, params, target, view: PrefillView, capacity: int) -> HiddenState:
         return HiddenState(view.hidden[:, 0])
@@ -37,7 +39,8 @@ class HiddenStateProposer(ChainDrafts):
             token = jnp.argmax(target.logits(st.hidden + target.embed(token)), axis=-1).astype(jnp.int32)
             drafts.append(token)
         tokens = jnp.stack([jnp.zeros_like(token), *drafts], axis=1)  # [B, K+1], root set by the engine
-        return Proposal(tokens, None, None), st
+        has_draft = view.committed % 2 == 0 if self.skip_odd_positions else None  # [B]
+        return Proposal(tokens, None, None, has_draft=has_draft), st
 
     def commit(self, params, st: HiddenState, verified: Verified) -> HiddenState:
         # the hidden state at the last accepted node: the position before the new root (the bonus token)
@@ -53,3 +56,15 @@ def test_a_hidden_state_proposer_plugs_in_and_stays_exact():
     assert all(c.stats["proposer"] == "mtp-test" and c.stats["verify_calls"] > 0 for c in got)
     sampled = gen.generate(PROMPTS, max_new_tokens=8, sampling=SamplingConfig(1.0), seed=3)
     assert all(len(c.token_ids) == 8 for c in sampled)  # sampling runs through the walk that needs no q
+
+
+def test_steps_without_a_draft_run_the_root_alone_and_stay_exact():
+    """A proposal with no real draft in any running row (`Proposal.has_draft`) makes the step a one-token decode;
+    the hidden state the proposer reads at the root comes from that decode, and the output stays the target's."""
+    want = Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=24)
+    for batch in (1, 4):
+        gen = Generator(tiny_target(), proposer=HiddenStateProposer(skip_odd_positions=True), batch_size=batch)
+        got = gen.generate(PROMPTS, max_new_tokens=24)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        if batch == 1:  # a row alone: every step at an odd position is undrafted
+            assert all(c.stats["rejections"]["no_draft"] > 0 for c in got)

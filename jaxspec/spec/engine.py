@@ -143,16 +143,53 @@ def spec_step(
     forced_accept_prob: float | None = None, kernels: str = "reference",
 ) -> GenState:
     """propose → verify → accept → commit (module docstring). `forced_accept_prob`: the benchmark-only acceptance
-    override (`accept.forced_accept`, chains); `kernels`: the verifier's implementation (`pallas_kernels.dispatch`)."""
-    b = st.last_token.shape[0]
+    override (`accept.forced_accept`, chains); `kernels`: the verifier's implementation (`pallas_kernels.dispatch`).
+
+    When the proposal says no running row has a real draft (`Proposal.has_draft`: an n-gram without a match), the
+    step runs the root alone, as target-only decoding does (`_root_only`), instead of verifying N nodes: the same
+    token (the root's logits are the same bits under invariant numerics; sampling draws from the same distribution)
+    for a one-token forward."""
     running = (~st.done).astype(jnp.int32)
     k_propose, k_uniform, k_noise, key = jax.random.split(st.key, 4)
     view = StepView(st.last_token, st.cache.lengths, running, st.processors)
     proposal, own = proposer.propose(params, target, st.proposer, view, sampling, k_propose)
     tokens = proposal.tokens.at[:, 0].set(st.last_token)  # [B, N]
-    n, depth, m = tokens.shape[1], proposer.depth, st.cache.lengths
-    wanted = dict(return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden)
+    b, n = tokens.shape
+    parents = chain_parents(b, n) if proposal.tree is None else proposal.tree.parents
+    args = (target, proposer, st, proposal, tokens, k_uniform, k_noise)
+    opts = dict(sampling=sampling, forced_accept_prob=forced_accept_prob, kernels=kernels)
+    if proposal.has_draft is None:
+        a, emitted, path, target_cache, aux, hidden = _verify(*args, **opts)
+    else:
+        a, emitted, path, target_cache, aux, hidden = jax.lax.cond(
+            jnp.any(proposal.has_draft & (running > 0)),
+            lambda: _verify(*args, **opts),
+            lambda: _root_only(*args, **opts),
+        )
 
+    count = a + 1
+    emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
+    before = st.num_generated
+    st = emit(st, emitted, count, eos_ids)
+    verified = Verified(emitted, a, running, aux, hidden)
+    own_token = jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0]  # [B] the target's token after the path
+    return st._replace(
+        cache=kvc.advance(target_cache, count * running),
+        last_token=jnp.where(running > 0, own_token, st.last_token),
+        key=key,
+        stats=_count(st.stats, proposal, tokens, parents, path, a, own_token, st.num_generated - before < count,
+                     proposer.depth, running),
+        proposer=proposer.commit(params, own, verified),
+    )
+
+
+def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, k_uniform, k_noise, *, sampling,
+            forced_accept_prob, kernels):
+    """All N nodes through the target, then acceptance: (a [B], emitted [B, D+1] (-1 past a), path [B, D+1] or None,
+    the target cache with the root and accepted nodes at m .. m + a, aux and hidden [B, D+1, ...] on the path)."""
+    b, n = tokens.shape
+    depth, m = proposer.depth, st.cache.lengths
+    wanted = dict(return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden)
     dt = proposal.tree
     if dt is None:  # a chain: node j at position m + j, causal
         verify = target(tokens, m[:, None] + jnp.arange(n, dtype=jnp.int32), st.cache, **wanted)
@@ -184,33 +221,41 @@ def spec_step(
                 tokens, parents, p, uniforms, noise, mode="tree", max_depth=depth, impl=kernels
             )
 
-    count = a + 1
     if dt is None:  # a chain's accepted nodes already sit in order at m .. m + a
-        target_cache, on_path = verify.cache, lambda x: None if x is None else x[:, : depth + 1]
-    else:
-        target_cache = kvc.compact(verify.cache, m, path)
-        safe = jnp.maximum(path, 0)[:, :, None]
-        on_path = lambda x: None if x is None else jnp.take_along_axis(x, safe, axis=1)  # noqa: E731
-    emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
-    before = st.num_generated
-    st = emit(st, emitted, count, eos_ids)
-    verified = Verified(emitted, a, running, on_path(verify.aux), on_path(verify.hidden))
-    own_token = jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0]  # [B] the target's token after the path
-    return st._replace(
-        cache=kvc.advance(target_cache, count * running),
-        last_token=jnp.where(running > 0, own_token, st.last_token),
-        key=key,
-        stats=_count(st.stats, proposal, tokens, parents, path, a, own_token, st.num_generated - before < count,
-                     depth, running),
-        proposer=proposer.commit(params, own, verified),
+        return a, emitted, path, verify.cache, _first(verify.aux, depth + 1), _first(verify.hidden, depth + 1)
+    target_cache = kvc.compact(verify.cache, m, path)
+    safe = jnp.maximum(path, 0)[:, :, None]
+    on_path = lambda x: None if x is None else jnp.take_along_axis(x, safe, axis=1)  # noqa: E731
+    return a, emitted, path, target_cache, on_path(verify.aux), on_path(verify.hidden)
+
+
+def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, k_uniform, k_noise, *, sampling,
+               forced_accept_prob, kernels):
+    """The root alone through the target (a one-token decode) and the target's token after it: `_verify`'s
+    outputs for a step that accepts no draft (a = 0; aux and hidden zero past the root)."""
+    del proposal, k_noise, kernels
+    b, width = tokens.shape[0], proposer.depth + 1
+    out = target(
+        tokens[:, :1], st.cache.lengths[:, None], st.cache,
+        return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden,
     )
+    logits = procs.process(out.logits, st.processors)[:, 0]  # [B, V]
+    token = sample(logits, sampling, k_uniform, procs.min_p_of(st.processors))  # [B]
+    emitted = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(token)  # [B, D+1]
+    path = None if forced_accept_prob is not None else jnp.full((b, width), -1, jnp.int32).at[:, 0].set(0)
+    pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - 1)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    return jnp.zeros((b,), jnp.int32), emitted, path, out.cache, pad(out.aux), pad(out.hidden)
+
+
+def _first(x: jax.Array | None, n: int) -> jax.Array | None:
+    return None if x is None else x[:, :n]
 
 
 def _count(stats: Stats, proposal, tokens, parents, path, a, own_token, cut, depth: int, running) -> Stats:
     """The step's counters for running rows: accepted positions, the outcome (`telemetry`), sibling acceptances."""
     node = a if proposal.tree is None else jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]  # [B] last accepted
     outcome = telemetry.step_outcome(
-        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut
+        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut, proposal.has_draft
     )
     live = running[:, None] > 0
     accepted = (jnp.arange(depth)[None, :] < a[:, None]) & live

@@ -112,8 +112,8 @@ class NgramState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(ChainDrafts):
     """Prompt lookup as a proposer: chains of `num_draft` tokens from `ngram_match` over each row's own history,
-    kept on device. No parameters, no target outputs, no model forwards: a step where nothing matches costs only
-    the verify the step runs anyway. The drafts are deterministic, so sampling verifies them with the walk that
+    kept on device. No parameters, no target outputs, no model forwards; a step where no row's suffix matches runs
+    the root alone (a one-token decode, `engine.spec_step`) instead of verifying K + 1 tokens. The drafts are deterministic, so sampling verifies them with the walk that
     needs no draft probabilities (lossless for a one-hot q)."""
 
     num_draft: int = 5
@@ -144,7 +144,7 @@ class NgramProposer(ChainDrafts):
         # Telemetry: node j's one candidate is draft j + 1 when a suffix matched; without a match, none (no_draft).
         proposed = jnp.where((match_n > 0)[:, None], drafts, -1)
         candidates = jnp.concatenate([proposed, jnp.full_like(drafts[:, :1], -1)], axis=1)[:, :, None]  # [B, K+1, 1]
-        return Proposal(tokens, None, None, candidates), st
+        return Proposal(tokens, None, None, candidates, has_draft=match_n > 0), st
 
     def commit(self, params, st: NgramState, verified: Verified) -> NgramState:
         """Append the emitted tokens (accepted drafts and the target's own) of running rows."""

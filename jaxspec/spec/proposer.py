@@ -58,6 +58,10 @@ class Proposal(NamedTuple):
     candidates: jax.Array | None = None  # [B, N, C] node i's top-C next-token candidates (target ids, best first,
     # -1 where none); None: the drafted children
     draft_vocab: jax.Array | None = None  # [V] bool, the target tokens the proposer can draft; None: all
+    # [B] bool, rows whose drafts are real proposals (an n-gram that matched); None: every row's. When no running
+    # row has one, the engine runs the root alone (a one-token decode) instead of verifying N nodes: same output,
+    # a cheaper step.
+    has_draft: jax.Array | None = None
 
 
 class Verified(NamedTuple):

@@ -11,7 +11,7 @@ reason tells what would help:
                           a tree's selected children): a wider tree would have caught it
     miss                  t is not among the proposer's candidates at u (a plain miss)
     no_draft              the proposer had no candidate at u (an n-gram without a match, a tree leaf the tree
-                          did not expand)
+                          did not expand, a row whose Proposal.has_draft is False)
     cut_by_stop           emission stopped inside the accepted tokens (EOS, or the row's budget), whatever came after
 
 The outcomes partition a row's verify steps (they sum to `verify_calls`). Separately, `accepted_via_sibling`
@@ -41,13 +41,14 @@ def step_outcome(
     candidates: jax.Array | None,  # [B, N, C] or None (see the module docstring)
     draft_vocab: jax.Array | None,  # [V] bool or None
     cut: jax.Array,  # [B] bool: emission stopped before a + 1 tokens
+    has_draft: jax.Array | None = None,  # [B] bool, Proposal.has_draft (False: the row proposed nothing)
 ) -> jax.Array:
     """The step's outcome per row, as an index into OUTCOMES [B] int32."""
     if candidates is None:
         ranked = jnp.where(parents == node[:, None], tokens, -1)  # [B, N] u's drafted children
     else:
         ranked = jnp.take_along_axis(candidates, node[:, None, None], axis=1)[:, 0]  # [B, C]
-    has_draft = jnp.any(ranked >= 0, axis=1)  # [B]
+    has_draft = jnp.any(ranked >= 0, axis=1) & (True if has_draft is None else has_draft)  # [B]
     in_vocab = jnp.ones_like(has_draft) if draft_vocab is None else draft_vocab[target_token]
     in_ranked = jnp.any(ranked == target_token[:, None], axis=1)
     outcome = jnp.where(
