@@ -81,6 +81,21 @@ def test_speculative_on_the_mesh_equals_one_device(tree):
     assert np.mean([c.stats["mean_accepted_length"] for c in out]) > 1.5  # drafts were really accepted
 
 
+@pytest.mark.parametrize("batch", [2, 4])
+def test_ngram_on_the_mesh_equals_one_device(batch):
+    """Prompt lookup's on-device history and its root-only steps (`lax.cond` when no row matched) under the mesh."""
+    from jaxspec.spec.ngram import NgramProposer
+
+    prompts = PROMPTS + [PROMPTS[1] * 3]
+    reference = Generator(target(), batch_size=1).generate(prompts, max_new_tokens=24)
+    out = Generator(target(), proposer=NgramProposer(4, 2, 3), batch_size=batch, mesh=mesh()).generate(
+        prompts, max_new_tokens=24
+    )
+    assert _ids(out) == _ids(reference)
+    outcomes = {k: sum(c.stats["rejections"][k] for c in out) for k in ("no_draft", "miss", "all_accepted")}
+    assert outcomes["no_draft"] > 0 and outcomes["miss"] + outcomes["all_accepted"] > 0
+
+
 def _shard_shapes(x) -> set[tuple[int, ...]]:
     return {s.data.shape for s in x.addressable_shards}
 
