@@ -40,7 +40,7 @@ class Stats(NamedTuple):
 
     verify_calls: jax.Array  # [B] speculative steps while the row was running (target forwards after the prefill)
     accepted: jax.Array  # [B, D] how often draft position j was accepted (D = the proposer's depth; 0 without one)
-    outcomes: jax.Array  # [B, len(telemetry.OUTCOMES)] why each verify step stopped accepting (they sum to verify_calls)
+    outcomes: jax.Array  # [B, len(telemetry.OUTCOMES)] why each verify step stopped accepting (sum: verify_calls)
     sibling_accepts: jax.Array  # [B] accepted tree nodes that were not their parent's first child
 
 
@@ -129,13 +129,18 @@ def prefill(
 def decode_step(target, st: GenState, eos_ids: jax.Array, sampling: SamplingConfig) -> GenState:
     """Target-only: run x_m, sample x_{m+1}."""
     running = ~st.done
-    out = target(st.last_token[:, None], st.cache.lengths[:, None], st.cache)
     key, sub = jax.random.split(st.key)
-    logits = procs.process(out.logits, st.processors)[:, 0]
-    token = sample(logits, sampling, sub, procs.min_p_of(st.processors))
+    out, token = _run_root(target, st, sub, sampling)
     st = st._replace(cache=kvc.advance(out.cache, running.astype(jnp.int32)), key=key)
     st = emit(st, token[:, None], jnp.ones_like(token), eos_ids)
     return st._replace(last_token=jnp.where(running, token, st.last_token))
+
+
+def _run_root(target, st: GenState, key: jax.Array, sampling: SamplingConfig, **wanted):
+    """x_m alone through the target, and the processed target's token after it: (target output, token [B])."""
+    out = target(st.last_token[:, None], st.cache.lengths[:, None], st.cache, **wanted)
+    logits = procs.process(out.logits, st.processors)[:, 0]  # [B, V]
+    return out, sample(logits, sampling, key, procs.min_p_of(st.processors))
 
 
 def spec_step(
@@ -156,7 +161,7 @@ def spec_step(
     tokens = proposal.tokens.at[:, 0].set(st.last_token)  # [B, N]
     b, n = tokens.shape
     parents = chain_parents(b, n) if proposal.tree is None else proposal.tree.parents
-    args = (target, proposer, st, proposal, tokens, k_uniform, k_noise)
+    args = (target, proposer, st, proposal, tokens, parents, k_uniform, k_noise)
     opts = dict(sampling=sampling, forced_accept_prob=forced_accept_prob, kernels=kernels)
     if proposal.has_draft is None:
         a, emitted, path, target_cache, aux, hidden = _verify(*args, **opts)
@@ -183,7 +188,7 @@ def spec_step(
     )
 
 
-def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, k_uniform, k_noise, *, sampling,
+def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *, sampling,
             forced_accept_prob, kernels):
     """All N nodes through the target, then acceptance: (a [B], emitted [B, D+1] (-1 past a), path [B, D+1] or None,
     the target cache with the root and accepted nodes at m .. m + a, aux and hidden [B, D+1, ...] on the path)."""
@@ -193,10 +198,10 @@ def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, k_unifor
     dt = proposal.tree
     if dt is None:  # a chain: node j at position m + j, causal
         verify = target(tokens, m[:, None] + jnp.arange(n, dtype=jnp.int32), st.cache, **wanted)
-        parents, paths = chain_parents(b, n), procs.chain_paths(tokens[:, 1:])
+        paths = procs.chain_paths(tokens[:, 1:])
     else:
         verify = target(tokens, m[:, None] + dt.depths, st.cache, block_mask=dt.mask, ancestors=dt.ancestors, **wanted)
-        parents, paths = dt.parents, procs.tree_paths(tokens, dt.ancestors, dt.depths)
+        paths = procs.tree_paths(tokens, dt.ancestors, dt.depths)
     logits = procs.process(verify.logits, st.processors, paths)  # [B, N, V]
 
     if forced_accept_prob is not None:
@@ -229,18 +234,15 @@ def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, k_unifor
     return a, emitted, path, target_cache, on_path(verify.aux), on_path(verify.hidden)
 
 
-def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, k_uniform, k_noise, *, sampling,
-               forced_accept_prob, kernels):
-    """The root alone through the target (a one-token decode) and the target's token after it: `_verify`'s
-    outputs for a step that accepts no draft (a = 0; aux and hidden zero past the root)."""
-    del proposal, k_noise, kernels
+def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
+               sampling, forced_accept_prob, kernels):
+    """The root alone through the target, as `decode_step` runs it: `_verify`'s outputs for a step that accepts no
+    draft (a = 0; aux and hidden zero past the root). Same signature as `_verify`, for `lax.cond`."""
+    del proposal, parents, k_noise, kernels
     b, width = tokens.shape[0], proposer.depth + 1
-    out = target(
-        tokens[:, :1], st.cache.lengths[:, None], st.cache,
-        return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden,
+    out, token = _run_root(
+        target, st, k_uniform, sampling, return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden
     )
-    logits = procs.process(out.logits, st.processors)[:, 0]  # [B, V]
-    token = sample(logits, sampling, k_uniform, procs.min_p_of(st.processors))  # [B]
     emitted = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(token)  # [B, D+1]
     path = None if forced_accept_prob is not None else jnp.full((b, width), -1, jnp.int32).at[:, 0].set(0)
     pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - 1)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731

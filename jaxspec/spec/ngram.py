@@ -113,8 +113,9 @@ class NgramState(NamedTuple):
 class NgramProposer(ChainDrafts):
     """Prompt lookup as a proposer: chains of `num_draft` tokens from `ngram_match` over each row's own history,
     kept on device. No parameters, no target outputs, no model forwards; a step where no row's suffix matches runs
-    the root alone (a one-token decode, `engine.spec_step`) instead of verifying K + 1 tokens. The drafts are deterministic, so sampling verifies them with the walk that
-    needs no draft probabilities (lossless for a one-hot q)."""
+    the root alone (a one-token decode, `engine.spec_step`) instead of verifying K + 1 tokens. The drafts are
+    deterministic, so sampling verifies them with the walk that needs no draft probabilities (lossless for a one-hot
+    q)."""
 
     num_draft: int = 5
     min_n: int = 1
@@ -141,9 +142,8 @@ class NgramProposer(ChainDrafts):
             st.history, st.length, num_draft=self.num_draft, min_n=self.min_n, max_n=self.max_n
         )  # [B, K], [B]
         tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)  # root set by the engine
-        # Telemetry: node j's one candidate is draft j + 1 when a suffix matched; without a match, none (no_draft).
-        proposed = jnp.where((match_n > 0)[:, None], drafts, -1)
-        candidates = jnp.concatenate([proposed, jnp.full_like(drafts[:, :1], -1)], axis=1)[:, :, None]  # [B, K+1, 1]
+        # Telemetry: node j's one candidate is draft j + 1 (rows without a match count as no_draft via has_draft).
+        candidates = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)[:, :, None]  # [B, K+1, 1]
         return Proposal(tokens, None, None, candidates, has_draft=match_n > 0), st
 
     def commit(self, params, st: NgramState, verified: Verified) -> NgramState:
