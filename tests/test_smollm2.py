@@ -80,6 +80,7 @@ def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
     assert [c.token_ids for c in got] == transformers_greedy(hf_model, prompts, stops)
 
 
+@pytest.mark.slow  # ~3 min; penalties keep speculation exact in CI: test_processors (tiny models)
 def test_repetition_penalty_equals_transformers_with_and_without_speculation(target_dir, model, hf_model, tmp_path,
                                                                              capsys):
     """Greedy with repetition_penalty=1.3: target-only, a chain (batch 1) and, through the CLI flag, a tree at batch
@@ -118,7 +119,8 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
     assert np.mean([r["stats"]["mean_accepted_length"] for r in records]) > 1.1
 
 
-@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
+@pytest.mark.slow  # ~2.5 min; in CI: test_ngram_proposer, test_invariance's bfloat16 n-gram test (tiny models)
+@pytest.mark.parametrize("batch", [1, 4])
 def test_ngram_greedy_equals_transformers_on_mt_bench_and_grounded_prompts(target_dir, model, hf_model, batch):
     """`--proposer ngram`: prompt lookup changes nothing on chat prompts and on long input-grounded ones
     (summaries, extraction: where it is accepted), at batch 1 and 4 (ragged: long and short prompts mixed)."""
@@ -136,6 +138,7 @@ def test_ngram_greedy_equals_transformers_on_mt_bench_and_grounded_prompts(targe
     assert tokens_per_verify > 1.5  # copying from the input is accepted
 
 
+@pytest.mark.slow  # SmolLM2 speculation stays in CI with the shipped head (default draft, bfloat16 chain and tree)
 def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):
     from fit_head import head_config_for
     from flax import nnx
@@ -189,7 +192,8 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     assert "mean_accepted_length" not in plain["stats"]
 
 
-@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])  # batch invariance: test_invariance
+@pytest.mark.slow  # ~2 min; in CI the shipped head's chain and tree run on SmolLM2 in bfloat16 (below)
+@pytest.mark.parametrize("batch", [1, 4])  # batch invariance: test_invariance
 def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch):
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.spec.generator import SpeculativeGenerator
