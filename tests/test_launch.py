@@ -99,9 +99,34 @@ def test_bad_override(setup, capsys):
 def test_offline_features_train_like_online(setup):
     from train.data import main as data_main
 
-    assert data_main(["features", "--target", str(setup / "target"), "--data", str(setup / "data")]) == 0
+    # rows of 48 tokens: most hold two or three sequences, none fits a 29-token one twice
+    assert data_main(["features", "--target", str(setup / "target"), "--data", str(setup / "data"),
+                      "--seq-len", "48"]) == 0
     seqs = read_shards(setup / "data", with_features=True)
     assert seqs[0][2].shape == (len(seqs[0][0]), 3 * 64) and seqs[0][3].shape == (len(seqs[0][0]), 64)
+    # packed features equal each sequence's own forward (up to bfloat16 rounding of float32 values)
+    import jax.numpy as jnp
+
+    from jaxspec.checkpoints.hf import load_target
+    from train.step import target_features
+
+    target = load_target(setup / "target")
+    target.numerics = None
+    for ids, _, aux, hidden in seqs[:6]:
+        want_aux, want_hidden = target_features(target, jnp.asarray(ids)[None])
+        np.testing.assert_allclose(np.asarray(aux, np.float32), np.asarray(want_aux[0]), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(hidden, np.float32), np.asarray(want_hidden[0]), rtol=2e-2, atol=2e-2)
+    # rows of 16: sequences longer than a row run alone (in rows of 32); the same features
+    import shutil
+
+    short = setup / "data-short-rows"
+    short.mkdir()
+    shutil.copy(setup / "data" / "shard-00000.npz", short)
+    assert data_main(["features", "--target", str(setup / "target"), "--data", str(short), "--seq-len", "16"]) == 0
+    for (_, _, aux, hidden), (_, _, aux2, hidden2) in zip(seqs, read_shards(short, with_features=True)):
+        np.testing.assert_allclose(np.asarray(aux2, np.float32), np.asarray(aux, np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(hidden2, np.float32), np.asarray(hidden, np.float32), rtol=2e-2,
+                                   atol=2e-2)
     launch(config(setup, "online", 3))
     launch(config(setup, "offline", 3), "train.features=offline")
     online, offline = losses(setup / "online"), losses(setup / "offline")

@@ -94,3 +94,85 @@ def test_ttt_steps_equal_inference_drafting():
             cache = kvc.advance(cache, 1)
             state = out
             np.testing.assert_allclose(np.asarray(logits[0, 0]), np.asarray(ttt[k][0, anchor]), atol=1e-5)
+
+
+def _packed_case(rng, lengths, t, prompt=3):
+    """Sequences of the given lengths packed back to back into one row of T, and the same sequences alone."""
+    seqs = [rng.integers(0, 50, n) for n in lengths]
+    feats = [rng.normal(size=(n, 72)) for n in lengths]
+    ids = np.zeros((1, t), np.int32)
+    f = np.zeros((1, t, 72), np.float32)
+    pos, seg, mask = np.zeros((1, t), np.int32), np.zeros((1, t), np.int32), np.zeros((1, t), np.int32)
+    start = 0
+    for i, (s, g) in enumerate(zip(seqs, feats)):
+        n = len(s)
+        ids[0, start : start + n], f[0, start : start + n] = s, g
+        pos[0, start : start + n], seg[0, start : start + n] = np.arange(n), i + 1
+        mask[0, start + prompt : start + n] = 1
+        start += n
+    return seqs, feats, ids, f, pos, seg, mask
+
+
+@pytest.mark.parametrize("lengths,t", [((7, 9), 16), ((5, 4, 6), 20), ((12,), 12)])
+def test_packed_rows_equal_each_sequence_alone(lengths, t):
+    """A row holding several sequences gives each the logits it gets alone (attention never crosses a boundary,
+    positions restart), efficient form against the explicit-mask reference, on a subset of rows."""
+    head = Eagle3Head(CFG, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(sum(lengths))
+    embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    seqs, feats, ids, f, pos, seg, _ = _packed_case(rng, lengths, t)
+    next_ids = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], axis=1)
+    rows = np.sort(rng.choice(sum(lengths), size=max(1, sum(lengths) // 2), replace=False)).astype(np.int32)[None]
+    args = (jnp.asarray(f), jnp.asarray(next_ids), 3, jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(rows))
+    fast = ttt_logits(head, embed, *args)
+    slow = ttt_logits_reference(head, embed, *args)
+    for a, b in zip(fast, slow):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
+    start = 0
+    for s, g in zip(seqs, feats):
+        n = len(s)
+        nxt = np.concatenate([ids[:, start + 1 : start + n + 1], np.zeros((1, max(0, start + n + 1 - t)), np.int32)], 1)
+        alone = ttt_logits(head, embed, jnp.asarray(g[None], jnp.float32), jnp.asarray(nxt), 3)
+        for k in range(3):
+            for j, r in enumerate(rows[0]):
+                if start <= r < start + n - k - 1:  # x_{t+1+k} lies inside the sequence
+                    np.testing.assert_allclose(
+                        np.asarray(fast[k][0, j]), np.asarray(alone[k][0, r - start]), atol=2e-5, rtol=1e-5
+                    )
+        start += n
+
+
+def test_packed_loss_equals_the_padded_batch():
+    """The loss and metrics of packed rows (trained rows only) equal those of the same sequences padded one per
+    row with every position computed: packing changes the cost, not the objective."""
+    from train.packing import trained_positions
+
+    head = Eagle3Head(CFG, rngs=nnx.Rngs(4))
+    rng = np.random.default_rng(7)
+    embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    lengths, t, steps = (9, 11), 24, 3
+    seqs, feats, ids, f, pos, seg, mask = _packed_case(rng, lengths, t)
+    teacher = rng.normal(size=(1, t, 20)).astype(np.float32)
+    next_ids = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], axis=1)
+    trained = np.concatenate([trained_positions(mask[0, s : s + n], steps) + s
+                              for s, n in zip((0, lengths[0]), lengths)])
+    rows = np.full((1, 16), t - 1, np.int32)
+    rows[0, : len(trained)] = trained
+    logits = ttt_logits(head, embed, jnp.asarray(f), jnp.asarray(next_ids), steps, jnp.asarray(pos),
+                        jnp.asarray(seg), jnp.asarray(rows))
+    packed, pm = ttt_loss(logits, jnp.asarray(teacher), jnp.asarray(mask), segments=jnp.asarray(seg),
+                          rows=jnp.asarray(rows))
+    # the same two sequences, one per row, padded to the longer
+    n = max(lengths)
+    pid, pf = np.zeros((2, n + 1), np.int32), np.zeros((2, n, 72), np.float32)
+    pmask, pteach = np.zeros((2, n), np.int32), np.zeros((2, n, 20), np.float32)
+    start = 0
+    for i, m in enumerate(lengths):
+        pid[i, :m], pf[i, :m] = ids[0, start : start + m], f[0, start : start + m]
+        pmask[i, :m], pteach[i, :m] = mask[0, start : start + m], teacher[0, start : start + m]
+        start += m
+    logits = ttt_logits(head, embed, jnp.asarray(pf), jnp.asarray(pid[:, 1:]), steps)
+    padded, qm = ttt_loss(logits, jnp.asarray(pteach), jnp.asarray(pmask))
+    assert float(packed) == pytest.approx(float(padded), rel=1e-5)
+    for name in pm:
+        assert float(pm[name]) == pytest.approx(float(qm[name]), rel=1e-5, abs=1e-6), name

@@ -32,3 +32,24 @@ def test_prior_breaks_ties_among_unseen_tokens():
     prior = np.array([0, 9, 1, 7, 3, 2])
     d2t, t2d = build_vocab_map(counts, 4, prior)
     assert np.flatnonzero(t2d).tolist() == [1, 3, 4, 5]  # 1 and 4 by count, then the unseen 3 and 5 by prior
+
+
+def test_coverage_report_compares_sizes_on_held_out_and_evaluation_shards(tmp_path, capsys):
+    """`python -m train.vocab`: one row per size; coverage grows with the size and reaches 1 on the full vocabulary."""
+    from train.data import write_shard
+    from train.vocab import main
+
+    rng = np.random.default_rng(0)
+    for name, n in (("train", 60), ("eval", 10)):
+        (tmp_path / name).mkdir()
+        seqs = [rng.zipf(1.5, 30).clip(0, 199).tolist() for _ in range(n)]
+        write_shard(tmp_path / name / "shard-00000.npz", seqs, [4] * n, [str(i) for i in range(n)], [True] * n)
+    assert main(["--data", str(tmp_path / "train"), "--eval", str(tmp_path / "eval"), "--sizes", "4,16,200"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    cells = [[float(c) for c in row.strip("| ").split(" | ")[1:]] for row in rows]
+    assert len(cells) == 3 and all(len(c) == 2 for c in cells)
+    for col in (0, 1):
+        assert cells[0][col] <= cells[1][col] <= cells[2][col] == 1.0
+    with pytest.raises(SystemExit) as exc:
+        main(["--data", str(tmp_path / "train"), "--sizes", "8k"])
+    assert exc.value.code == 2 and "--sizes must be integers" in capsys.readouterr().err

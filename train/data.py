@@ -4,9 +4,12 @@ On-disk format (one directory per dataset):
   meta.json            target name, chat template flag, generation settings, shard size, prompt order seed
   shard-00000.npz      tokens [N] int32 (sequences concatenated), offsets [n+1] int64, prompt_lens [n] int32,
                        ids [n] str, finished [n] bool (the response ended with a stop token)
-  features-00000.npz   optional (`python -m train.data features`): aux [N, n_aux·H] and hidden [N, H] bfloat16, the
-                       target's EAGLE-3 features and final pre-norm hidden state for every token of the shard, for
-                       offline training of heads for small targets (the teacher logits are lm_head(norm(hidden)))
+  features-00000.aux.npy, features-00000.hidden.npy
+                       optional (`python -m train.data features`): aux [N, n_aux·H] and hidden [N, H], bfloat16 bits
+                       as uint16, the target's EAGLE-3 features and final pre-norm hidden state for every token of the
+                       shard, for offline training of heads for small targets (the teacher logits are
+                       lm_head(norm(hidden))). Plain .npy, read memory-mapped: a whole dataset's features (~4.6 kB
+                       per token for SmolLM2, 17 GB for 3.7M tokens) need not fit in memory.
 Sequence i is tokens[offsets[i]:offsets[i+1]]: the chat-formatted prompt followed by the target's greedy response;
 its loss mask is 1 on the response (positions ≥ prompt_lens[i]). Shards are written atomically (temporary file,
 then rename) and cover fixed slices of a seeded shuffle of the prompts, so a killed run resumes by skipping the
@@ -65,8 +68,14 @@ def shard_files(directory: str | Path) -> list[Path]:
     return [p for p in sorted(Path(directory).glob("shard-*.npz")) if not p.name.endswith(".tmp.npz")]
 
 
-def features_path(shard: Path) -> Path:
-    return shard.with_name(shard.name.replace("shard-", "features-"))
+def features_paths(shard: Path) -> tuple[Path, Path]:
+    """(aux, hidden) feature files of a shard; the hidden file is written last, so its presence means both are."""
+    stem = shard.name.replace("shard-", "features-").removesuffix(".npz")
+    return shard.with_name(stem + ".aux.npy"), shard.with_name(stem + ".hidden.npy")
+
+
+def has_features(shard: Path) -> bool:
+    return all(p.is_file() for p in features_paths(shard))
 
 
 def require_shards(directory: str | Path, what: str = "data shards") -> list[Path]:
@@ -102,11 +111,14 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
     for path in shard_files(directory):
         feats = None
         if with_features:
-            if not features_path(path).is_file():
-                raise JaxspecError(f"{path.name} has no features file (run python -m train.data features)")
-            aux, hidden = load_npz(features_path(path), "aux", "hidden")  # stored as raw bfloat16 bits
-            feats = {"aux": aux.view(BF16), "hidden": hidden.view(BF16)}
+            if not has_features(path):
+                raise JaxspecError(f"{path.name} has no features files (run python -m train.data features)")
+            aux, hidden = (load_npy(f).view(BF16) for f in features_paths(path))  # memory-mapped
+            feats = {"aux": aux, "hidden": hidden}
         tokens, offsets, plens = load_npz(path, "tokens", "offsets", "prompt_lens")
+        if feats is not None and len(feats["aux"]) != len(tokens):
+            raise JaxspecError(f"{path.name}'s features cover {len(feats['aux'])} tokens, not {len(tokens)} "
+                               "(delete its features files and run python -m train.data features)")
         for i in range(len(plens)):
             a, b = offsets[i], offsets[i + 1]
             seq = tokens[a:b]
@@ -118,11 +130,27 @@ def read_shards(directory: str | Path, with_features: bool = False) -> list[tupl
     return out
 
 
+def load_npy(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped; a damaged one is a one-line error."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise JaxspecError(f"cannot read {str(path)!r}: {e} (delete it and run the command again)") from None
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Write atomically: a temporary file, then a rename (a killed run leaves no half-written file behind)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
 def compute_features(args) -> None:
     """Run the target over every shard and store its features and final hidden states (bfloat16).
 
-    Sequences are sorted by length and run in batches padded to a power-of-two length, one compiled forward per
-    (batch, length) bucket."""
+    A shard's sequences are packed into rows of --seq-len tokens (longest first, first-fit; each attends only to
+    itself), so no compute goes to padding and one forward shape compiles once."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -130,9 +158,11 @@ def compute_features(args) -> None:
 
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.cli_common import resolve_target
+    from train.packing import first_fit
+    from train.step import target_features
 
     shards = require_shards(args.data)
-    todo = [p for p in shards if not features_path(p).exists()]
+    todo = [p for p in shards if not has_features(p)]
     if not todo:
         print(f"all {len(shards)} shards in {args.data} have features", file=sys.stderr)
         return
@@ -141,34 +171,41 @@ def compute_features(args) -> None:
     graphdef, state = nnx.split(target)
 
     @jax.jit
-    def forward(state, ids):  # [B, T] → aux [B, T, n_aux·H], hidden [B, T, H], both bfloat16
-        model = nnx.merge(graphdef, state)
-        b, t = ids.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        out = model(ids, positions, model.init_cache(b, t), return_aux=True, return_hidden=True, empty_cache=True)
-        return out.aux.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
+    def forward(state, ids, positions, segments):  # [B, T] each → aux [B, T, n_aux·H], hidden [B, T, H] bfloat16
+        aux, hidden = target_features(nnx.merge(graphdef, state), ids, positions, segments)
+        return aux.astype(jnp.bfloat16), hidden.astype(jnp.bfloat16)
 
     cfg = target.config
+    b, t = args.batch_size, args.seq_len
     for path in tqdm(todo, desc="features", unit="shard"):
         tokens, offsets = load_npz(path, "tokens", "offsets")
         aux_out = np.zeros((len(tokens), len(cfg.aux_layer_ids) * cfg.hidden_size), BF16)
         hid_out = np.zeros((len(tokens), cfg.hidden_size), BF16)
         lengths = np.diff(offsets)
-        order = np.argsort(lengths)
-        for start in range(0, len(order), args.batch_size):
-            rows = order[start : start + args.batch_size]
-            bucket = max(16, 1 << (int(lengths[rows].max()) - 1).bit_length())
-            ids = np.zeros((args.batch_size, bucket), np.int32)  # fixed batch: one compile per length bucket
-            for j, i in enumerate(rows):
-                ids[j, : lengths[i]] = tokens[offsets[i] : offsets[i + 1]]
-            aux, hid = (np.asarray(x) for x in forward(state, jnp.asarray(ids)))
-            for j, i in enumerate(rows):
-                a, b = offsets[i], offsets[i + 1]
-                aux_out[a:b] = aux[j, : lengths[i]]
-                hid_out[a:b] = hid[j, : lengths[i]]
-        tmp = features_path(path).with_suffix(".tmp.npz")
-        np.savez(tmp, aux=aux_out.view(np.uint16), hidden=hid_out.view(np.uint16))
-        os.replace(tmp, features_path(path))
+        short = np.flatnonzero(lengths <= t)
+        packed = first_fit(short[np.argsort(-lengths[short], kind="stable")], lengths[:, None], (t,))
+        groups = [(b, t, packed[i : i + b]) for i in range(0, len(packed), b)]
+        # a sequence longer than a row runs alone, in a row of the next power of two
+        groups += [(1, 1 << (int(lengths[i]) - 1).bit_length(), [(int(i),)]) for i in np.flatnonzero(lengths > t)]
+        for num_rows, width, batch in groups:
+            ids, positions, segments = (np.zeros((num_rows, width), np.int32) for _ in range(3))
+            for r, members in enumerate(batch):
+                at = 0
+                for seg, i in enumerate(members, start=1):
+                    n = lengths[i]
+                    ids[r, at : at + n] = tokens[offsets[i] : offsets[i + 1]]
+                    positions[r, at : at + n], segments[r, at : at + n] = np.arange(n), seg
+                    at += n
+            aux, hid = (np.asarray(x) for x in forward(state, *(jnp.asarray(x) for x in (ids, positions, segments))))
+            for r, members in enumerate(batch):
+                at = 0
+                for i in members:
+                    n, a = lengths[i], offsets[i]
+                    aux_out[a : a + n], hid_out[a : a + n] = aux[r, at : at + n], hid[r, at : at + n]
+                    at += n
+        aux_path, hidden_path = features_paths(path)
+        save_npy(aux_path, aux_out.view(np.uint16))
+        save_npy(hidden_path, hid_out.view(np.uint16))  # last: its presence means the shard is done
 
 
 def generate(args) -> None:
@@ -333,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", required=True, metavar="DIR", help="a dataset directory written by generate (required; no default)"
     )
     f.add_argument(
-        "--batch-size", type=_count(1), default=8, metavar="B", help="sequences per forward (default: %(default)s)"
+        "--batch-size", type=_count(1), default=4, metavar="B", help="packed rows per forward (default: %(default)s)"
+    )
+    f.add_argument(
+        "--seq-len", type=_count(2), default=512, metavar="T",
+        help="tokens per packed row; a longer sequence runs alone in a row of the next power of two "
+        "(default: %(default)s)",
     )
     return parser
 

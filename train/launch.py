@@ -1,7 +1,8 @@
 """python -m train.launch --config configs/NAME.yaml [key.sub=value ...]: train an EAGLE-3 head with TTT.
 
-Reads self-distilled shards (train/data.py), builds the draft vocabulary from their response tokens, trains with the
-frozen target computing features online, checkpoints with orbax (a killed run resumes exactly: the batch of step
+Reads self-distilled shards (train/data.py), packs them into fixed-length rows (train/packing.py), builds the draft
+vocabulary from their response tokens, trains with the frozen target computing features online (or reading
+them from `python -m train.data features`), checkpoints with orbax (a killed run resumes exactly: the batch of step
 s is a pure function of the seed and s), logs metrics to <out>/metrics.jsonl (and TensorBoard when tensorboardX is
 installed), measures real mean accepted length
 with the speculative engine every eval_every steps, and exports the head in the speculators and SGLang layouts.
@@ -22,37 +23,7 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 from train.config import HeadSection, RunConfig, TrainSection, load_config
-
-
-class Batches:
-    """Fixed-length batches (ids, loss_mask[, aux, hidden]); the batch of step s depends only on (seed, s)."""
-
-    def __init__(self, sequences, seq_len: int, batch_size: int, seed: int):
-        if not sequences:
-            raise JaxspecError("the training data holds no sequences")
-        self.sequences, self.seq_len = sequences, seq_len
-        self.batch_size, self.seed = batch_size, seed
-
-    def rows(self, step: int) -> list[int]:
-        n, b = len(self.sequences), self.batch_size
-        rows = []
-        for j in range(step * b, (step + 1) * b):
-            epoch, pos = divmod(j, n)
-            rows.append(int(np.random.default_rng((self.seed, epoch)).permutation(n)[pos]))
-        return rows
-
-    def __call__(self, step: int) -> tuple:
-        """Padded (ids, mask) arrays [B, T], plus (aux, hidden) [B, T, *] when the data carries features."""
-        rows = [self.sequences[i] for i in self.rows(step)]
-        out = []
-        for field in range(len(rows[0])):
-            first = rows[0][field]
-            arr = np.zeros((len(rows), self.seq_len, *first.shape[1:]), np.int32 if field < 2 else first.dtype)
-            for i, r in enumerate(rows):
-                k = min(len(r[field]), self.seq_len)
-                arr[i, :k] = r[field][:k]
-            out.append(arr)
-        return tuple(out)
+from train.packing import PackedBatches
 
 
 def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: np.ndarray | None = None):
@@ -133,7 +104,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         split_head,
         train_step,
     )
-    from train.vocab import coverage, token_counts
+    from train.vocab import coverage, training_counts
 
     t = cfg.train
     if cfg.distributed:  # multi-host (a TPU slice, several GPU hosts): one process per host
@@ -157,18 +128,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     if not sequences:
         raise JaxspecError(f"the training shards in {str(data_dir)!r} hold no sequences")
     # The draft vocabulary comes from all but every 20th sequence; its coverage of those held out says how often
-    # a target token cannot be drafted at all (a cap on acceptance).
+    # a target token cannot be drafted at all (a cap on acceptance). Prompt tokens too rank the tokens responses
+    # never used (a small dataset leaves many such ties).
+    counts, held_out, every_token = training_counts(sequences, target.config.vocab_size)
     vocab = target.config.vocab_size
-    counts = token_counts(
-        (s[0] for i, s in enumerate(sequences) if i % 20), (s[1] for i, s in enumerate(sequences) if i % 20), vocab
-    )
-    held_out = token_counts((s[0] for s in sequences[::20]), (s[1] for s in sequences[::20]), vocab)
-    # Prompt tokens too rank the tokens responses never used (a small dataset leaves many such ties).
-    every_token = token_counts(
-        (s[0] for i, s in enumerate(sequences) if i % 20),
-        (np.ones_like(s[0]) for i, s in enumerate(sequences) if i % 20),
-        vocab,
-    )
     head = build_head(target, cfg.head, counts, t.seed, prior=every_token)
     draft_mask = np.zeros(vocab, bool)
     draft_mask[np.asarray(head.to_target_ids(np.arange(head.config.draft_vocab_size)))] = True
@@ -196,7 +159,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         state, meta = ckpt.restore(ckpt.latest_step(), state)
         start = meta["next_step"]
         print(f"resumed from step {start}", file=sys.stderr)
-    batches = Batches(sequences, t.seq_len, t.batch_size, t.seed)
+    batches = PackedBatches(sequences, t.seq_len, t.batch_size, t.num_draft_steps, t.seed, t.trained_rows or None)
     step_fn = jax.jit(
         functools.partial(train_step, tgd, head_graphdef=hgd, tx=tx, num_steps=t.num_draft_steps),
         donate_argnames=("params", "opt_state"),
@@ -206,9 +169,12 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     params, opt_state = state["params"], state["opt_state"]
     last, interrupted, last_eval = {}, False, None
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
-        arrays = batches(step)
-        ids = arrays[0]
-        batch = jax.device_put(Batch(*arrays), batch_sharding(mesh))
+        packed = batches(step)
+        batch = jax.device_put(
+            Batch(packed.ids, packed.loss_mask, packed.aux, packed.hidden, packed.positions, packed.segments,
+                  packed.rows),
+            batch_sharding(mesh),
+        )
         begin = time.perf_counter()
         params, opt_state, loss, metrics = step_fn(
             tparams, params=params, frozen=frozen, opt_state=opt_state, batch=batch
@@ -218,7 +184,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             "step": step,
             "loss": loss,
             **{k: round(float(v), 5) for k, v in metrics.items()},
-            "tokens_per_second": round(ids.size / (time.perf_counter() - begin), 1),
+            "tokens_per_second": round(packed.real_tokens / (time.perf_counter() - begin), 1),  # padding not counted
+            "epoch": round(batches.epoch_of_step(step + 1), 4),
         }
         if t.eval_every and (step + 1) % t.eval_every == 0:
             from jaxspec.prompts import load_tokenizer

@@ -31,11 +31,17 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 
 class Batch(NamedTuple):
-    ids: jax.Array  # [B, T] int32 token ids (prompt + response)
+    """One step's arrays (`train.packing.PackedBatch` on device). Packing fields None: one sequence per row,
+    every position trained."""
+
+    ids: jax.Array  # [B, T] int32 token ids (prompt + response), packed sequences back to back
     loss_mask: jax.Array  # [B, T] int32, 1 on assistant tokens
     # Offline training: the target's cached features and final hidden states; None = computed online.
     aux: jax.Array | None = None  # [B, T, n_aux * H]
     hidden: jax.Array | None = None  # [B, T, H]
+    positions: jax.Array | None = None  # [B, T] int32 position within each packed sequence
+    segments: jax.Array | None = None  # [B, T] int32 packed sequence id (0: padding)
+    rows: jax.Array | None = None  # [B, C] int32 trained positions
 
 
 def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
@@ -46,11 +52,20 @@ def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
     return nnx.split(head, trainable, ...)
 
 
-def target_features(target: LlamaModel, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The frozen target's EAGLE-3 features [B, T, 3H] and final pre-norm hidden states [B, T, H]."""
+def target_features(
+    target: LlamaModel, ids: jax.Array, positions: jax.Array | None = None, segments: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The frozen target's EAGLE-3 features [B, T, 3H] and final pre-norm hidden states [B, T, H]; on packed rows
+    each sequence sees only itself (causal within its segment, its own positions)."""
     b, t = ids.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target(ids, positions, target.init_cache(b, t), return_aux=True, return_hidden=True, empty_cache=True)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = None
+    if segments is not None:
+        causal = jnp.tril(jnp.ones((t, t), bool))[None]
+        mask = causal & (segments[:, :, None] == segments[:, None, :])  # [B, T, T]
+    out = target(ids, positions, target.init_cache(b, t), block_mask=mask, return_aux=True, return_hidden=True,
+                 empty_cache=True)
     return out.aux, out.hidden  # the full-vocabulary logits are unused and compiled away
 
 
@@ -69,7 +84,7 @@ def train_step(
     """One optimizer step; returns (params, opt_state, loss, metrics)."""
     target = nnx.merge(target_graphdef, target_params)
     if batch.aux is None:
-        features, hidden = target_features(target, batch.ids)
+        features, hidden = target_features(target, batch.ids, batch.positions, batch.segments)
     else:  # offline: only the target's final norm and the draft columns of its lm_head run
         features, hidden = batch.aux, batch.hidden
     features, hidden = jax.lax.stop_gradient(features.astype(target.dtype)), jax.lax.stop_gradient(hidden)
@@ -80,8 +95,9 @@ def train_step(
 
     def loss_fn(params):
         head = nnx.merge(head_graphdef, params, frozen)
-        logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps)
-        return ttt_loss(logits, teacher, batch.loss_mask)
+        logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps,
+                            batch.positions, batch.segments, batch.rows)
+        return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, rows=batch.rows)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -6,6 +6,11 @@ g_t), sits at rope position t+k, and attends to block-0 keys j ≤ t plus, for e
 key of that step (row t): exactly the cache an inference-time draft chain anchored at t would hold. The efficient
 form runs causal attention over block 0 once per step and merges the k diagonal terms in closed form (log-sum-exp);
 `ttt_logits_reference` builds the explicit [T, (k+1)·T] masks instead and exists to test it.
+
+Packed rows (`train.packing`): several sequences share a row, told apart by `segments` and each with its own
+`positions`; attention stays within a sequence. `rows` [B, C] names the positions that carry a loss: step 0 computes
+keys and values for every position (they are attended to), but the queries, MLP and logits of step 0 and every later
+step run on those C rows only — a prompt position costs a key, not K head forwards.
 """
 
 from __future__ import annotations
@@ -37,17 +42,17 @@ def _finish_step(head: Eagle3Head, residual, attn):
     return head.logits(out), out
 
 
-def _causal_with_lse(q, k, v):
-    """Causal GQA attention over one block: (out [B, T, Hq, D] float32, lse [B, T, Hq])."""
-    b, t, hq, d = q.shape
+def _attend_with_lse(q, k, v, mask):
+    """GQA attention of queries q [B, C, Hq, D] over keys k, v [B, T, Hkv, D] where mask [B, C, T] allows:
+    (out [B, C, Hq, D] float32, lse [B, C, Hq])."""
+    b, c, hq, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    s = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, None, :]
-    s = jnp.where(causal, s, NEG_INF)
-    lse = jax.nn.logsumexp(s, axis=-1)  # [B, T, Hkv, G]
-    out = jnp.einsum("btkgs,bskd->btkgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
-    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
+    qg = q.reshape(b, c, hkv, hq // hkv, d)
+    s = jnp.einsum("bckgd,bskd->bckgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    s = jnp.where(mask[:, :, None, None, :], s, NEG_INF)
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, C, Hkv, G]
+    out = jnp.einsum("bckgs,bskd->bckgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+    return out.reshape(b, c, hq, d), lse.reshape(b, c, hq)
 
 
 def _merge_diagonal(out_b, lse_b, q, diag_k, diag_v):
@@ -68,88 +73,129 @@ def _merge_diagonal(out_b, lse_b, q, diag_k, diag_v):
     return total / weight[..., None]
 
 
-def _step_inputs(head, embed_table, features, next_ids, num_steps):
-    table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
+def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x [B, T, ...] at rows [B, C] → [B, C, ...]."""
+    return jnp.take_along_axis(x, rows.reshape(*rows.shape, *([1] * (x.ndim - 2))), axis=1)
+
+
+def _packing(next_ids, positions, segments, rows):
+    """Defaults for an unpacked batch: one sequence per row, positions 0..T-1, every position trained."""
     b, t = next_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    # Step k reads x_{t+1+k}: shift the ids left by k (rows past the end read padding and are masked in the loss).
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segments is None:
+        segments = jnp.zeros((b, t), jnp.int32)
+    if rows is None:
+        rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return positions, segments, rows
+
+
+def _step_ids(next_ids, rows, num_steps):
+    """Token ids of step k at the trained rows: x_{t+1+k}, i.e. next_ids shifted left by k (padding past the end;
+    such rows, and rows whose shift crosses into the next packed sequence, are masked in the loss)."""
+    b, _ = next_ids.shape
     padded = jnp.concatenate([next_ids, jnp.zeros((b, num_steps), next_ids.dtype)], axis=1)
-    embs = [jnp.take(table, padded[:, k : k + t], axis=0).astype(head.dtype) for k in range(num_steps)]
-    return head.project(features), embs, positions
+    return [jnp.take_along_axis(padded, rows + k, axis=1) for k in range(num_steps)]  # K × [B, C]
 
 
-def ttt_logits(head: Eagle3Head, embed_table, features, next_ids, num_steps: int) -> list[jax.Array]:
-    """Draft logits of each TTT step, efficient form.
-
-    features: [B, T, n_aux·Ht] target features g_t; next_ids: [B, T] the token after each position (x_{t+1}).
-    Returns num_steps arrays [B, T, V_d]: step k, row t predicts x_{t+2+k}.
-    """
-    state, embs, positions = _step_inputs(head, embed_table, features, next_ids, num_steps)
-    logits_per_step, diag_k, diag_v = [], [], []
-    k0 = v0 = None
-    for k in range(num_steps):
-        q, key, value, residual = _project_step(head, embs[k], state, positions + k)
-        if k == 0:
-            k0, v0 = key, value
-            out, lse = _causal_with_lse(q, k0, v0)
-            attn = out
-        else:
-            diag_k.append(key)
-            diag_v.append(value)
-            out, lse = _causal_with_lse(q, k0, v0)
-            attn = _merge_diagonal(out, lse, q, diag_k, diag_v)
+def ttt_logits(
+    head: Eagle3Head,
+    embed_table,  # [V, H] the target's embeddings (used when the head has none)
+    features,  # [B, T, n_aux·Ht] target features g_t
+    next_ids,  # [B, T] the token after each position (x_{t+1})
+    num_steps: int,
+    positions=None,  # [B, T] each token's position in its own sequence (packed rows); None: 0..T-1
+    segments=None,  # [B, T] which packed sequence each token belongs to; None: one per row
+    rows=None,  # [B, C] the positions to compute draft logits for, ascending; None: all T
+) -> list[jax.Array]:
+    """Draft logits of each TTT step, efficient form: num_steps arrays [B, C, V_d]; step k at rows[i] = t
+    predicts x_{t+2+k}."""
+    positions, segments, rows = _packing(next_ids, positions, segments, rows)
+    table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
+    step_ids = _step_ids(next_ids, rows, num_steps)
+    t = next_ids.shape[1]
+    # Step 0 over every position: all of them are keys.
+    emb0 = jnp.take(table, next_ids, axis=0).astype(head.dtype)
+    q, k0, v0, residual = _project_step(head, emb0, head.project(features), positions)
+    q, residual = _take_rows(q, rows), _take_rows(residual, rows)
+    row_pos, row_seg = _take_rows(positions, rows), _take_rows(segments, rows)  # [B, C]
+    mask = (jnp.arange(t)[None, None, :] <= rows[:, :, None]) & (segments[:, None, :] == row_seg[:, :, None])
+    out, _ = _attend_with_lse(q, k0, v0, mask)
+    logits, state = _finish_step(head, residual, out.astype(head.dtype))
+    logits_per_step, diag_k, diag_v = [logits], [], []
+    for k in range(1, num_steps):
+        emb = jnp.take(table, step_ids[k], axis=0).astype(head.dtype)
+        q, key, value, residual = _project_step(head, emb, state, row_pos + k)
+        diag_k.append(key)
+        diag_v.append(value)
+        out, lse = _attend_with_lse(q, k0, v0, mask)
+        attn = _merge_diagonal(out, lse, q, diag_k, diag_v)
         logits, state = _finish_step(head, residual, attn.astype(head.dtype))
         logits_per_step.append(logits)
     return logits_per_step
 
 
-def ttt_logits_reference(head: Eagle3Head, embed_table, features, next_ids, num_steps: int) -> list[jax.Array]:
-    """The same, with an explicit mask over all keys of all steps so far (slow; for tests)."""
-    state, embs, positions = _step_inputs(head, embed_table, features, next_ids, num_steps)
+def ttt_logits_reference(
+    head: Eagle3Head, embed_table, features, next_ids, num_steps: int, positions=None, segments=None, rows=None
+) -> list[jax.Array]:
+    """The same, every step over all T positions with an explicit mask over all keys of all steps so far (slow;
+    for tests), then read at `rows`."""
+    positions, segments, rows = _packing(next_ids, positions, segments, rows)
+    table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
     b, t = next_ids.shape
+    all_rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    step_ids = _step_ids(next_ids, all_rows, num_steps)
+    state = head.project(features)
     keys, values, out_logits = [], [], []
-    rows = jnp.arange(t)
+    idx = jnp.arange(t)
+    same = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
     for k in range(num_steps):
-        q, key, value, residual = _project_step(head, embs[k], state, positions + k)
+        emb = jnp.take(table, step_ids[k], axis=0).astype(head.dtype)
+        q, key, value, residual = _project_step(head, emb, state, positions + k)
         keys.append(key)
         values.append(value)
         all_k = jnp.concatenate(keys, axis=1).transpose(0, 2, 1, 3)  # [B, Hkv, (k+1)·T, D]
         all_v = jnp.concatenate(values, axis=1).transpose(0, 2, 1, 3)
-        blocks = [rows[None, :] <= rows[:, None]]  # step 0: causal
-        blocks += [rows[None, :] == rows[:, None]] * k  # steps 1..k: the diagonal
-        mask = jnp.broadcast_to(jnp.concatenate(blocks, axis=1)[None], (b, t, (k + 1) * t))
-        attn = attention(q, all_k, all_v, mask)
+        blocks = [(idx[None, :] <= idx[:, None])[None] & same]  # step 0: causal within the sequence
+        blocks += [jnp.broadcast_to(idx[None, :] == idx[:, None], (b, t, t))] * k  # steps 1..k: the diagonal
+        attn = attention(q, all_k, all_v, jnp.concatenate(blocks, axis=2))
         logits, state = _finish_step(head, residual, attn)
-        out_logits.append(logits)
+        out_logits.append(_take_rows(logits, rows))
     return out_logits
 
 
 def ttt_loss(
-    step_logits: list[jax.Array],  # K × [B, T, V_d]
+    step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `rows`
     teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
     loss_mask: jax.Array,  # [B, T] 1 where the token at that position is trained on (assistant tokens)
     decay: float = 0.8,
+    segments: jax.Array | None = None,  # [B, T] packed sequence of each position; None: one per row
+    rows: jax.Array | None = None,  # [B, C] the positions the logits are for; None: all T
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Σ_k decay^k · soft cross-entropy(target restricted to the draft vocabulary, draft), with accuracies.
 
     Step k, row t is taught by the target's distribution at position t+1+k (which predicts x_{t+2+k}) and counts
-    where loss_mask[t+2+k] is set.
+    where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence.
     """
     b, t, _ = teacher_logits.shape
+    _, segments, rows = _packing(loss_mask, None, segments, rows)
     teacher = jax.nn.softmax(teacher_logits.astype(jnp.float32), axis=-1)  # [B, T, V_d] renormalized on the draft vocab
-    teacher_best = jnp.argmax(teacher, axis=-1)
+    teacher_best = jnp.argmax(teacher, axis=-1)  # [B, T]
+    row_seg = _take_rows(segments, rows)  # [B, C]
     total = 0.0
     metrics = {}
-    still_right = jnp.ones((b, t), bool)
+    still_right = jnp.ones(rows.shape, bool)
     cond = []
     for k, logits in enumerate(step_logits):
-        shift = 1 + k
-        p = jnp.concatenate([teacher[:, shift:], jnp.zeros_like(teacher[:, :shift])], axis=1)
-        best = jnp.concatenate([teacher_best[:, shift:], jnp.zeros_like(teacher_best[:, :shift])], axis=1)
-        m = jnp.concatenate([loss_mask[:, shift + 1 :], jnp.zeros((b, shift + 1), loss_mask.dtype)], axis=1)
+        at = rows + 1 + k  # the teacher's position; the trained token is at + 1
+        inside = at + 1 < t
+        p = _take_rows(teacher, jnp.minimum(at, t - 1))  # [B, C, V_d]
+        best = _take_rows(teacher_best, jnp.minimum(at, t - 1))
+        nxt = jnp.minimum(at + 1, t - 1)
+        m = inside & (_take_rows(loss_mask, nxt) > 0) & (_take_rows(segments, nxt) == row_seg)
         m = m.astype(jnp.float32)
         count = jnp.maximum(m.sum(), 1.0)
-        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
+        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, C]
         loss_k = jnp.sum(ce * m) / count
         total = total + decay**k * loss_k
         right = jnp.argmax(logits, axis=-1) == best

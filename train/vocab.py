@@ -1,13 +1,22 @@
 """The draft vocabulary: the V_d most frequent target tokens among trained (assistant) tokens, sorted ascending.
 
 d2t[i] = selected[i] - i maps draft id i back to its target id; t2d[v] says whether target token v is draftable.
+
+  python -m train.vocab --data DIR [--eval DIR ...] [--sizes 8192,16384,32768]
+prints how much of the held-out training responses and of each evaluation set's responses (shards written by
+`python -m train.data generate`) a draft vocabulary of each size covers: a token outside it can never be drafted.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+
+HELD_OUT_EVERY = 20  # every 20th sequence is held out of the vocabulary counts, to measure coverage on unseen text
 
 
 def token_counts(sequences, masks, vocab_size: int) -> np.ndarray:
@@ -40,3 +49,58 @@ def coverage(counts: np.ndarray, t2d: np.ndarray) -> float:
     """Fraction of counted tokens the draft vocabulary can propose (caps the acceptance of every draft)."""
     total = counts.sum()
     return float(counts[t2d].sum() / total) if total else 0.0
+
+
+def training_counts(sequences, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(response-token counts of all but every HELD_OUT_EVERY-th sequence, those of the held-out ones, counts of
+    every token of the kept sequences — the prior that ranks tokens responses never used) from (ids, mask, ...)."""
+    kept = [s for i, s in enumerate(sequences) if i % HELD_OUT_EVERY]
+    held = sequences[::HELD_OUT_EVERY]
+    counts = token_counts((s[0] for s in kept), (s[1] for s in kept), vocab_size)
+    held_out = token_counts((s[0] for s in held), (s[1] for s in held), vocab_size)
+    prior = token_counts((s[0] for s in kept), (np.ones_like(s[0]) for s in kept), vocab_size)
+    return counts, held_out, prior
+
+
+def main(argv=None) -> int:
+    from jaxspec.cli_common import main_guard
+
+    parser = argparse.ArgumentParser(prog="python -m train.vocab", description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, metavar="DIR", help="training shards (required; no default)")
+    parser.add_argument("--eval", nargs="*", default=[], metavar="DIR",
+                        help="shards of evaluation sets' responses, e.g. from generate --prompts mt_bench (default: none)")
+    parser.add_argument("--sizes", default="8192,16384,32768", metavar="N,N",
+                        help="draft vocabulary sizes to compare (default: %(default)s)")
+
+    @main_guard
+    def run(argv):
+        from train.data import read_shards, require_shards
+
+        args = parser.parse_args(argv)
+        try:
+            sizes = [int(x) for x in args.sizes.split(",")]
+        except ValueError:
+            raise JaxspecError(f"--sizes must be integers separated by commas, got {args.sizes!r}") from None
+        require_shards(args.data, "training shards")
+        sequences = read_shards(args.data)
+        evals = {}
+        for d in args.eval:
+            require_shards(d, "evaluation shards")
+            evals[d] = read_shards(d)
+        vocab = int(max(max(int(s[0].max()) for s in seqs) for seqs in [sequences, *evals.values()])) + 1
+        counts, held_out, prior = training_counts(sequences, vocab)
+        names = ["held-out training responses", *evals]
+        print("| draft vocabulary | " + " | ".join(names) + " |")
+        print("|---" * (len(names) + 1) + "|")
+        for size in sizes:
+            _, t2d = build_vocab_map(counts, min(size, vocab), prior)
+            cells = [coverage(held_out, t2d)]
+            cells += [coverage(token_counts((s[0] for s in e), (s[1] for s in e), vocab), t2d) for e in evals.values()]
+            print(f"| {size} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
+        return 0
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
