@@ -86,6 +86,11 @@ def test_killed_run_resumes_exactly(setup):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=1e-6)
     kept = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
     assert kept == [8, 10]  # keep the last 2
+    # resuming with another packing would not continue the same data order: refused, nothing written
+    proc = launch(config(setup, "killed", 12), "train.seq_len=32", wait=False)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2 and "other data or batch settings (seq_len, trained_positions)" in err
+    assert sorted(losses(setup / "killed")) == list(range(10))
 
 
 def test_bad_override(setup, capsys):

@@ -34,11 +34,11 @@ def test_each_epoch_packs_every_sequence_once_within_budgets(seq_len, capacity):
         assert sorted(i for r in rows for i in r) == list(range(len(seqs)))
         for r in rows:
             assert sum(pb.lengths[i] for i in r) <= seq_len
-            assert sum(len(pb.trained[i]) for i in r) <= pb.capacity
+            assert sum(len(pb.trained_per_sequence[i]) for i in r) <= pb.capacity
     assert pb.epoch_rows(0) != pb.epoch_rows(1)  # reshuffled each epoch
     # packing leaves little room: one of the two budgets (tokens, trained positions) is nearly used up
     n = len(pb.epoch_rows(0))
-    fill = max(pb.lengths.sum() / (n * seq_len), sum(len(p) for p in pb.trained) / (n * pb.capacity))
+    fill = max(pb.lengths.sum() / (n * seq_len), sum(len(p) for p in pb.trained_per_sequence) / (n * pb.capacity))
     assert fill > 0.8
 
 
@@ -47,7 +47,7 @@ def test_batches_are_deterministic_and_laid_out_per_sequence():
     a, b = PackedBatches(seqs, 64, 3, 2, seed=5, capacity=48), PackedBatches(seqs, 64, 3, 2, seed=5, capacity=48)
     for step in (0, 7, 31):  # step 31 reaches into a later epoch
         x, y = a(step), b(step)
-        for name in ("ids", "loss_mask", "positions", "segments", "rows"):
+        for name in ("ids", "loss_mask", "positions", "segments", "trained"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
     batch = a(3)
     for r, members in enumerate(a.rows_of_step(3)):
@@ -60,9 +60,9 @@ def test_batches_are_deterministic_and_laid_out_per_sequence():
             np.testing.assert_array_equal(batch.positions[r, start : start + n], np.arange(n))
             assert (batch.segments[r, start : start + n] == seg).all()
             p = trained_positions(mask, 2)
-            np.testing.assert_array_equal(batch.rows[r, used : used + len(p)], start + p)
+            np.testing.assert_array_equal(batch.trained[r, used : used + len(p)], start + p)
             start, used = start + n, used + len(p)
-        assert (batch.segments[r, start:] == 0).all() and (batch.rows[r, used:] == 63).all()
+        assert (batch.segments[r, start:] == 0).all() and (batch.trained[r, used:] == 63).all()
     assert batch.real_tokens == sum(len(seqs[i][0]) for m in a.rows_of_step(3) for i in m)
 
 
@@ -81,8 +81,31 @@ def test_long_sequences_are_cut_to_the_row_and_to_the_trained_budget():
     pb = PackedBatches(seqs, 16, 2, 2, seed=0)
     assert pb.lengths.max() == 16 and pb(0).ids.shape == (2, 16)
     pb = PackedBatches(seqs, 40, 2, 2, seed=0, capacity=4)
-    assert max(len(p) for p in pb.trained) <= 4
+    assert max(len(p) for p in pb.trained_per_sequence) <= 4
     for i, (ids, mask) in enumerate(seqs):  # cut just before the position past the budget, not earlier
         full = trained_positions(mask[:40], 2)
         if len(full) > 4:
-            assert pb.lengths[i] == full[4] + 1 and len(pb.trained[i]) >= 3
+            assert pb.lengths[i] == full[4] + 2 and len(pb.trained_per_sequence[i]) == 4
+
+
+def test_late_steps_do_not_repack_early_epochs():
+    """Row counts of past epochs are kept: a step deep in the run packs only the epochs it touches once."""
+    import train.packing as packing
+
+    seqs = dataset(20)
+    pb = PackedBatches(seqs, 48, 2, 1, seed=0)
+    calls = []
+    real = packing.first_fit
+    packing.first_fit = lambda *a: calls.append(1) or real(*a)
+    try:
+        late = 5 * len(pb.epoch_rows(0))  # batch 2: around epoch 10
+        for step in range(late, late + 5):
+            pb.rows_of_step(step)
+        first = len(calls)
+        for step in range(late + 5, late + 10):
+            pb.rows_of_step(step)
+    finally:
+        packing.first_fit = real
+    epochs = len(pb.row_counts)
+    assert first <= epochs and len(calls) - first <= 2  # each epoch packed once on the way; then only new ones
+    assert pb.settings["num_sequences"] == 20 and pb.settings["trained_positions"] == 48

@@ -99,7 +99,7 @@ def test_packed_step_equals_the_padded_step():
     opt_state = tx.init(params)
     out_packed = step(tparams, params=params, frozen=frozen, opt_state=opt_state, batch=Batch(
         *(jnp.asarray(x) for x in (pb.ids, pb.loss_mask)), None, None,
-        *(jnp.asarray(x) for x in (pb.positions, pb.segments, pb.rows))))
+        *(jnp.asarray(x) for x in (pb.positions, pb.segments, pb.trained))))
     out_padded = step(tparams, params=params, frozen=frozen, opt_state=opt_state,
                       batch=Batch(jnp.asarray(ids), jnp.asarray(mask)))
     assert float(out_packed[2]) == pytest.approx(float(out_padded[2]), rel=1e-5)

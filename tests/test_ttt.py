@@ -122,8 +122,8 @@ def test_packed_rows_equal_each_sequence_alone(lengths, t):
     embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
     seqs, feats, ids, f, pos, seg, _ = _packed_case(rng, lengths, t)
     next_ids = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], axis=1)
-    rows = np.sort(rng.choice(sum(lengths), size=max(1, sum(lengths) // 2), replace=False)).astype(np.int32)[None]
-    args = (jnp.asarray(f), jnp.asarray(next_ids), 3, jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(rows))
+    at = np.sort(rng.choice(sum(lengths), size=max(1, sum(lengths) // 2), replace=False)).astype(np.int32)[None]
+    args = (jnp.asarray(f), jnp.asarray(next_ids), 3, jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(at))
     fast = ttt_logits(head, embed, *args)
     slow = ttt_logits_reference(head, embed, *args)
     for a, b in zip(fast, slow):
@@ -134,7 +134,7 @@ def test_packed_rows_equal_each_sequence_alone(lengths, t):
         nxt = np.concatenate([ids[:, start + 1 : start + n + 1], np.zeros((1, max(0, start + n + 1 - t)), np.int32)], 1)
         alone = ttt_logits(head, embed, jnp.asarray(g[None], jnp.float32), jnp.asarray(nxt), 3)
         for k in range(3):
-            for j, r in enumerate(rows[0]):
+            for j, r in enumerate(at[0]):
                 if start <= r < start + n - k - 1:  # x_{t+1+k} lies inside the sequence
                     np.testing.assert_allclose(
                         np.asarray(fast[k][0, j]), np.asarray(alone[k][0, r - start]), atol=2e-5, rtol=1e-5
@@ -156,12 +156,12 @@ def test_packed_loss_equals_the_padded_batch():
     next_ids = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], axis=1)
     trained = np.concatenate([trained_positions(mask[0, s : s + n], steps) + s
                               for s, n in zip((0, lengths[0]), lengths)])
-    rows = np.full((1, 16), t - 1, np.int32)
-    rows[0, : len(trained)] = trained
+    at = np.full((1, 16), t - 1, np.int32)
+    at[0, : len(trained)] = trained
     logits = ttt_logits(head, embed, jnp.asarray(f), jnp.asarray(next_ids), steps, jnp.asarray(pos),
-                        jnp.asarray(seg), jnp.asarray(rows))
+                        jnp.asarray(seg), jnp.asarray(at))
     packed, pm = ttt_loss(logits, jnp.asarray(teacher), jnp.asarray(mask), segments=jnp.asarray(seg),
-                          rows=jnp.asarray(rows))
+                          trained=jnp.asarray(at))
     # the same two sequences, one per row, padded to the longer
     n = max(lengths)
     pid, pf = np.zeros((2, n + 1), np.int32), np.zeros((2, n, 72), np.float32)

@@ -49,7 +49,7 @@ class TrainSection:
     steps: int = _setting(at_least=1)
     seed: int = 0
     # positions per packed row that run the draft steps (0: seq_len); bounds the loss-bearing tokens of a row
-    trained_rows: int = _setting(0, at_least=0)
+    trained_positions: int = _setting(0, at_least=0)
     checkpoint_every: int = _setting(100, at_least=1)
     keep_checkpoints: int = _setting(3, at_least=1)
     log_every: int = _setting(10, at_least=1)
@@ -130,9 +130,10 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
         raise JaxspecError(
             f"{where}: train.eval_every = {t.eval_every} needs train.eval_prompts (mt_bench, gsm8k or a prompts file)"
         )
-    if t.trained_rows > t.seq_len:
+    if t.trained_positions > t.seq_len:
         raise JaxspecError(
-            f"{where}: train.trained_rows = {t.trained_rows} exceeds train.seq_len = {t.seq_len} (0 means seq_len)"
+            f"{where}: train.trained_positions = {t.trained_positions} exceeds train.seq_len = {t.seq_len} "
+            "(0 means seq_len)"
         )
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=t.steps))
 

@@ -153,13 +153,22 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     opt_state = jax.jit(tx.init)(params)
     state = {"params": params, "opt_state": opt_state}
 
+    batches = PackedBatches(sequences, t.seq_len, t.batch_size, t.num_draft_steps, t.seed, t.trained_positions or None)
+    if batches.cut_tokens:
+        print(f"{batches.cut_tokens} tokens past train.seq_len (or train.trained_positions) are cut", file=sys.stderr)
     ckpt = RunCheckpoints(out / "checkpoints", keep=t.keep_checkpoints)
     start = 0
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(ckpt.latest_step(), state)
         start = meta["next_step"]
+        order = meta.get("data_order")
+        if order is not None and order != batches.settings:
+            changed = ", ".join(sorted(k for k in order if order[k] != batches.settings.get(k)))
+            raise JaxspecError(
+                f"{out} was trained with other data or batch settings ({changed}): resuming would not continue "
+                "the same run; restore them or use a new out"
+            )
         print(f"resumed from step {start}", file=sys.stderr)
-    batches = PackedBatches(sequences, t.seq_len, t.batch_size, t.num_draft_steps, t.seed, t.trained_rows or None)
     step_fn = jax.jit(
         functools.partial(train_step, tgd, head_graphdef=hgd, tx=tx, num_steps=t.num_draft_steps),
         donate_argnames=("params", "opt_state"),
@@ -172,7 +181,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         packed = batches(step)
         batch = jax.device_put(
             Batch(packed.ids, packed.loss_mask, packed.aux, packed.hidden, packed.positions, packed.segments,
-                  packed.rows),
+                  packed.trained),
             batch_sharding(mesh),
         )
         begin = time.perf_counter()
@@ -205,7 +214,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
                 board.flush()
         interrupted = stop is not None and stop.is_set()
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
-            ckpt.save(step + 1, {"params": params, "opt_state": opt_state}, {"next_step": step + 1})
+            ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
+                      {"next_step": step + 1, "data_order": batches.settings})
         last = record
         if interrupted:
             print(f"saved step {step + 1}; the same command resumes from it", file=sys.stderr)

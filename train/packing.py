@@ -3,13 +3,14 @@
 Padding every sequence to `seq_len` spent a quarter of each step on padding (responses average ~240 tokens, rows
 were 320), and every position ran all K draft steps although only response positions carry a loss. A packed row
 holds whole sequences back to back, each with its own positions (0, 1, ...) and segment id, so attention never
-crosses a sequence boundary. Alongside it go the *trained rows*: the positions whose draft steps count in the loss
+crosses a sequence boundary. Alongside it go the *trained positions*: those whose draft steps count in the loss
 (row t of step k is taught where the token t+2+k is a response token of the same sequence). Only those run the
 draft steps past step 0's keys (`train.ttt`), so prompt positions cost a key and a value, not a full head forward;
 the packer keeps each row's trained positions within a fixed capacity so that every batch has one shape.
 
-Packing is a pure function of (seed, epoch): an epoch is a seeded permutation of the sequences placed first-fit
-into rows, so the batch of step s — and a resumed run — depends only on (seed, s).
+Packing is a pure function of the data, the settings and (seed, epoch): an epoch is a seeded permutation of the
+sequences placed first-fit into rows, so the batch of step s — and a resumed run — depends only on (seed, s) for
+given data and settings (`PackedBatches.settings`, which train.launch keeps in its checkpoints).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class PackedBatch:
     loss_mask: np.ndarray  # [B, T] int32, 1 on response tokens
     positions: np.ndarray  # [B, T] int32, restarting at 0 for each sequence
     segments: np.ndarray  # [B, T] int32, 1, 2, ... per sequence in the row; 0 on padding
-    rows: np.ndarray  # [B, C] int32 trained positions, ascending; unused slots hold T-1 (never trained)
+    trained: np.ndarray  # [B, C] int32 positions that carry a loss, ascending; unused slots hold T-1 (never do)
     aux: np.ndarray | None = None  # [B, T, n_aux·H] offline features
     hidden: np.ndarray | None = None  # [B, T, H]
 
@@ -87,59 +88,68 @@ class PackedBatches:
             raise JaxspecError("the training data holds no sequences")
         self.sequences, self.seq_len, self.batch_size, self.seed = sequences, seq_len, batch_size, seed
         self.capacity = capacity or seq_len
-        self.epochs: dict[int, tuple[tuple[int, ...], ...]] = {}
+        # what the data order depends on, besides the data: a resumed run must see the same (train.launch checks)
+        self.settings = {"seed": seed, "seq_len": seq_len, "batch_size": batch_size, "num_draft_steps": num_steps,
+                         "trained_positions": self.capacity, "num_sequences": len(sequences)}
         self.lengths = np.array([min(len(s[0]), seq_len) for s in sequences])
-        self.trained = []
+        self.trained_per_sequence = []
         for i, s in enumerate(sequences):
             p = trained_positions(s[1][: self.lengths[i]], num_steps)
-            if len(p) > self.capacity:  # cut it like a sequence longer than seq_len: before its first excess position
-                self.lengths[i] = p[self.capacity] + 1
+            if len(p) > self.capacity:  # cut like a sequence longer than seq_len: keep the first `capacity`
+                self.lengths[i] = p[self.capacity] + 2  # p[capacity] itself needs x_{p+2}, now past the end
                 p = trained_positions(s[1][: self.lengths[i]], num_steps)
-            self.trained.append(p)
+            self.trained_per_sequence.append(p)
+        self.cut_tokens = int(sum(len(s[0]) for s in sequences) - self.lengths.sum())
+        self.row_counts: list[int] = []  # packed rows of each epoch so far (kept: it locates any step)
+        self.packed: dict[int, tuple[tuple[int, ...], ...]] = {}  # the last few epochs' packings
 
     def epoch_rows(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         """The epoch's packed rows (sequence indices each), in the order their first sequence was drawn."""
-        if epoch not in self.epochs:
-            if len(self.epochs) > 2:  # a run only ever reads the current epoch and the next
-                self.epochs.pop(min(self.epochs))
-            self.epochs[epoch] = self.pack(np.random.default_rng((self.seed, epoch)).permutation(len(self.sequences)))
-        return self.epochs[epoch]
+        while len(self.row_counts) <= epoch:  # earlier epochs first: their row counts locate later steps
+            self.row_counts.append(len(self._pack(len(self.row_counts))))
+        return self._pack(epoch)
 
-    def pack(self, order: np.ndarray) -> tuple[tuple[int, ...], ...]:
-        sizes = np.stack([self.lengths, [len(p) for p in self.trained]], axis=1)
-        return first_fit(order, sizes, (self.seq_len, self.capacity))
+    def _pack(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        if epoch not in self.packed:
+            if len(self.packed) >= 3:  # a run reads its current epoch and the next
+                self.packed.pop(min(self.packed))
+            order = np.random.default_rng((self.seed, epoch)).permutation(len(self.sequences))
+            sizes = np.stack([self.lengths, [len(p) for p in self.trained_per_sequence]], axis=1)
+            self.packed[epoch] = first_fit(order, sizes, (self.seq_len, self.capacity))
+        return self.packed[epoch]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """(epoch, index within it) of the row-th packed row of the run, the epochs laid end to end."""
+        epoch = 0
+        while True:
+            if epoch == len(self.row_counts):
+                self.epoch_rows(epoch)
+            if row < self.row_counts[epoch]:
+                return epoch, row
+            row -= self.row_counts[epoch]
+            epoch += 1
 
     def rows_of_step(self, step: int) -> list[tuple[int, ...]]:
-        """The B packed rows of step s: the epochs' rows laid end to end."""
-        out, j = [], step * self.batch_size
-        epoch, first = 0, len(self.epoch_rows(0))
-        while j >= first:  # the epoch holding row j
-            j -= first
-            epoch += 1
-            first = len(self.epoch_rows(epoch))
+        """The B packed rows of step s."""
+        out = []
+        epoch, j = self.locate(step * self.batch_size)
         while len(out) < self.batch_size:
             rows = self.epoch_rows(epoch)
             take = rows[j : j + self.batch_size - len(out)]
             out += take
-            j += len(take)
-            if j >= len(rows):
-                epoch, j = epoch + 1, 0
+            epoch, j = (epoch + 1, 0) if j + len(take) >= len(rows) else (epoch, j + len(take))
         return out
 
     def epoch_of_step(self, step: int) -> float:
         """How many epochs the first `step` steps cover (for logs)."""
-        done, epoch, rows = step * self.batch_size, 0, len(self.epoch_rows(0))
-        while done >= rows:
-            done -= rows
-            epoch += 1
-            rows = len(self.epoch_rows(epoch))
-        return epoch + done / rows
+        epoch, j = self.locate(step * self.batch_size)
+        return epoch + j / self.row_counts[epoch]
 
     def __call__(self, step: int) -> PackedBatch:
         b, t, c = self.batch_size, self.seq_len, self.capacity
         ids = np.zeros((b, t), np.int32)
         mask, positions, segments = np.zeros_like(ids), np.zeros_like(ids), np.zeros_like(ids)
-        rows = np.full((b, c), t - 1, np.int32)
+        trained = np.full((b, c), t - 1, np.int32)
         feats = len(self.sequences[0]) > 2
         aux = hidden = None
         if feats:
@@ -157,7 +167,7 @@ class PackedBatches:
                 if feats:
                     aux[r, start : start + n] = seq[2][:n]
                     hidden[r, start : start + n] = seq[3][:n]
-                p = self.trained[i]
-                rows[r, used : used + len(p)] = start + p
+                p = self.trained_per_sequence[i]
+                trained[r, used : used + len(p)] = start + p
                 start, used = start + n, used + len(p)
-        return PackedBatch(ids, mask, positions, segments, rows, aux, hidden)
+        return PackedBatch(ids, mask, positions, segments, trained, aux, hidden)

@@ -41,7 +41,7 @@ class Batch(NamedTuple):
     hidden: jax.Array | None = None  # [B, T, H]
     positions: jax.Array | None = None  # [B, T] int32 position within each packed sequence
     segments: jax.Array | None = None  # [B, T] int32 packed sequence id (0: padding)
-    rows: jax.Array | None = None  # [B, C] int32 trained positions
+    trained: jax.Array | None = None  # [B, C] int32 positions that carry a loss (run the draft steps)
 
 
 def split_head(head: Eagle3Head, freeze_lm_head: bool = False):
@@ -96,8 +96,8 @@ def train_step(
     def loss_fn(params):
         head = nnx.merge(head_graphdef, params, frozen)
         logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps,
-                            batch.positions, batch.segments, batch.rows)
-        return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, rows=batch.rows)
+                            batch.positions, batch.segments, batch.trained)
+        return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, trained=batch.trained)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

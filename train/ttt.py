@@ -2,15 +2,15 @@
 head's own state forward, so that the head learns to draft from its own outputs as it will at inference.
 
 Row t of step k reads the embedding of x_{t+1+k} and the state of step k-1 (step 0: fc of the target features
-g_t), sits at rope position t+k, and attends to block-0 keys j ≤ t plus, for each step 1 ≤ i ≤ k, only its own
-key of that step (row t): exactly the cache an inference-time draft chain anchored at t would hold. The efficient
+g_t), sits at rope position p_t+k (p_t: t's position in its own sequence), and attends to block-0 keys j ≤ t of
+its sequence plus, for each step 1 ≤ i ≤ k, only its own key of that step (row t): exactly the cache an inference-time draft chain anchored at t would hold. The efficient
 form runs causal attention over block 0 once per step and merges the k diagonal terms in closed form (log-sum-exp);
 `ttt_logits_reference` builds the explicit [T, (k+1)·T] masks instead and exists to test it.
 
 Packed rows (`train.packing`): several sequences share a row, told apart by `segments` and each with its own
-`positions`; attention stays within a sequence. `rows` [B, C] names the positions that carry a loss: step 0 computes
-keys and values for every position (they are attended to), but the queries, MLP and logits of step 0 and every later
-step run on those C rows only — a prompt position costs a key, not K head forwards.
+`positions`; attention stays within a sequence. `trained` [B, C] names the positions that carry a loss: step 0
+computes keys and values for every position (they are attended to), but the queries, MLP and logits of step 0 and
+every later step run at those C positions only — a prompt position costs a key, not K head forwards.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from jaxspec.models.layers import NEG_INF, attention, rope_cos_sin
 
 
 def _project_step(head: Eagle3Head, emb, state, positions):
-    """q, k, v [B, T, heads, D] and the residual for one step's inputs: the head layer's own code
+    """q, k, v [B, N, heads, D] and the residual for one step's inputs [B, N, ...] (N: all T positions or the C
+    trained ones): the head layer's own code
     (`Eagle3Layer.attention_input`, `Attention.project`), as drafting runs it."""
     layer = head.midlayer
     u, residual = layer.attention_input(emb, state)
@@ -34,8 +35,8 @@ def _project_step(head: Eagle3Head, emb, state, positions):
 
 
 def _finish_step(head: Eagle3Head, residual, attn):
-    """o_proj, MLP and the draft logits (`Eagle3Layer.finish`, `Eagle3Head.logits`); returns (logits [B, T, V_d]
-    float32, next state [B, T, H])."""
+    """o_proj, MLP and the draft logits (`Eagle3Layer.finish`, `Eagle3Head.logits`); returns (logits [B, N, V_d]
+    float32, next state [B, N, H])."""
     layer = head.midlayer
     b, t = attn.shape[:2]
     out = layer.finish(residual, layer.self_attn.o_proj(attn.reshape(b, t, -1)))
@@ -73,29 +74,29 @@ def _merge_diagonal(out_b, lse_b, q, diag_k, diag_v):
     return total / weight[..., None]
 
 
-def _take_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
-    """x [B, T, ...] at rows [B, C] → [B, C, ...]."""
-    return jnp.take_along_axis(x, rows.reshape(*rows.shape, *([1] * (x.ndim - 2))), axis=1)
+def _take(x: jax.Array, at: jax.Array) -> jax.Array:
+    """x [B, T, ...] at positions at [B, C] → [B, C, ...]."""
+    return jnp.take_along_axis(x, at.reshape(*at.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def _packing(next_ids, positions, segments, rows):
+def _packing(next_ids, positions, segments, trained):
     """Defaults for an unpacked batch: one sequence per row, positions 0..T-1, every position trained."""
     b, t = next_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if segments is None:
         segments = jnp.zeros((b, t), jnp.int32)
-    if rows is None:
-        rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return positions, segments, rows
+    if trained is None:
+        trained = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return positions, segments, trained
 
 
-def _step_ids(next_ids, rows, num_steps):
-    """Token ids of step k at the trained rows: x_{t+1+k}, i.e. next_ids shifted left by k (padding past the end;
-    such rows, and rows whose shift crosses into the next packed sequence, are masked in the loss)."""
+def _step_ids(next_ids, at, num_steps):
+    """Token ids of step k at positions `at` [B, C]: x_{t+1+k}, i.e. next_ids shifted left by k (padding past the
+    end; such positions, and those whose shift crosses into the next packed sequence, are masked in the loss)."""
     b, _ = next_ids.shape
     padded = jnp.concatenate([next_ids, jnp.zeros((b, num_steps), next_ids.dtype)], axis=1)
-    return [jnp.take_along_axis(padded, rows + k, axis=1) for k in range(num_steps)]  # K × [B, C]
+    return [jnp.take_along_axis(padded, at + k, axis=1) for k in range(num_steps)]  # K × [B, C]
 
 
 def ttt_logits(
@@ -106,20 +107,20 @@ def ttt_logits(
     num_steps: int,
     positions=None,  # [B, T] each token's position in its own sequence (packed rows); None: 0..T-1
     segments=None,  # [B, T] which packed sequence each token belongs to; None: one per row
-    rows=None,  # [B, C] the positions to compute draft logits for, ascending; None: all T
+    trained=None,  # [B, C] the positions to compute draft logits for, ascending; None: all T
 ) -> list[jax.Array]:
-    """Draft logits of each TTT step, efficient form: num_steps arrays [B, C, V_d]; step k at rows[i] = t
+    """Draft logits of each TTT step, efficient form: num_steps arrays [B, C, V_d]; step k at trained[i] = t
     predicts x_{t+2+k}."""
-    positions, segments, rows = _packing(next_ids, positions, segments, rows)
+    positions, segments, trained = _packing(next_ids, positions, segments, trained)
     table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
-    step_ids = _step_ids(next_ids, rows, num_steps)
+    step_ids = _step_ids(next_ids, trained, num_steps)
     t = next_ids.shape[1]
     # Step 0 over every position: all of them are keys.
     emb0 = jnp.take(table, next_ids, axis=0).astype(head.dtype)
     q, k0, v0, residual = _project_step(head, emb0, head.project(features), positions)
-    q, residual = _take_rows(q, rows), _take_rows(residual, rows)
-    row_pos, row_seg = _take_rows(positions, rows), _take_rows(segments, rows)  # [B, C]
-    mask = (jnp.arange(t)[None, None, :] <= rows[:, :, None]) & (segments[:, None, :] == row_seg[:, :, None])
+    q, residual = _take(q, trained), _take(residual, trained)
+    row_pos, row_seg = _take(positions, trained), _take(segments, trained)  # [B, C]
+    mask = (jnp.arange(t)[None, None, :] <= trained[:, :, None]) & (segments[:, None, :] == row_seg[:, :, None])
     out, _ = _attend_with_lse(q, k0, v0, mask)
     logits, state = _finish_step(head, residual, out.astype(head.dtype))
     logits_per_step, diag_k, diag_v = [logits], [], []
@@ -136,11 +137,11 @@ def ttt_logits(
 
 
 def ttt_logits_reference(
-    head: Eagle3Head, embed_table, features, next_ids, num_steps: int, positions=None, segments=None, rows=None
+    head: Eagle3Head, embed_table, features, next_ids, num_steps: int, positions=None, segments=None, trained=None
 ) -> list[jax.Array]:
     """The same, every step over all T positions with an explicit mask over all keys of all steps so far (slow;
-    for tests), then read at `rows`."""
-    positions, segments, rows = _packing(next_ids, positions, segments, rows)
+    for tests), then read at `trained`."""
+    positions, segments, trained = _packing(next_ids, positions, segments, trained)
     table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
     b, t = next_ids.shape
     all_rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -160,17 +161,17 @@ def ttt_logits_reference(
         blocks += [jnp.broadcast_to(idx[None, :] == idx[:, None], (b, t, t))] * k  # steps 1..k: the diagonal
         attn = attention(q, all_k, all_v, jnp.concatenate(blocks, axis=2))
         logits, state = _finish_step(head, residual, attn)
-        out_logits.append(_take_rows(logits, rows))
+        out_logits.append(_take(logits, trained))
     return out_logits
 
 
 def ttt_loss(
-    step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `rows`
+    step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `trained`
     teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
     loss_mask: jax.Array,  # [B, T] 1 where the token at that position is trained on (assistant tokens)
     decay: float = 0.8,
     segments: jax.Array | None = None,  # [B, T] packed sequence of each position; None: one per row
-    rows: jax.Array | None = None,  # [B, C] the positions the logits are for; None: all T
+    trained: jax.Array | None = None,  # [B, C] the positions the logits are for; None: all T
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Σ_k decay^k · soft cross-entropy(target restricted to the draft vocabulary, draft), with accuracies.
 
@@ -178,21 +179,21 @@ def ttt_loss(
     where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence.
     """
     b, t, _ = teacher_logits.shape
-    _, segments, rows = _packing(loss_mask, None, segments, rows)
+    _, segments, trained = _packing(loss_mask, None, segments, trained)
     teacher = jax.nn.softmax(teacher_logits.astype(jnp.float32), axis=-1)  # [B, T, V_d] renormalized on the draft vocab
     teacher_best = jnp.argmax(teacher, axis=-1)  # [B, T]
-    row_seg = _take_rows(segments, rows)  # [B, C]
+    row_seg = _take(segments, trained)  # [B, C]
     total = 0.0
     metrics = {}
-    still_right = jnp.ones(rows.shape, bool)
+    still_right = jnp.ones(trained.shape, bool)
     cond = []
     for k, logits in enumerate(step_logits):
-        at = rows + 1 + k  # the teacher's position; the trained token is at + 1
+        at = trained + 1 + k  # the teacher's position; the trained token is at + 1
         inside = at + 1 < t
-        p = _take_rows(teacher, jnp.minimum(at, t - 1))  # [B, C, V_d]
-        best = _take_rows(teacher_best, jnp.minimum(at, t - 1))
+        p = _take(teacher, jnp.minimum(at, t - 1))  # [B, C, V_d]
+        best = _take(teacher_best, jnp.minimum(at, t - 1))
         nxt = jnp.minimum(at + 1, t - 1)
-        m = inside & (_take_rows(loss_mask, nxt) > 0) & (_take_rows(segments, nxt) == row_seg)
+        m = inside & (_take(loss_mask, nxt) > 0) & (_take(segments, nxt) == row_seg)
         m = m.astype(jnp.float32)
         count = jnp.maximum(m.sum(), 1.0)
         ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, C]

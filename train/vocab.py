@@ -87,13 +87,15 @@ def main(argv=None) -> int:
         for d in args.eval:
             require_shards(d, "evaluation shards")
             evals[d] = read_shards(d)
-        vocab = int(max(max(int(s[0].max()) for s in seqs) for seqs in [sequences, *evals.values()])) + 1
+        # tokens never seen count zero: the vocabulary needs only cover the ids present and the sizes asked for
+        seen = max(int(s[0].max()) for seqs in [sequences, *evals.values()] for s in seqs if len(s[0]))
+        vocab = max(seen + 1, *sizes)
         counts, held_out, prior = training_counts(sequences, vocab)
         names = ["held-out training responses", *evals]
         print("| draft vocabulary | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
         for size in sizes:
-            _, t2d = build_vocab_map(counts, min(size, vocab), prior)
+            _, t2d = build_vocab_map(counts, size, prior)
             cells = [coverage(held_out, t2d)]
             cells += [coverage(token_counts((s[0] for s in e), (s[1] for s in e), vocab), t2d) for e in evals.values()]
             print(f"| {size} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
