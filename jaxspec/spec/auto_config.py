@@ -1,0 +1,111 @@
+"""Automatic speculative configuration: the chain length — or target-only — with the most expected tokens per second.
+
+A fixed K loses where acceptance is low or verifying is dear (a large batch, a CPU whose verify of K+1 tokens costs
+twice a decode step). The choice needs two measurements, both cheap:
+- costs of this machine at this batch shape: one-token target decode, target verify of K+1 tokens, one head step;
+- the head's acceptance profile: a_k, the share of verify steps whose draft k was accepted (drafts 1..k all
+  accepted; `accepted_per_position / verify_calls` of the generation stats). A chain's draft k is accepted or not
+  regardless of later drafts, so rates measured with K_max drafts hold for every K <= K_max.
+Then with K drafts a verify step yields 1 + a_1 + ... + a_K tokens (the bonus token included) in
+verify(K+1) + K * draft seconds, and target-only yields one token per decode; the best ratio wins. The rates come
+from the head's exported profile (measured at training time) and are refined by the running counts of generation,
+pooled with the prior as if it were `prior_steps` verify steps.
+
+This module is the arithmetic only: pure functions of measured numbers, so that the decision can be tested and
+logged exactly. Output never depends on the choice: every K, and target-only, give the target's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds per call, measured at one batch shape."""
+
+    decode: float  # target forward of 1 token per row (target-only step)
+    verify: tuple[float, ...]  # verify[k]: target forward of k+1 tokens per row (a chain of k drafts); [0] unused
+    draft: float  # one head step (EAGLE-3: its forward over one new token per row)
+
+    def __post_init__(self):
+        if self.decode <= 0 or self.draft < 0 or any(v <= 0 for v in self.verify[1:]):
+            raise JaxspecError(f"step costs must be positive seconds, got {self}")
+
+    @property
+    def max_draft(self) -> int:
+        return len(self.verify) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceProfile:
+    """Unconditional acceptance per draft position (a_1, a_2, ...), and how many verify steps it rests on."""
+
+    rates: tuple[float, ...]
+    verify_steps: float
+
+    def __post_init__(self):
+        if any(not 0.0 <= r <= 1.0 for r in self.rates) or any(b > a + 1e-9 for a, b in zip(self.rates, self.rates[1:])):
+            raise JaxspecError(f"acceptance rates must lie in [0, 1] and never grow with the position, got {self.rates}")
+
+    @classmethod
+    def from_counts(cls, accepted_per_position: Sequence[int], verify_calls: int) -> AcceptanceProfile:
+        """From generation stats (`accepted_per_position`, `verify_calls`): entry k counts the verify steps that
+        accepted draft k+1."""
+        if verify_calls <= 0:
+            return cls((), 0)
+        return cls(tuple(min(1.0, n / verify_calls) for n in accepted_per_position), verify_calls)
+
+    def refined(self, observed: AcceptanceProfile, prior_steps: float) -> AcceptanceProfile:
+        """This profile (a prior, weighted as `prior_steps` verify steps) pooled with observed counts; positions the
+        observation did not reach keep the prior's rates, scaled by how the shared positions moved."""
+        if observed.verify_steps <= 0 or not observed.rates:
+            return self
+        w_prior, w_obs = prior_steps, observed.verify_steps
+        n = max(len(self.rates), len(observed.rates))
+        rates = []
+        for k in range(n):
+            if k < len(self.rates) and k < len(observed.rates):
+                rates.append((w_prior * self.rates[k] + w_obs * observed.rates[k]) / (w_prior + w_obs))
+            elif k < len(observed.rates):
+                rates.append(observed.rates[k])
+            else:  # beyond what was observed: the prior's decay from the last shared position
+                last = len(observed.rates) - 1
+                ratio = self.rates[k] / self.rates[last] if self.rates[last] > 0 else 0.0
+                rates.append(rates[last] * ratio)
+        for k in range(1, n):  # pooling keeps the rates non-increasing up to rounding; make it exact
+            rates[k] = min(rates[k], rates[k - 1])
+        return AcceptanceProfile(tuple(rates), w_prior + w_obs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    num_draft: int  # 0: target-only
+    tokens_per_step: float  # expected tokens per target call
+    tokens_per_second: float  # expected, per row
+    candidates: tuple[tuple[int, float], ...]  # (K, expected tokens per second) for every K considered
+
+    def as_dict(self) -> dict:
+        return {"num_speculative_tokens": self.num_draft, "expected_tokens_per_step": round(self.tokens_per_step, 4),
+                "expected_tokens_per_second": round(self.tokens_per_second, 2),
+                "candidates": {k: round(v, 2) for k, v in self.candidates}}
+
+
+def expected_tokens(rates: Sequence[float], num_draft: int) -> float:
+    """Tokens per verify step with `num_draft` chained drafts: the bonus token plus each accepted draft."""
+    return 1.0 + float(sum(rates[:num_draft]))
+
+
+def choose_chain(costs: StepCosts, profile: AcceptanceProfile, max_draft: int | None = None) -> Choice:
+    """The chain length in 0..max_draft (0: target-only) with the most expected tokens per second; ties go to the
+    shorter chain (less work for the same speed)."""
+    limit = min(costs.max_draft, len(profile.rates), costs.max_draft if max_draft is None else max_draft)
+    candidates = [(0, 1.0 / costs.decode)]
+    for k in range(1, limit + 1):
+        candidates.append((k, expected_tokens(profile.rates, k) / (costs.verify[k] + k * costs.draft)))
+    best_k, best = max(candidates, key=lambda c: (c[1], -c[0]))
+    per_step = 1.0 if best_k == 0 else expected_tokens(profile.rates, best_k)
+    return Choice(best_k, per_step, best, tuple(candidates))

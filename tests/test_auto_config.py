@@ -1,0 +1,65 @@
+"""The automatic speculative configuration's arithmetic: expected tokens, the chain-length choice, and the
+acceptance profile refined by running counts."""
+
+import numpy as np
+import pytest
+
+from jaxspec.errors import JaxspecError
+from jaxspec.spec.auto_config import AcceptanceProfile, StepCosts, choose_chain, expected_tokens
+
+# This CPU's measured costs for SmolLM2 at batch 1 (BENCHMARKS.md): decode 26.2 ms, verify of 6 tokens 53.4 ms,
+# head step 1.56 ms; verify of k+1 tokens interpolated linearly between them.
+CPU = StepCosts(decode=0.0262, verify=(0.0,) + tuple(0.0262 + (0.0534 - 0.0262) * k / 5 for k in range(1, 8)),
+                draft=0.00156)
+# an accelerator's: a verify of a few tokens costs about one decode step
+GPU = StepCosts(decode=0.008, verify=(0.0,) + tuple(0.008 * (1 + 0.02 * k) for k in range(1, 8)), draft=0.0006)
+
+
+def test_expected_tokens_is_the_bonus_plus_accepted_drafts():
+    assert expected_tokens([0.8, 0.6, 0.3], 0) == 1.0
+    assert expected_tokens([0.8, 0.6, 0.3], 2) == pytest.approx(2.4)
+    assert expected_tokens([0.8, 0.6, 0.3], 5) == pytest.approx(2.7)  # past the profile: nothing more
+
+
+def test_choice_maximizes_expected_tokens_per_second_by_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rates = tuple(np.sort(rng.uniform(0, 1, 7))[::-1])
+        costs = StepCosts(rng.uniform(0.005, 0.05), (0.0,) + tuple(np.cumsum(rng.uniform(0.001, 0.02, 7)) + 0.01),
+                          rng.uniform(0, 0.005))
+        choice = choose_chain(costs, AcceptanceProfile(rates, 100))
+        speeds = [1 / costs.decode] + [(1 + sum(rates[:k])) / (costs.verify[k] + k * costs.draft) for k in range(1, 8)]
+        assert choice.num_draft == int(np.argmax(speeds))
+        assert choice.tokens_per_second == pytest.approx(max(speeds))
+
+
+def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_speculates():
+    # the shipped head on MT-Bench (tokens per verify 1.32): a verify costs more than it yields here
+    weak = AcceptanceProfile((0.24, 0.06, 0.015, 0.004, 0.001), 1000)
+    assert choose_chain(CPU, weak).num_draft == 0
+    # the same head on a GPU, where verifying 2 tokens costs about a decode: one draft pays
+    assert choose_chain(GPU, weak).num_draft >= 1
+    strong = AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), 1000)
+    assert choose_chain(CPU, strong).num_draft >= 3
+    assert choose_chain(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
+
+
+def test_refinement_pools_observed_counts_with_the_prior():
+    prior = AcceptanceProfile((0.8, 0.6, 0.4), 300)
+    seen = AcceptanceProfile.from_counts([50, 20], 100)  # drafts 1 and 2 accepted in 50 and 20 of 100 steps
+    assert seen.rates == (0.5, 0.2)
+    both = prior.refined(seen, prior_steps=300)
+    assert both.rates[0] == pytest.approx((300 * 0.8 + 100 * 0.5) / 400)
+    assert both.rates[1] == pytest.approx((300 * 0.6 + 100 * 0.2) / 400)
+    assert both.rates[2] == pytest.approx(both.rates[1] * 0.4 / 0.6)  # unobserved: the prior's decay
+    assert both.verify_steps == 400
+    assert prior.refined(AcceptanceProfile.from_counts([], 0), 300) == prior
+    many = prior.refined(AcceptanceProfile.from_counts([5000, 2000, 500], 10000), prior_steps=300)
+    assert many.rates == pytest.approx((0.5087, 0.2117, 0.0602), abs=1e-3)  # the running counts dominate
+
+
+def test_bad_inputs_are_one_line_errors():
+    with pytest.raises(JaxspecError, match="positive seconds"):
+        StepCosts(0.0, (0.0, 0.01), 0.001)
+    with pytest.raises(JaxspecError, match="never grow"):
+        AcceptanceProfile((0.2, 0.5), 10)
