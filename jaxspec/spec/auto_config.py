@@ -48,8 +48,11 @@ class AcceptanceProfile:
     verify_steps: float
 
     def __post_init__(self):
-        if any(not 0.0 <= r <= 1.0 for r in self.rates) or any(b > a + 1e-9 for a, b in zip(self.rates, self.rates[1:])):
-            raise JaxspecError(f"acceptance rates must lie in [0, 1] and never grow with the position, got {self.rates}")
+        growing = any(b > a + 1e-9 for a, b in zip(self.rates, self.rates[1:]))
+        if growing or any(not 0.0 <= r <= 1.0 for r in self.rates):
+            raise JaxspecError(
+                f"acceptance rates must lie in [0, 1] and never grow with the position, got {self.rates}"
+            )
 
     @classmethod
     def from_counts(cls, accepted_per_position: Sequence[int], verify_calls: int) -> AcceptanceProfile:
