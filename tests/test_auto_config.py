@@ -63,3 +63,26 @@ def test_bad_inputs_are_one_line_errors():
         StepCosts(0.0, (0.0, 0.01), 0.001)
     with pytest.raises(JaxspecError, match="never grow"):
         AcceptanceProfile((0.2, 0.5), 10)
+
+
+def test_verify_lengths_time_powers_of_two_and_the_longest():
+    from jaxspec.spec.step_costs import verify_lengths
+
+    assert verify_lengths(1) == [1, 2]
+    assert verify_lengths(5) == [1, 2, 4, 6]
+    assert verify_lengths(7) == [1, 2, 4, 8]
+
+
+def test_measured_costs_of_a_tiny_target_feed_the_choice():
+    """Timing runs on the real forward functions and gives a usable StepCosts (values are this machine's)."""
+    from spec_fixtures import random_head, tiny_target
+
+    from jaxspec.spec.step_costs import measure_step_costs
+
+    costs = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=2)
+    assert costs.max_draft == 5 and costs.decode > 0 and costs.draft > 0
+    assert all(v > 0 for v in costs.verify[1:])
+    choice = choose_chain(costs, AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5), 100))
+    assert 0 <= choice.num_draft <= 5 and dict(choice.candidates)[choice.num_draft] == choice.tokens_per_second
+    alone = measure_step_costs(tiny_target(), None, batch=1, capacity=64, max_draft=1, repeats=1)
+    assert alone.draft == 0.0 and alone.max_draft == 1
