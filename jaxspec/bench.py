@@ -161,45 +161,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _best_time(fn, *args, repeats: int = 10) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> dict:
     """Milliseconds of one target forward over 1 and K+1 tokens, and of one head step, at a half-full cache."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+    from jaxspec.spec.step_costs import time_forwards
 
-    from jaxspec.models import kv_cache as kvc
-
-    tg, tp = nnx.split(model)
-    hg, hp = nnx.split(head)
-
-    def target_forward(params, cache, tokens):
-        m = nnx.merge(tg, params)
-        pos = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
-        return m(tokens, pos, cache, return_aux=True).logits
-
-    def head_forward(params, cache, tokens, state):
-        h = nnx.merge(hg, params)
-        return h(tokens, state, cache.lengths[:, None], cache, model.embed_tokens[...])[0]
-
-    cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
-    hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
-    tf = jax.jit(target_forward)
-    decode = _best_time(tf, tp, cache, jnp.zeros((batch, 1), jnp.int32))
-    verify = _best_time(tf, tp, cache, jnp.zeros((batch, k + 1), jnp.int32))
-    state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
-    draft = _best_time(jax.jit(head_forward), hp, hcache, jnp.zeros((batch, 1), jnp.int32), state)
+    seconds, draft = time_forwards(model, head, batch, capacity, [1, k + 1], repeats=10)
+    decode, verify = seconds[1], seconds[k + 1]
     return {
         "verified_tokens": k + 1,
         "target_decode_ms": round(decode * 1e3, 2),

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.models import kv_cache as kvc
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import StepCosts
 
 
-def _best_seconds(fn, args, repeats: int) -> float:
+def best_seconds(fn, *args, repeats: int = 3) -> float:
     """The fastest of `repeats` timed calls after one untimed call (which compiles)."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
@@ -43,43 +44,44 @@ def verify_lengths(max_draft: int) -> list[int]:
     return sorted({*lengths, max_draft + 1})
 
 
-def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = 3
-) -> StepCosts:
-    """Seconds of a target forward over T tokens per row for T in `verify_lengths(max_draft)` (others interpolated)
-    and of one head step, at this batch size and cache capacity (the cache half full)."""
-    graphdef, params = nnx.split(model)
-    filled = capacity // 2
+def time_forwards(
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = 3
+) -> tuple[dict[int, float], float]:
+    """({T: seconds of a target forward over T tokens per row}, seconds of one head step, 0 without a head), at this
+    batch size and cache capacity, the cache half full, with the model's own numerics."""
+    tg, tp = nnx.split(model)
 
     @jax.jit
-    def target_forward(params, tokens):  # [B, T]
-        m = nnx.merge(graphdef, params)
-        b, t = tokens.shape
-        cache = m.init_cache(b, capacity)
-        cache = cache._replace(lengths=jnp.full((b,), filled, jnp.int32))
-        positions = filled + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    def target_forward(params, cache, tokens):  # [B, T]
+        m = nnx.merge(tg, params)
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         out = m(tokens, positions, cache, return_aux=head is not None)
         return out.logits, out.aux
 
-    seconds = {}
-    for t in verify_lengths(max_draft):
-        tokens = jnp.zeros((batch, t), jnp.int32)
-        seconds[t] = _best_seconds(target_forward, (params, tokens), repeats)
+    cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
+    seconds = {t: best_seconds(target_forward, tp, cache, jnp.zeros((batch, t), jnp.int32), repeats=repeats)
+               for t in lengths}
+    if head is None:
+        return seconds, 0.0
+    hg, hp = nnx.split(head)
+    table = model.embed_tokens[...]
+
+    @jax.jit
+    def head_step(params, cache, tokens, state):  # one new token per row
+        h = nnx.merge(hg, params)
+        return h(tokens, state, cache.lengths[:, None], cache, table)[:2]
+
+    hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
+    state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
+    return seconds, best_seconds(head_step, hp, hcache, jnp.zeros((batch, 1), jnp.int32), state, repeats=repeats)
+
+
+def measure_step_costs(
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = 3
+) -> StepCosts:
+    """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
+    lengths between interpolated, and one head step."""
+    seconds, draft = time_forwards(model, head, batch, capacity, verify_lengths(max_draft), repeats)
     measured = sorted(seconds)
     per_t = np.interp(np.arange(1, max_draft + 2), measured, [seconds[t] for t in measured])  # [T = 1..K+1]
-    draft = 0.0
-    if head is not None:
-        hgraph, hparams = nnx.split(head)
-        table = model.embed_tokens[...]
-
-        @jax.jit
-        def head_step(hparams, tokens, state):  # one new token per row
-            h = nnx.merge(hgraph, hparams)
-            b = tokens.shape[0]
-            cache = h.init_cache(b, capacity)
-            cache = cache._replace(lengths=jnp.full((b,), filled, jnp.int32))
-            return h(tokens, state, jnp.full((b, 1), filled, jnp.int32), cache, table)[:2]
-
-        state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
-        draft = _best_seconds(head_step, (hparams, jnp.zeros((batch, 1), jnp.int32), state), repeats)
     return StepCosts(decode=float(per_t[0]), verify=(0.0, *(float(x) for x in per_t[1:])), draft=draft)
