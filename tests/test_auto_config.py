@@ -86,3 +86,32 @@ def test_measured_costs_of_a_tiny_target_feed_the_choice():
     assert 0 <= choice.num_draft <= 5 and dict(choice.candidates)[choice.num_draft] == choice.tokens_per_second
     alone = measure_step_costs(tiny_target(), None, batch=1, capacity=64, max_draft=1, repeats=1)
     assert alone.draft == 0.0 and alone.max_draft == 1
+
+
+def test_the_prior_comes_from_the_heads_chain_measurements():
+    from jaxspec.spec.auto_config import profile_from_record
+
+    record = [
+        {"prompts": "mt_bench", "method": "chain K=5", "mean_accepted_length": 1.3, "num_prompts": 80,
+         "acceptance_per_position": [0.24, 0.06, 0.015, 0.005, 0.002]},
+        {"prompts": "mt_bench", "method": "tree 12,5,3", "mean_accepted_length": 1.55, "num_prompts": 80,
+         "acceptance_per_position": [0.385, 0.134, 0.03, 0.007, 0.002]},  # a tree's rates are not a chain's
+        {"prompts": "gsm8k", "method": "chain K=5", "mean_accepted_length": 1.8, "num_prompts": 40,
+         "acceptance_per_position": [0.45, 0.22, 0.1, 0.05, 0.03]},
+    ]
+    prior = profile_from_record(record, weight=50)
+    assert prior.verify_steps == 50 and len(prior.rates) == 5
+    assert prior.rates[0] == pytest.approx((80 * 0.24 + 40 * 0.45) / 120)
+    assert profile_from_record(record[1:2]) is None and profile_from_record(None) is None
+
+
+def test_the_shipped_heads_profile_gives_a_prior():
+    import json
+
+    from jaxspec.checkpoints import builtin
+    from jaxspec.spec.auto_config import profile_from_record
+
+    config = json.loads((builtin.default_head_dir() / "config.json").read_text())
+    prior = profile_from_record(config["jaxspec"]["acceptance"])
+    assert prior is not None and 0.2 < prior.rates[0] < 0.5
+    assert choose_chain(CPU, prior).num_draft in (0, 1)  # the shipped head on this CPU: little or no speculation

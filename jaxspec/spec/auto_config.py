@@ -84,6 +84,23 @@ class AcceptanceProfile:
         return AcceptanceProfile(tuple(rates), w_prior + w_obs)
 
 
+def profile_from_record(acceptance: Sequence[dict] | None, weight: float = 200.0) -> AcceptanceProfile | None:
+    """The prior from a head's exported acceptance profile (`checkpoints.verifier.check_acceptance`): the chain
+    measurements' per-position rates, averaged over their prompt sets (weighted by prompt count), counted as
+    `weight` verify steps when pooled with running counts. None when the head records no chain rates."""
+    chains = [m for m in acceptance or ()
+              if str(m.get("method", "")).startswith("chain") and m.get("acceptance_per_position")]
+    if not chains:
+        return None
+    depth = min(len(m["acceptance_per_position"]) for m in chains)
+    weights = [float(m.get("num_prompts") or 1) for m in chains]
+    rates = [sum(w * m["acceptance_per_position"][k] for w, m in zip(weights, chains)) / sum(weights)
+             for k in range(depth)]
+    for k in range(1, depth):  # rounding in the record may leave a later position a hair above an earlier one
+        rates[k] = min(rates[k], rates[k - 1])
+    return AcceptanceProfile(tuple(rates), weight)
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     num_draft: int  # 0: target-only
