@@ -40,6 +40,7 @@ from jaxspec.cli_common import (
     method_name,
     ngram_proposer,
     parse_tree,
+    positive_int_list,
     resolve_draft,
     resolve_mesh,
     resolve_target,
@@ -84,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "interpret: interpret mode, whose timings are not meaningful); --dtype sets the attention dtype",
     )
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="--load-time: loads of each (default: 5)")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], metavar="B,...",
+    parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 4, 16], metavar="B,...",
                         help="suite: batch sizes (default: 1,4,16)")
-    parser.add_argument("--chain-lengths", type=_int_list, metavar="K,...",
+    parser.add_argument("--chain-lengths", type=positive_int_list, metavar="K,...",
                         help="suite: chain lengths to measure (default: 3,5)")
     parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
     parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (default: 0, all)")
@@ -118,11 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
         "1024,4096,16384, vocabulary 128256; default on GPU/TPU) or tiny (4/2 heads, head_dim 32, float32, B 1, T "
         "1,6, L 100, vocabulary 3000: under a minute on a CPU, the default there)",
     )
-    parser.add_argument("--kernel-batch", type=_int_list, metavar="B,...", help="--kernels-micro: batch sizes")
-    parser.add_argument("--kernel-tokens", type=_int_list, metavar="T,...",
+    parser.add_argument("--kernel-batch", type=positive_int_list, metavar="B,...", help="--kernels-micro: batch sizes")
+    parser.add_argument("--kernel-tokens", type=positive_int_list, metavar="T,...",
                         help="--kernels-micro: tokens per attention call (1: decode; more: chain and tree) and "
                         "nodes per verification (> 1)")
-    parser.add_argument("--kernel-lengths", type=_int_list, metavar="L,...",
+    parser.add_argument("--kernel-lengths", type=positive_int_list, metavar="L,...",
                         help="--kernels-micro: committed cache lengths")
     parser.add_argument("--kernel-vocab", type=int, metavar="V", help="--kernels-micro: verification vocabulary")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -149,16 +150,6 @@ def check_bench_args(args) -> None:
     for k in args.chain_lengths or []:
         if k > MAX_DRAFT_DEPTH:
             raise JaxspecError(f"--chain-lengths: {k} is more than {MAX_DRAFT_DEPTH} drafts per verify step")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
 
 
 def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> dict:

@@ -15,6 +15,17 @@ from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 
 
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: positive integers separated by commas (1,4,16)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",

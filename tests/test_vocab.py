@@ -52,4 +52,5 @@ def test_coverage_report_compares_sizes_on_held_out_and_evaluation_shards(tmp_pa
         assert cells[0][col] <= cells[1][col] <= cells[2][col] == 1.0
     with pytest.raises(SystemExit) as exc:
         main(["--data", str(tmp_path / "train"), "--sizes", "8k"])
-    assert exc.value.code == 2 and "--sizes must be integers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--sizes" in err and "expected positive integers separated by commas" in err

@@ -158,7 +158,7 @@ def compute_features(args) -> None:
 
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.cli_common import resolve_target
-    from train.packing import first_fit
+    from train.packing import first_fit, layout
     from train.step import target_features
 
     shards = require_shards(args.data)
@@ -189,20 +189,16 @@ def compute_features(args) -> None:
         groups += [(1, 1 << (int(lengths[i]) - 1).bit_length(), [(int(i),)]) for i in np.flatnonzero(lengths > t)]
         for num_rows, width, batch in groups:
             ids, positions, segments = (np.zeros((num_rows, width), np.int32) for _ in range(3))
-            for r, members in enumerate(batch):
-                at = 0
-                for seg, i in enumerate(members, start=1):
-                    n = lengths[i]
+            rows = [layout(members, lengths) for members in batch]
+            for r, row in enumerate(rows):
+                for seg, i, at, n in row:
                     ids[r, at : at + n] = tokens[offsets[i] : offsets[i + 1]]
                     positions[r, at : at + n], segments[r, at : at + n] = np.arange(n), seg
-                    at += n
             aux, hid = (np.asarray(x) for x in forward(state, *(jnp.asarray(x) for x in (ids, positions, segments))))
-            for r, members in enumerate(batch):
-                at = 0
-                for i in members:
-                    n, a = lengths[i], offsets[i]
+            for r, row in enumerate(rows):
+                for _, i, at, n in row:
+                    a = offsets[i]
                     aux_out[a : a + n], hid_out[a : a + n] = aux[r, at : at + n], hid[r, at : at + n]
-                    at += n
         aux_path, hidden_path = features_paths(path)
         save_npy(aux_path, aux_out.view(np.uint16))
         save_npy(hidden_path, hid_out.view(np.uint16))  # last: its presence means the shard is done

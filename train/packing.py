@@ -59,6 +59,16 @@ def first_fit(order, sizes: np.ndarray, budget: tuple[int, ...]) -> tuple[tuple[
     return tuple(tuple(r) for r in rows)
 
 
+def layout(members, lengths) -> list[tuple[int, int, int, int]]:
+    """(segment id 1, 2, .., sequence index, start, length) of each sequence of a packed row, back to back."""
+    out, start = [], 0
+    for seg, i in enumerate(members, start=1):
+        n = int(lengths[i])
+        out.append((seg, i, start, n))
+        start += n
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
     """Host arrays of one step. Positions past the last sequence of a row are padding (segment 0, mask 0)."""
@@ -99,6 +109,7 @@ class PackedBatches:
                 self.lengths[i] = p[self.capacity] + 2  # p[capacity] itself needs x_{p+2}, now past the end
                 p = trained_positions(s[1][: self.lengths[i]], num_steps)
             self.trained_per_sequence.append(p)
+        self.sizes = np.stack([self.lengths, [len(p) for p in self.trained_per_sequence]], axis=1)  # [n, 2]
         self.cut_tokens = int(sum(len(s[0]) for s in sequences) - self.lengths.sum())
         self.row_counts: list[int] = []  # packed rows of each epoch so far (kept: it locates any step)
         self.packed: dict[int, tuple[tuple[int, ...], ...]] = {}  # the last few epochs' packings
@@ -114,8 +125,7 @@ class PackedBatches:
             if len(self.packed) >= 3:  # a run reads its current epoch and the next
                 self.packed.pop(min(self.packed))
             order = np.random.default_rng((self.seed, epoch)).permutation(len(self.sequences))
-            sizes = np.stack([self.lengths, [len(p) for p in self.trained_per_sequence]], axis=1)
-            self.packed[epoch] = first_fit(order, sizes, (self.seq_len, self.capacity))
+            self.packed[epoch] = first_fit(order, self.sizes, (self.seq_len, self.capacity))
         return self.packed[epoch]
 
     def locate(self, row: int) -> tuple[int, int]:
@@ -157,9 +167,9 @@ class PackedBatches:
             aux = np.zeros((b, t, first[2].shape[-1]), first[2].dtype)
             hidden = np.zeros((b, t, first[3].shape[-1]), first[3].dtype)
         for r, members in enumerate(self.rows_of_step(step)):
-            start, used = 0, 0
-            for seg, i in enumerate(members, start=1):
-                n, seq = int(self.lengths[i]), self.sequences[i]
+            used = 0
+            for seg, i, start, n in layout(members, self.lengths):
+                seq = self.sequences[i]
                 ids[r, start : start + n] = seq[0][:n]
                 mask[r, start : start + n] = seq[1][:n]
                 positions[r, start : start + n] = np.arange(n)
@@ -169,5 +179,5 @@ class PackedBatches:
                     hidden[r, start : start + n] = seq[3][:n]
                 p = self.trained_per_sequence[i]
                 trained[r, used : used + len(p)] = start + p
-                start, used = start + n, used + len(p)
+                used += len(p)
         return PackedBatch(ids, mask, positions, segments, trained, aux, hidden)

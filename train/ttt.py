@@ -3,9 +3,10 @@ head's own state forward, so that the head learns to draft from its own outputs 
 
 Row t of step k reads the embedding of x_{t+1+k} and the state of step k-1 (step 0: fc of the target features
 g_t), sits at rope position p_t+k (p_t: t's position in its own sequence), and attends to block-0 keys j ≤ t of
-its sequence plus, for each step 1 ≤ i ≤ k, only its own key of that step (row t): exactly the cache an inference-time draft chain anchored at t would hold. The efficient
-form runs causal attention over block 0 once per step and merges the k diagonal terms in closed form (log-sum-exp);
-`ttt_logits_reference` builds the explicit [T, (k+1)·T] masks instead and exists to test it.
+its sequence plus, for each step 1 ≤ i ≤ k, only its own key of that step (row t): exactly the cache an
+inference-time draft chain anchored at t would hold. The efficient form runs causal attention over block 0 once
+per step and merges the k diagonal terms in closed form (log-sum-exp); `ttt_logits_reference` builds the explicit
+[T, (k+1)·T] masks instead and exists to test it.
 
 Packed rows (`train.packing`): several sequences share a row, told apart by `segments` and each with its own
 `positions`; attention stays within a sequence. `trained` [B, C] names the positions that carry a loss: step 0

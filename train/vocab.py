@@ -63,24 +63,22 @@ def training_counts(sequences, vocab_size: int) -> tuple[np.ndarray, np.ndarray,
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard
+    from jaxspec.cli_common import main_guard, positive_int_list
 
     parser = argparse.ArgumentParser(prog="python -m train.vocab", description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, metavar="DIR", help="training shards (required; no default)")
     parser.add_argument("--eval", nargs="*", default=[], metavar="DIR",
-                        help="shards of evaluation sets' responses, e.g. from generate --prompts mt_bench (default: none)")
-    parser.add_argument("--sizes", default="8192,16384,32768", metavar="N,N",
-                        help="draft vocabulary sizes to compare (default: %(default)s)")
+                        help="shards of evaluation sets' responses, e.g. written by `python -m train.data generate "
+                        "--prompts mt_bench` (default: none)")
+    parser.add_argument("--sizes", type=positive_int_list, default=[8192, 16384, 32768], metavar="N,N",
+                        help="draft vocabulary sizes to compare (default: 8192,16384,32768)")
 
     @main_guard
     def run(argv):
         from train.data import read_shards, require_shards
 
         args = parser.parse_args(argv)
-        try:
-            sizes = [int(x) for x in args.sizes.split(",")]
-        except ValueError:
-            raise JaxspecError(f"--sizes must be integers separated by commas, got {args.sizes!r}") from None
+        sizes = args.sizes
         require_shards(args.data, "training shards")
         sequences = read_shards(args.data)
         evals = {}
