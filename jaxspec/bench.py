@@ -26,8 +26,9 @@ import sys
 import time
 
 from jaxspec.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
-from jaxspec.bench_suite import measure, rejection_table, speculative_row
+from jaxspec.bench_suite import auto_line, measure, rejection_table, speculative_row
 from jaxspec.cli_common import (
+    AUTO,
     add_draft_args,
     add_mesh_args,
     add_target_args,
@@ -45,6 +46,7 @@ from jaxspec.cli_common import (
     resolve_mesh,
     resolve_target,
     run_program,
+    speculative_generator,
     use_compile_cache,
 )
 from jaxspec.config import MAX_DRAFT_DEPTH
@@ -250,23 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         "memory": {"target-only": gen.memory.as_dict()},
     }
     if head is not None:
-        from jaxspec.spec.generator import SpeculativeGenerator
-
         result["speculative"] = []
         for tree in [None, *args.tree]:
-            spec = SpeculativeGenerator(
-                model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size, mesh=mesh,
-                forced_accept_prob=args.accept_prob, kernels=kernels_impl(args),
+            spec = speculative_generator(
+                model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
+                kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
             )
             method = method_name(args.num_speculative_tokens, tree, args.accept_prob)
             measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
-            verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
-            result["speculative"].append({
-                "method": method,
-                "draft": str(draft),
-                **speculative_row(*measured, spec.num_draft, completions, tokens / seconds),
-                **component_timings(model, head, verified - 1, args.batch_size),
-            })
+            row = speculative_row(*measured, spec.num_draft, completions, tokens / seconds)
+            if tree is not None or method != "auto":  # automatic speculation records its own step costs
+                verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
+                row.update(component_timings(model, head, verified - 1, args.batch_size))
+            result["speculative"].append({"method": method, "draft": str(draft), **row})
             result["memory"][method] = spec.memory.as_dict()
     if ngram is not None:
         spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
@@ -276,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         result["speculative"] = [{"method": method, "draft": ngram.name, **row}]
         result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:
-        result["numerics_cost"] = numerics_cost(args, model, head, encoded, stops, mesh, result)
+        result["numerics_cost"] = numerics_cost(args, model, head, draft, encoded, stops, mesh, result)
     if args.compare_hf:
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
         same = sum(o == c.token_ids for o, c in zip(hf_outputs, completions))
@@ -295,12 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list[dict]:
+def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) -> list[dict]:
     """Every method of this run again with the other numerics, tokens/s both ways. The
     ratio is plain / invariant, i.e. how much faster dropping invariance would be."""
     from jaxspec.generation import Generator
     from jaxspec.models.numerics import default_numerics
-    from jaxspec.spec.generator import SpeculativeGenerator
 
     measured = [("target-only", None, result["jaxspec"])] + [
         (sp["method"], tree, sp) for tree, sp in zip([None, *args.tree], result.get("speculative", []))
@@ -314,9 +311,10 @@ def numerics_cost(args, model, head, encoded, stops, mesh, result: dict) -> list
             if method == "target-only":
                 gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
             else:
-                gen = SpeculativeGenerator(
-                    model, head, num_draft=args.num_speculative_tokens, tree=tree, batch_size=args.batch_size,
-                    mesh=mesh, forced_accept_prob=args.accept_prob, kernels=kernels_impl(args),
+                gen = speculative_generator(
+                    model, head, draft, args.num_speculative_tokens, tree,
+                    batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args),
+                    forced_accept_prob=args.accept_prob,
                 )
             out, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label=f"{method} ({other})")
             tps = {args.numerics: first["tokens_per_second"], other: round(tokens / seconds, 2)}
@@ -365,12 +363,13 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
 
     from jaxspec.bench_suite import write_report
     from jaxspec.generation import Generator
-    from jaxspec.spec.generator import SpeculativeGenerator
     from jaxspec.spec.tree import TreeConfig
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
+    if head is not None and args.accept_prob is None:
+        methods.append((AUTO, None))
     if ngram is not None:
         methods.append((ngram.num_draft, "ngram"))
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
@@ -390,14 +389,15 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
             if tree == "ngram":
                 name = method_name(num_draft, None, proposer=ngram)
                 spec = Generator(model, proposer=ngram, batch_size=b, mesh=mesh, kernels=kernels_impl(args))
+                depth = ngram.depth
             else:
                 name = method_name(num_draft, tree, args.accept_prob)
-                spec = SpeculativeGenerator(model, head, num_draft=num_draft, tree=tree, batch_size=b, mesh=mesh,
-                                            forced_accept_prob=args.accept_prob, kernels=kernels_impl(args))
+                spec = speculative_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
+                                             kernels=kernels_impl(args), forced_accept_prob=args.accept_prob)
+                depth = spec.num_draft
             bar.set_postfix_str(f"batch {b} {name}")
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
-            runs.append({"batch_size": b, "method": name,
-                         **speculative_row(*measured, spec.proposer.depth, *baselines[b]),
+            runs.append({"batch_size": b, "method": name, **speculative_row(*measured, depth, *baselines[b]),
                          "memory": spec.memory.as_dict()})
             bar.update()
     if args.compare_hf:
@@ -451,12 +451,17 @@ def _table(r: dict) -> str:
         lines += [
             "",
             f"{sp['method']}: {sp['speedup_vs_target_only']}x target-only; mean accepted length "
-            f"{sp['mean_accepted_length']}; acceptance per position {sp['acceptance_per_position']}; identical "
-            f"outputs {sp['identical_outputs']}",
-            f"  one target decode {sp['target_decode_ms']} ms; verify of {sp['verified_tokens']} tokens "
-            f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
-            f"({sp['head_step_over_decode']}x)",
+            f"{sp.get('mean_accepted_length', 'n/a (no batch speculated)')}; acceptance per position "
+            f"{sp.get('acceptance_per_position', [])}; identical outputs {sp['identical_outputs']}",
         ]
+        if "target_decode_ms" in sp:
+            lines.append(
+                f"  one target decode {sp['target_decode_ms']} ms; verify of {sp['verified_tokens']} tokens "
+                f"{sp['target_verify_ms']} ms ({sp['verify_over_decode']}x); one head step {sp['head_step_ms']} ms "
+                f"({sp['head_step_over_decode']}x)"
+            )
+        if "auto_last" in sp:
+            lines.append("  " + auto_line(sp))
     lines += rejection_table([{"batch_size": r["batch_size"], **sp} for sp in r.get("speculative", [])])
     if "numerics_cost" in r:
         lines += ["", "| method | invariant numerics tokens/s | plain numerics tokens/s | plain / invariant |",

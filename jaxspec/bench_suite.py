@@ -35,11 +35,18 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
     """Mean accepted length (tokens per verify, bonus included), acceptance rate by draft position, and how many
     verify steps accepted 0..depth drafts (accepted drafts are a prefix of the path, so steps that accepted at
     least j drafts = times position j was accepted)."""
+    auto = _auto_summary(out)
+    out = [c for c in out if "verify_calls" in c.stats]  # automatic speculation: the batches that speculated
+    if not out:
+        return auto
     calls = sum(c.stats["verify_calls"] for c in out)  # raw integer counts from the engine (Generator stats)
-    at_least = np.sum([np.asarray(c.stats["accepted_per_position"], np.int64) for c in out], 0)
+    at_least = np.zeros((depth,), np.int64)  # chains of different lengths (automatic speculation) pad with zeros
+    for c in out:
+        at_least[: len(c.stats["accepted_per_position"])] += np.asarray(c.stats["accepted_per_position"], np.int64)
     at_least = np.concatenate([[calls], at_least, [0]]).astype(int)  # [depth + 2]
     tokens = sum(c.num_generated for c in out)
     return {
+        **auto,
         "mean_accepted_length": round((tokens - len(out)) / max(calls, 1), 3),
         "acceptance_per_position": [round(float(a) / max(calls, 1), 3) for a in at_least[1 : depth + 1]],
         "accepted_drafts_histogram": (at_least[:-1] - at_least[1:]).tolist(),  # steps with a = 0..depth
@@ -47,6 +54,32 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
         "rejections": {k: sum(c.stats["rejections"][k] for c in out) for k in out[0].stats["rejections"]},
         "accepted_via_sibling": sum(c.stats["accepted_via_sibling"] for c in out),
     }
+
+
+def _auto_summary(out: Sequence[Completion]) -> dict:
+    """Automatic speculation (`stats["auto"]` of each batch): {chain length: batches that ran it} and the last
+    batch's record (its choice, the costs and the running acceptance); {} for fixed methods."""
+    records = [c.stats["auto"] for c in out if "auto" in c.stats]
+    if not records:
+        return {}
+    from jaxspec.spec.auto_generator import chosen
+
+    batch = out[0].batch_size
+    return {"auto_choices": {str(k): n for k, n in chosen(out, batch).items()}, "auto_last": records[-1]}
+
+
+def auto_line(run: dict) -> str:
+    """What automatic speculation chose, on what it rested (a bench row with `auto_choices`)."""
+    last = run["auto_last"]
+    ran = ", ".join(("target-only" if k == "0" else f"K={k}") + f" × {n}" for k, n in run["auto_choices"].items())
+    costs = last["step_costs_ms"] or {}
+    return (
+        f"auto ran {ran} (batches); last choice K={last['num_speculative_tokens']} from {last['basis']} "
+        f"acceptance {last['acceptance_per_position']}, expected {last['expected_tokens_per_second']} tokens/s per "
+        f"row; step costs decode {costs.get('decode')} ms, verify of 2.. tokens {costs.get('verify')} ms, head step "
+        f"{costs.get('draft')} ms; running acceptance {last['running_acceptance_per_position']} over "
+        f"{last['running_verify_steps']} verify steps"
+    )
 
 
 def rejection_table(runs: Sequence[dict]) -> list[str]:
@@ -102,6 +135,9 @@ def markdown(r: dict) -> str:
             f"| {run['batch_size']} | {run['method']} | {run['tokens_per_second']} | "
             f"{run.get('speedup_vs_target_only', '')} | {tau} | {run.get('identical_outputs', '')} |"
         )
+    autos = [f"- batch {run['batch_size']}: {auto_line(run)}" for run in r["runs"] if "auto_last" in run]
+    if autos:
+        lines += ["", "automatic speculation (`--num-speculative-tokens auto`):", "", *autos]
     return "\n".join(lines + rejection_table(r["runs"]))
 
 

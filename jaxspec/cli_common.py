@@ -26,6 +26,19 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
+AUTO = "auto"
+
+
+def speculative_tokens(text: str) -> int | str:
+    """argparse type of --num-speculative-tokens: a whole number of drafts, or `auto`."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {text!r}") from None
+
+
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
@@ -117,8 +130,11 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         help="target-only generation (with the built-in target, its shipped head is the default draft)",
     )
     parser.add_argument(
-        "--num-speculative-tokens", type=int, metavar="K",
-        help=f"drafts per verify step, 1..{MAX_DRAFT_DEPTH} (default: {DEFAULT_SPECULATIVE_TOKENS})",
+        "--num-speculative-tokens", type=speculative_tokens, metavar="K|auto",
+        help=f"drafts per verify step, 1..{MAX_DRAFT_DEPTH}, or auto (default with an EAGLE-3 head): before each "
+        "batch, the chain length or target-only with the most expected tokens/s, from this machine's timed step "
+        "costs and the head's acceptance (its recorded profile, refined by the counts so far); --tree names a tree "
+        f"instead (--proposer ngram: default {DEFAULT_SPECULATIVE_TOKENS})",
     )
     parser.add_argument(
         "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
@@ -186,6 +202,26 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
     return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
 
 
+def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
+                          kernels: str | None = None, forced_accept_prob: float | None = None):
+    """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length
+    chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any)."""
+    from jaxspec.spec.generator import SpeculativeGenerator
+
+    if tree is None and num_draft == AUTO:
+        from jaxspec.checkpoints.heads import read_head_config
+        from jaxspec.checkpoints.verifier import head_record
+        from jaxspec.spec.auto_config import profile_from_record
+        from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
+
+        prior = profile_from_record(head_record(read_head_config(draft))[1])
+        return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels)
+    return SpeculativeGenerator(
+        model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
+        kernels=kernels, forced_accept_prob=forced_accept_prob,
+    )
+
+
 def head_aux_layer_ids(draft: str | None, target_dir: Path):
     """The target layers a head reads (None: the target's default), read from the two config.json files and checked
     (the verifier the head was exported for, vocabulary, hidden sizes, layer ids) before any weights are loaded."""
@@ -204,10 +240,12 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
 DEFAULT_SPECULATIVE_TOKENS = 5
 
 
-def method_name(num_draft: int, tree, accept_prob: float | None = None, proposer=None) -> str:
+def method_name(num_draft: int | str, tree, accept_prob: float | None = None, proposer=None) -> str:
     """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`, `ngram K=5 n=1..3`."""
     if proposer is not None and proposer.name == "ngram":
         return f"ngram K={num_draft} n={proposer.min_n}..{proposer.max_n}"
+    if tree is None and num_draft == AUTO:
+        return "auto"
     name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
     return name if accept_prob is None else f"{name} (forced p={accept_prob})"
 
@@ -230,7 +268,7 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
         if value is not None and value < 1:
             raise JaxspecError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     k = args.num_speculative_tokens
-    if k is not None and not 1 <= k <= MAX_DRAFT_DEPTH:
+    if k is not None and k != AUTO and not 1 <= k <= MAX_DRAFT_DEPTH:
         raise JaxspecError(f"--num-speculative-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {k}")
     if args.no_draft and (k is not None or args.tree):
         given = "--num-speculative-tokens" if k is not None else "--tree"
@@ -241,16 +279,25 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
             raise JaxspecError(f"--proposer ngram drafts from the prompt itself; drop {given}")
         if args.tree:
             raise JaxspecError("--proposer ngram drafts chains; drop --tree")
+        if k == AUTO:
+            raise JaxspecError(
+                "--num-speculative-tokens auto chooses from an EAGLE-3 head's acceptance; give --proposer ngram a "
+                f"number (default {DEFAULT_SPECULATIVE_TOKENS})"
+            )
         if not 1 <= args.ngram_min <= args.ngram_max:
             raise JaxspecError(
                 f"--ngram-min and --ngram-max need 1 <= min <= max, got {args.ngram_min} and {args.ngram_max}"
             )
-    if tree_sets_depth and args.tree and k is not None:
+    if tree_sets_depth and args.tree and k is not None:  # auto included: a tree is not chosen automatically
         raise JaxspecError(
             f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
         )
     if k is None:
-        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
+        ngram = getattr(args, "proposer", "eagle3") == "ngram"
+        forced = getattr(args, "accept_prob", None) is not None  # bench's forced acceptance: a fixed chain
+        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if ngram or forced else AUTO
+    elif k == AUTO and getattr(args, "accept_prob", None) is not None:
+        raise JaxspecError("--accept-prob forces acceptance of a fixed chain; give --num-speculative-tokens a number")
 
 
 def load_target_and_tokenizer(

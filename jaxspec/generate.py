@@ -29,6 +29,7 @@ from jaxspec.cli_common import (
     resolve_mesh,
     resolve_target,
     run_program,
+    speculative_generator,
     use_compile_cache,
 )
 
@@ -133,12 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     ngram = ngram_proposer(args)
     if draft:
-        from jaxspec.spec.generator import SpeculativeGenerator
-
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
-        generator = SpeculativeGenerator(
-            model, head, num_draft=args.num_speculative_tokens, tree=args.tree, batch_size=args.batch_size,
-            mesh=mesh, kernels=kernels,
+        generator = speculative_generator(
+            model, head, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,
+            kernels=kernels,
         )
     else:  # target-only, or drafts by prompt lookup
         generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
@@ -201,7 +200,10 @@ def _method_summary(args, draft, completions, proposer=None) -> str:
         return "target-only"
     method = method_name(args.num_speculative_tokens, args.tree, proposer=proposer)
     from jaxspec.generation import tokens_per_verify
+    from jaxspec.spec.auto_generator import describe_choices
 
+    if method == "auto":
+        method = f"auto: {describe_choices(completions, args.batch_size)}"
     per_verify = tokens_per_verify(completions)
     per_verify = f"{per_verify:.2f}" if per_verify is not None else "n/a"
     return f"{method}, {per_verify} tokens per verify step"

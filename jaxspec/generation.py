@@ -243,19 +243,27 @@ class Generator:
             values = procs.batch_values(
                 requests[start : start + self.batch_size], self.batch_size, self.config.vocab_size
             )
-            results += self._generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens, values)
+            results += self.generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens, values)
             bar.update(len(batch))
         bar.close()
         return results
 
-    def _generate_batch(
-        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
-    ) -> list[Completion]:
-        b = self.batch_size
+    def batch_capacity(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+        """Cache slots for one batch of prompts: its longest prompt, the new tokens and the verify block's slots,
+        bucketed (`capacity_bucket`)."""
         longest = max(len(p) for p in batch)
-        capacity = capacity_bucket(
+        return capacity_bucket(
             longest + max_new_tokens + self.extra_capacity, self.config.context_length + self.extra_capacity
         )
+
+    def generate_batch(
+        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
+    ) -> list[Completion]:
+        """One batch of at most `batch_size` prompts (`generate` splits the prompts and the key): prefill, then
+        compiled chunks of steps until every row is done. offset: the first prompt's index, for `on_tokens`."""
+        b = self.batch_size
+        longest = max(len(p) for p in batch)
+        capacity = self.batch_capacity(batch, max_new_tokens)
         t = min(prompt_bucket(longest), capacity)
         prompt = np.zeros((b, t), np.int32)
         lens = np.zeros((b,), np.int32)

@@ -65,12 +65,12 @@ def test_bad_inputs_are_one_line_errors():
         AcceptanceProfile((0.2, 0.5), 10)
 
 
-def test_verify_lengths_time_powers_of_two_and_the_longest():
+def test_verify_lengths_time_decode_the_shortest_and_the_longest_verify():
     from jaxspec.spec.step_costs import verify_lengths
 
     assert verify_lengths(1) == [1, 2]
-    assert verify_lengths(5) == [1, 2, 4, 6]
-    assert verify_lengths(7) == [1, 2, 4, 8]
+    assert verify_lengths(5) == [1, 2, 6]
+    assert verify_lengths(7) == [1, 2, 8]
 
 
 def test_measured_costs_of_a_tiny_target_feed_the_choice():

@@ -58,7 +58,9 @@ def tiny_head(tiny_dir, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("extra, positions", [(["--num-speculative-tokens", "3"], 3), (["--tree", "6,3,2"], 3)])
+@pytest.mark.parametrize("extra, positions", [
+    (["--num-speculative-tokens", "3"], 3), (["--tree", "6,3,2"], 3), ([], 5), (["--num-speculative-tokens", "auto"], 5)
+])
 def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, capsys, monkeypatch):
     from jaxspec import prompts as prompts_mod
 
@@ -70,6 +72,11 @@ def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, cap
     stats = record["stats"]
     assert {"mean_accepted_length", "acceptance_per_position", "target_calls", "draft_calls"} <= set(stats)
     assert len(stats["acceptance_per_position"]) == positions and stats["target_calls"] >= 1
+    if "--tree" not in extra and "3" not in extra:  # auto, the default: what it chose and on what basis
+        assert stats["auto"]["num_speculative_tokens"] == positions and stats["auto"]["basis"] == "first batch"
+        assert stats["auto"]["running_verify_steps"] == stats["verify_calls"]
+    else:
+        assert "auto" not in stats
 
 
 def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
@@ -97,6 +104,11 @@ def test_bad_tree_spec(tree, tiny_dir, capsys):
     assert code == 2 and "--tree" in err
 
 
+def test_bad_speculative_tokens(tiny_dir, capsys):
+    code, _, err = run(capsys, "--target", str(tiny_dir), "--prompt", "hi", "--num-speculative-tokens", "some")
+    assert code == 2 and "expected a number of drafts or 'auto', got 'some'" in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -108,6 +120,8 @@ def test_bad_tree_spec(tree, tiny_dir, capsys):
         (["--target", "{tiny}", "--prompts-file", "/nonexistent.jsonl"], "does not exist"),
         (["--target", "{tiny}", "--prompt", "hi", "--draft", "/nonexistent/head"], "draft head path"),
         (["--target", "{tiny}", "--prompt", "hi", "--draft", "{tmp}"], "has no config.json"),
+        (["--target", "{tiny}", "--prompt", "hi", "--proposer", "ngram", "--num-speculative-tokens", "auto"],
+         "give --proposer ngram a number"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, message, tiny_dir, tmp_path, capsys):
@@ -169,10 +183,14 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
     result["runs"].remove(hf)
     assert result["suite"] == "mt_bench" and result["prompts"] == 2
     runs = {(r["batch_size"], r["method"]): r for r in result["runs"]}
-    assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2")}
+    assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2", "auto")}
+    for b in (1, 2):  # a head without a recorded profile: the first batch drafts the default chain to measure one
+        auto = runs[(b, "auto")]
+        assert auto["identical_outputs"] == "2/2" and auto["auto_last"]["basis"] in ("observed", "first batch")
+        assert sum(auto["auto_choices"].values()) == 2 // b
     for (b, method), r in runs.items():
         assert r["tokens_per_second"] > 0
-        if method != "target-only":
+        if method not in ("target-only", "auto"):
             assert r["identical_outputs"] == "2/2"
             hist = r["accepted_drafts_histogram"]
             assert len(hist) == 3 and sum(hist) == r["verify_steps"] > 0
@@ -181,7 +199,8 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
             full, cut = r["rejections"]["all_accepted"], r["rejections"]["cut_by_stop"]
             assert full <= hist[-1] <= full + cut  # steps that accepted every draft, unless the stop cut them
     table = (out / "results.md").read_text()
-    assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= 7
+    assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= 9
+    assert "- batch 1: auto ran " in table and "running acceptance" in table
     assert "| batch | method | all accepted | outside draft vocab |" in table  # the rejection table
     for name in ("tokens_per_second.png", "acceptance_by_position.png", "accepted_lengths.png"):
         data = (out / name).read_bytes()

@@ -176,20 +176,28 @@ QUESTIONS = [
 
 
 def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
-    """The README's main command: the built-in target drafts with the shipped head, and the text is the target's."""
+    """The README's main command: the built-in target with the shipped head, the chain length chosen automatically
+    from the head's recorded acceptance and this machine's step costs; the text is the target's either way."""
     import json
 
     from jaxspec import generate
+    from jaxspec.spec.auto_config import profile_from_record
 
     assert (builtin.default_head_dir() / "config.json").is_file()
     runs = {}
-    for extra in ([], ["--no-draft"]):
+    for name, extra in (("auto", []), ("none", ["--no-draft"]), ("chain", ["--num-speculative-tokens", "5"])):
         assert generate.main(["--prompt", QUESTIONS[2], "--max-new-tokens", "48", "--json", *extra]) == 0
-        runs[bool(extra)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    spec, plain = runs[False], runs[True]
-    assert spec["token_ids"] == plain["token_ids"]
-    assert spec["stats"]["mean_accepted_length"] > 1.5  # a trained head, not a random one
-    assert "mean_accepted_length" not in plain["stats"]
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"] == runs["chain"]["token_ids"]
+    assert runs["chain"]["stats"]["mean_accepted_length"] > 1.5  # a trained head, not a random one
+    assert "mean_accepted_length" not in runs["none"]["stats"]
+    auto = runs["auto"]["stats"]["auto"]
+    config = json.loads((builtin.default_head_dir() / "config.json").read_text())
+    prior = profile_from_record(config["jaxspec"]["acceptance"])
+    assert auto["basis"] == "prior" and auto["acceptance_per_position"] == [round(r, 4) for r in prior.rates]
+    assert auto["step_costs_ms"]["decode"] > 0 and 0 <= auto["num_speculative_tokens"] <= len(prior.rates)
+    candidates = {int(k): v for k, v in auto["candidates"].items()}
+    assert candidates[auto["num_speculative_tokens"]] == max(candidates.values())
 
 
 @pytest.mark.slow  # ~2 min; in CI the shipped head's chain and tree run on SmolLM2 in bfloat16 (below)

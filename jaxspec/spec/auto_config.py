@@ -129,3 +129,32 @@ def choose_chain(costs: StepCosts, profile: AcceptanceProfile, max_draft: int | 
     best_k, best = max(candidates, key=lambda c: (c[1], -c[0]))
     per_step = 1.0 if best_k == 0 else expected_tokens(profile.rates, best_k)
     return Choice(best_k, per_step, best, tuple(candidates))
+
+
+@dataclasses.dataclass
+class RunningAcceptance:
+    """Acceptance counts gathered over batches that may have drafted different chain lengths: per position k, the
+    verify steps that accepted draft k+1 and the verify steps that drafted it (those of chains with K > k)."""
+
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    drafted: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, accepted_per_position: Sequence[int], verify_calls: int) -> None:
+        """One row's generation stats (`accepted_per_position`, `verify_calls`) from a chain of
+        len(accepted_per_position) drafts."""
+        for k, n in enumerate(accepted_per_position):
+            if k == len(self.accepted):
+                self.accepted.append(0)
+                self.drafted.append(0)
+            self.accepted[k] += int(n)
+            self.drafted[k] += int(verify_calls)
+
+    def profile(self) -> AcceptanceProfile:
+        """The observed rates (each position over the steps that drafted it; never growing with the position), resting
+        on the verify steps of the first position."""
+        rates: list[float] = []
+        for n, d in zip(self.accepted, self.drafted):
+            if d <= 0:
+                break
+            rates.append(min(n / d, rates[-1] if rates else 1.0))
+        return AcceptanceProfile(tuple(rates), self.drafted[0] if rates else 0)

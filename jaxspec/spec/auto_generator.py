@@ -1,0 +1,176 @@
+"""Speculation configured per batch (`--num-speculative-tokens auto`): before each batch, the chain length — or
+target-only — with the most expected tokens per second on this machine (`auto_config.choose_chain`).
+
+The inputs are measured, not guessed: the step costs are timed once per process and cache bucket on the real
+forwards (`step_costs.measure_step_costs`), and the acceptance profile is the head's recorded one
+(`auto_config.profile_from_record`) refined with the counts of every batch generated so far. A head without a
+record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
+chosen automatically: `--tree` names one. Output never depends on the choice: every chain length, and target-only,
+give the target's tokens (greedy) or its distribution (sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+
+from jaxspec import sharding
+from jaxspec.errors import JaxspecError
+from jaxspec.generation import Completion, Generator
+from jaxspec.models.eagle3 import Eagle3Head
+from jaxspec.models.llama import LlamaModel
+from jaxspec.spec.auto_config import AcceptanceProfile, Choice, RunningAcceptance, StepCosts, choose_chain
+from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
+from jaxspec.spec.step_costs import measure_step_costs
+
+FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
+MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
+
+
+class AutoSpeculativeGenerator(Generator):
+    """`Generator` that picks, before each batch, the chain length (0 = target-only) with the most expected tokens
+    per second, from this machine's step costs at the batch's shape and the acceptance profile: `prior` (the head's
+    record, or None) pooled with the counts observed so far. The choice made for each batch is in its completions'
+    `stats["auto"]`, with the running acceptance after it."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        head: Eagle3Head,
+        *,
+        prior: AcceptanceProfile | None,
+        max_draft: int = MAX_AUTO_DRAFT,
+        batch_size: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
+        kernels: str | None = None,
+    ):
+        if max_draft < 1:
+            raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
+        check_head_fits(model, head)
+        super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # itself: the target-only choice
+        self.model, self.head = model, head
+        self.prior = prior if prior is not None and prior.rates else None
+        self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
+        self.running = RunningAcceptance()
+        self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
+        self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
+        self._chains: dict[int, SpeculativeGenerator] = {}
+        self._own_compile_seconds = 0.0
+
+    @property
+    def num_draft(self) -> int:
+        """The longest chain this generator may choose (the statistics' depth)."""
+        return self.depth
+
+    @property
+    def extra_capacity(self) -> int:
+        """The longest chain's verify block: every choice fits the caches sized for it."""
+        return self.depth + 1
+
+    def acceptance(self) -> AcceptanceProfile:
+        """The profile the next choice rests on: the prior pooled with the counts so far (the prior weighs as many
+        verify steps as it was given), or the counts alone."""
+        observed = self.running.profile()
+        if self.prior is None:
+            return observed
+        return self.prior.refined(observed, self.prior.verify_steps)
+
+    def costs(self, capacity: int) -> StepCosts:
+        """Step costs at this batch size and cache capacity, timed on first use."""
+        if capacity not in self.step_costs:
+            if self.on_compile is not None:
+                self.on_compile(f"timing decode, verify and draft steps (batch {self.batch_size}, cache {capacity})...")
+            start = time.perf_counter()
+            with sharding.mesh_context(self.mesh):
+                self.step_costs[capacity] = measure_step_costs(
+                    self.model, self.head, self.batch_size, capacity, self.depth
+                )
+            self.timing_seconds += time.perf_counter() - start
+            if self.on_compile is not None:
+                c = self.step_costs[capacity]
+                self.on_compile(
+                    f"timed in {time.perf_counter() - start:.1f}s: decode {c.decode * 1e3:.1f} ms, verify of "
+                    f"{self.depth + 1} tokens {c.verify[-1] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms"
+                )
+        return self.step_costs[capacity]
+
+    def choose(self, capacity: int) -> tuple[Choice, str]:
+        """(the choice for a batch at this capacity, what it rests on: prior, observed, prior+observed, or first
+        batch — no profile yet, so the default chain drafts to measure one)."""
+        profile = self.acceptance()
+        if not profile.rates:
+            k = min(FIRST_CHAIN, self.depth)
+            return Choice(k, 0.0, 0.0, ()), "first batch"
+        observed = self.running.profile().verify_steps > 0
+        basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
+        return choose_chain(self.costs(capacity), profile, self.depth), basis
+
+    def generate_batch(
+        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
+    ) -> list[Completion]:
+        capacity = self.batch_capacity(batch, max_new_tokens)
+        choice, basis = self.choose(capacity)
+        rates = self.acceptance().rates
+        args = (batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values)
+        if choice.num_draft == 0:
+            self.compile_seconds = self._own_compile_seconds
+            completions = super().generate_batch(*args)
+            self._own_compile_seconds = self.compile_seconds
+        else:
+            chain = self._chain(choice.num_draft)
+            completions = chain.generate_batch(*args)
+            self.memory = chain.memory
+            for c in completions:
+                self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
+        self.compile_seconds = self._own_compile_seconds + sum(g.compile_seconds for g in self._chains.values())
+        running = self.running.profile()
+        record = {
+            **choice.as_dict(),
+            "basis": basis,
+            "acceptance_per_position": [round(r, 4) for r in rates],  # what the choice rested on
+            "running_acceptance_per_position": [round(r, 4) for r in running.rates],  # observed, this batch included
+            "running_verify_steps": int(running.verify_steps),
+            "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),
+            "timing_seconds": round(self.timing_seconds, 2),
+        }
+        for c in completions:
+            c.stats = {**c.stats, "auto": record}
+        return completions
+
+    def _chain(self, num_draft: int) -> SpeculativeGenerator:
+        if num_draft not in self._chains:
+            gen = SpeculativeGenerator(
+                self.model, self.head, num_draft=num_draft, batch_size=self.batch_size, mesh=self.mesh,
+                kernels=self.kernels,
+            )
+            gen.on_compile = self.on_compile
+            self._chains[num_draft] = gen
+        return self._chains[num_draft]
+
+
+
+def _costs_ms(costs: StepCosts | None) -> dict | None:
+    """Milliseconds: decode (T = 1), verify[k - 1] (a chain of k drafts: T = k + 1), one head step."""
+    if costs is None:
+        return None
+    return {"decode": round(costs.decode * 1e3, 3), "verify": [round(v * 1e3, 3) for v in costs.verify[1:]],
+            "draft": round(costs.draft * 1e3, 3)}
+
+
+def chosen(completions: Sequence[Completion], batch_size: int) -> dict[int, int]:
+    """{chain length: batches that ran it} over completions of an `AutoSpeculativeGenerator` (0: target-only)."""
+    counts: dict[int, int] = {}
+    for i, c in enumerate(completions):
+        if i % batch_size == 0 and "auto" in c.stats:
+            k = c.stats["auto"]["num_speculative_tokens"]
+            counts[k] = counts.get(k, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def describe_choices(completions: Sequence[Completion], batch_size: int) -> str:
+    """`K=1 for 9 batches, target-only for 1`: what the automatic choice ran."""
+    parts = [("target-only" if k == 0 else f"K={k}") + f" for {n} batch{'es' if n > 1 else ''}"
+             for k, n in chosen(completions, batch_size).items()]
+    return ", ".join(parts) or "no batches"

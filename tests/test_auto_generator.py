@@ -1,0 +1,95 @@
+"""Automatic speculation per batch (`--num-speculative-tokens auto`): whatever it chooses, the output is the
+target's; the choice follows the costs and the acceptance; the running counts are the engine's."""
+
+import numpy as np
+import pytest
+from spec_fixtures import PROMPTS, fitted_head, tiny_target
+
+from jaxspec.generation import Generator
+from jaxspec.spec.auto_config import AcceptanceProfile, RunningAcceptance, StepCosts
+from jaxspec.spec.auto_generator import FIRST_CHAIN, AutoSpeculativeGenerator, chosen, describe_choices
+
+MAX_NEW = 12
+CHEAP_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + (0.0101,) * 4, draft=0.0001)  # any acceptance pays
+DEAR_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + tuple(0.01 * (1 + k) for k in range(1, 5)), draft=0.001)
+
+
+def _auto(prior, costs: StepCosts | None, batch_size: int = 1) -> AutoSpeculativeGenerator:
+    gen = AutoSpeculativeGenerator(tiny_target(), fitted_head(), prior=prior, batch_size=batch_size)
+    if costs is not None:  # the timing's result, fixed so that the choice is the test's
+        for prompts in (PROMPTS[i : i + batch_size] for i in range(0, len(PROMPTS), batch_size)):
+            gen.step_costs[gen.batch_capacity(prompts, MAX_NEW)] = costs
+    return gen
+
+
+@pytest.fixture(scope="module")
+def target_only():
+    out = Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=MAX_NEW)
+    return [c.token_ids for c in out]
+
+
+@pytest.mark.parametrize(
+    "prior, costs, expected",
+    [
+        (AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), CHEAP_VERIFY, 4),  # high acceptance, cheap verify: longest
+        (AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), DEAR_VERIFY, 0),  # low acceptance, dear verify: target-only
+    ],
+)
+def test_the_choice_follows_costs_and_acceptance_and_the_output_is_the_targets(prior, costs, expected, target_only):
+    gen = _auto(prior, costs)
+    out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == target_only
+    first = out[0].stats["auto"]
+    assert first["num_speculative_tokens"] == expected and first["basis"] == "prior"
+    assert first["acceptance_per_position"] == list(prior.rates)
+    assert first["step_costs_ms"]["decode"] == 10.0
+    if expected == 0:  # target-only never speculates, so nothing is observed and the choice stays
+        assert chosen(out, 1) == {0: len(PROMPTS)} and gen.running.profile().verify_steps == 0
+        assert all("verify_calls" not in c.stats for c in out)
+    else:
+        assert all(c.stats["auto"]["num_speculative_tokens"] >= 1 for c in out)
+        assert out[-1].stats["auto"]["basis"] == "prior+observed"
+
+
+def test_without_a_prior_the_first_batch_measures_and_the_counts_decide(target_only):
+    gen = _auto(None, DEAR_VERIFY)
+    out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == target_only
+    first, second = out[0].stats, out[1].stats
+    assert first["auto"]["basis"] == "first batch" and first["auto"]["num_speculative_tokens"] == FIRST_CHAIN
+    assert len(first["accepted_per_position"]) == FIRST_CHAIN
+    assert second["auto"]["basis"] == "observed"
+    # the running acceptance after the first batch is that batch's own counts
+    rates = [n / first["verify_calls"] for n in first["accepted_per_position"]]
+    expected = np.minimum.accumulate(rates)
+    np.testing.assert_allclose(first["auto"]["running_acceptance_per_position"], np.round(expected, 4))
+    assert second["auto"]["acceptance_per_position"] == first["auto"]["running_acceptance_per_position"]
+    assert f"K={FIRST_CHAIN} for 1 batch" in describe_choices(out, 1)
+
+
+def test_batches_of_several_rows_and_the_extra_cache_fit_every_choice(target_only):
+    gen = _auto(AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), CHEAP_VERIFY, batch_size=2)
+    assert gen.extra_capacity == 5  # the longest chain's verify block
+    out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == target_only
+    assert chosen(out, 2) == {4: 2}
+    steps = sum(c.stats["verify_calls"] for c in out)
+    assert out[-1].stats["auto"]["running_verify_steps"] == steps
+
+
+def test_timed_costs_are_measured_once_per_cache_bucket():
+    gen = _auto(AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), None)
+    gen.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
+    assert len(gen.step_costs) == 1 and gen.timing_seconds > 0
+    (costs,) = gen.step_costs.values()
+    assert costs.max_draft == 4 and costs.decode > 0
+
+
+def test_running_acceptance_pools_chains_of_different_lengths():
+    run = RunningAcceptance()
+    run.add([6, 3], 10)  # a K=2 batch: 10 verify steps
+    run.add([4, 2, 1, 0], 10)  # a K=4 batch
+    profile = run.profile()
+    assert profile.verify_steps == 20
+    assert profile.rates == pytest.approx((0.5, 0.25, 0.1, 0.0))  # positions 3-4 over the K=4 batch only
+    assert RunningAcceptance().profile().rates == ()
