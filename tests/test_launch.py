@@ -166,3 +166,61 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(setup):
     assert sorted(losses(setup / "interrupted")) == list(range(saved))
     launch(config(setup, "interrupted", saved + 2), "train.checkpoint_every=1000")
     assert sorted(losses(setup / "interrupted")) == list(range(saved + 2))  # resumed at `saved`, nothing redone
+
+
+def test_init_from_starts_from_an_exported_head(setup, tmp_path):
+    """`head.init_from`: a run continues an exported head (its weights and draft vocabulary), e.g. in a new sitting."""
+    import jax
+
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.errors import JaxspecError
+    from train.config import HeadSection
+    from train.launch import build_head
+
+    target = load_target(setup / "target")
+    counts = np.arange(target.config.vocab_size, dtype=np.int64)
+    trained = build_head(target, HeadSection(draft_vocab_size=48, intermediate_size=96), counts, seed=3)
+    export_head(trained, tmp_path / "head", layout="speculators", target=target.config, dtype="float32")
+    warm = build_head(target, HeadSection(48, 96, init_from=str(tmp_path / "head")), counts[::-1].copy(), seed=0)
+    want, got = jax.tree.leaves(trained), jax.tree.leaves(warm)
+    assert len(want) == len(got) and all(np.array_equal(a, b) for a, b in zip(want, got))  # vocabulary included
+    with pytest.raises(JaxspecError, match="has draft_vocab_size 48, the config asks for 32"):
+        build_head(target, HeadSection(32, 96, init_from=str(tmp_path / "head")), counts, seed=0)
+    # the launcher: a run from the exported head, and a missing one refused before anything loads
+    launch(config(setup, "warm", 2), f"head.init_from={tmp_path / 'head'}")
+    assert sorted(losses(setup / "warm")) == [0, 1]
+    proc = launch(config(setup, "warm-missing", 2), f"head.init_from={tmp_path / 'nothing'}", wait=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "error:" in err and "nothing" in err
+
+
+def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_path):
+    """The launcher's held-out evaluation: tokens per verify and per-position acceptance, recorded in the exported
+    head's config in the form `--num-speculative-tokens auto` takes as its prior."""
+    from hf_tiny import ByteTokenizer
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.checkpoints.verifier import check_acceptance
+    from jaxspec.spec.auto_config import profile_from_record
+    from train.config import HeadSection, TrainSection
+    from train.launch import _acceptance, build_head, evaluate
+
+    class ChatBytes(ByteTokenizer):
+        chat_template = "the text itself"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return messages[0]["content"]
+
+    target = load_target(setup / "target")
+    head = build_head(target, HeadSection(48, 96), np.arange(target.config.vocab_size), seed=0)
+    prompts = tmp_path / "held_out.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "abcabc"}\n{"id": "b", "prompt": "hello there"}\n')
+    t = TrainSection(num_draft_steps=3, batch_size=1, seq_len=8, steps=1, eval_every=1, eval_prompts=str(prompts),
+                     eval_num_prompts=2, eval_max_new_tokens=8)
+    mean, rates = evaluate(target, head, ChatBytes(), setup / "target", t)
+    assert len(rates) == 3 and all(0 <= b <= a <= 1 for a, b in zip([1.0, *rates], rates))
+    assert mean == pytest.approx(1 + sum(rates), abs=0.35)  # stopped rows make the two differ slightly
+    record = _acceptance(t, (1, mean, rates))
+    check_acceptance(record)
+    assert profile_from_record(record).rates == pytest.approx(rates)

@@ -37,6 +37,10 @@ class HeadSection:
     draft_vocab_size: int | None = _setting(None, at_least=0)  # null or 0: the target's vocabulary
     intermediate_size: int | None = _setting(None, at_least=1)  # null: the target's
     init_lm_head_from_target: bool = True  # lm_head = the target's rows for the draft vocabulary
+    # an exported head (any layout) to start from instead of random weights: its weights and draft vocabulary; a
+    # longer training continued in a new run (the optimizer state starts afresh; set another train.seed for
+    # other batches)
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,8 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     from train.vocab import build_vocab_map
 
     t = target.config
+    if hcfg.init_from:
+        return _warm_start(target, hcfg)
     vd = hcfg.draft_vocab_size or t.vocab_size
     d2t, _ = build_vocab_map(counts, vd, prior)
     head_cfg = HeadConfig.for_target(
@@ -49,8 +51,26 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     return head
 
 
-def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> float:
-    """Mean accepted length (tokens per verify, bonus included) on the first prompts of the eval file."""
+def _warm_start(target, hcfg: HeadSection):
+    """The head of `head.init_from`, in the target's dtype, whose shape must be the one the config asks for."""
+    from jaxspec.checkpoints.heads import load_head
+
+    head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=target.dtype)
+    for key, value in (("draft_vocab_size", head.config.draft_vocab_size),
+                       ("intermediate_size", head.config.intermediate_size)):
+        wanted = getattr(hcfg, key)
+        if wanted and wanted != value:
+            raise JaxspecError(
+                f"head.init_from {hcfg.init_from!r} has {key} {value}, the config asks for {wanted}: set "
+                f"head.{key}={value} (or null) to continue that head"
+            )
+    return head
+
+
+def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> tuple[float, list[float]]:
+    """(mean accepted length — tokens per verify, bonus included —, the share of verify steps that accepted each
+    draft position) on the first prompts of the eval file: the held-out curve, and the profile an exported head
+    records for automatic speculation (`jaxspec.spec.auto_config.profile_from_record`)."""
     from jaxspec.generation import tokens_per_verify
     from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
     from jaxspec.spec.generator import SpeculativeGenerator
@@ -60,18 +80,21 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> float:
     stops = stop_token_ids(tokenizer, target_dir, target.config.eos_token_ids)
     gen = SpeculativeGenerator(target, head, num_draft=t.num_draft_steps, batch_size=len(encoded))
     out = gen.generate(encoded, max_new_tokens=t.eval_max_new_tokens, stop_ids=stops)
-    return tokens_per_verify(out) or 1.0
+    calls = sum(c.stats["verify_calls"] for c in out)
+    accepted = np.sum([c.stats["accepted_per_position"] for c in out], axis=0)
+    return tokens_per_verify(out) or 1.0, [round(float(a) / max(calls, 1), 4) for a in accepted]
 
 
-def _acceptance(t: TrainSection, last_eval: tuple[int, float] | None) -> list[dict] | None:
+def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | None) -> list[dict] | None:
     """The exported head's acceptance profile: the run's last evaluation (`eval_every`), if it made one."""
     if last_eval is None:
         return None
-    step, mean = last_eval
+    step, mean, rates = last_eval
     return [{
         "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts, "method": f"chain K={t.num_draft_steps}",
         "num_speculative_tokens": t.num_draft_steps, "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
-        "mean_accepted_length": max(1.0, mean), "measured_by": f"train.launch evaluation after step {step}",
+        "mean_accepted_length": max(1.0, mean), "acceptance_per_position": rates,
+        "measured_by": f"train.launch evaluation after step {step}",
     }]
 
 
@@ -112,6 +135,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     # Inputs named by the config are checked before the target loads and anything is written.
     data_dir = Path(cfg.data).expanduser()
     require_shards(data_dir, "training shards")
+    if cfg.head.init_from:
+        from jaxspec.checkpoints.heads import read_head_config
+
+        read_head_config(Path(cfg.head.init_from).expanduser())  # a missing head fails now, not after loading
     if t.eval_every:
         from jaxspec.prompts import prompt_set_path, read_prompts_file
 
@@ -200,16 +227,16 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             from jaxspec.prompts import load_tokenizer
 
             merged = nnx.merge(hgd, params, frozen)
-            record["eval_mean_accepted_length"] = round(
-                evaluate(target, merged, load_tokenizer(target_dir), target_dir, t), 4
-            )
-            last_eval = (step + 1, record["eval_mean_accepted_length"])
+            mean, rates = evaluate(target, merged, load_tokenizer(target_dir), target_dir, t)
+            record["eval_mean_accepted_length"] = round(mean, 4)
+            record["eval_acceptance_per_position"] = rates
+            last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
         if step % t.log_every == 0 or "eval_mean_accepted_length" in record or step == t.steps - 1:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if board is not None:
                 for name, value in record.items():
-                    if name != "step":
+                    if name != "step" and not isinstance(value, list):  # per-position lists stay in the JSONL
                         board.add_scalar(f"train/{name}", value, step)
                 board.flush()
         interrupted = stop is not None and stop.is_set()
