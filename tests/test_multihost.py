@@ -62,13 +62,16 @@ def _run_two_processes(argv: list[str]) -> list[subprocess.CompletedProcess]:
     return done
 
 
-@pytest.mark.parametrize("draft", [False, True], ids=["target-only", "chain"])
+@pytest.mark.parametrize("draft", [[], ["--num-speculative-tokens", "3"], ["--num-speculative-tokens", "auto"]],
+                         ids=["target-only", "chain", "auto"])
 def test_two_processes_equal_one_device(draft, target_and_head, tmp_path, capsys, monkeypatch):
+    """auto: both processes time the same programs in step, and run the chain length process 0 chose."""
     target, head = target_and_head
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"id": "a", "prompt": "abc"}\n{"id": "b", "prompt": "hello there"}\n')
+    texts = ["abc", "hello there"] + (["zz top", "a b c d"] if "auto" in draft else [])  # auto: a second batch
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(texts)))
     argv = ["--target", str(target), "--prompts-file", str(prompts), "--raw", "--json", "--max-new-tokens", "10",
-            "--batch-size", "2", *(["--draft", str(head), "--num-speculative-tokens", "3"] if draft else [])]
+            "--batch-size", "2", *(["--draft", str(head), *draft] if draft else [])]
 
     from jaxspec import prompts as prompts_mod
 
@@ -80,7 +83,10 @@ def test_two_processes_equal_one_device(draft, target_and_head, tmp_path, capsys
     first, second = _run_two_processes(argv)
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
     got = [json.loads(line)["token_ids"] for line in first.stdout.strip().splitlines()]
-    assert got == want and len(got) == 2 and all(len(ids) == 10 for ids in got)
+    assert got == want and len(got) == len(texts) and all(len(ids) == 10 for ids in got)
+    if "auto" in draft:  # the second batch's choice rests on timings: the same on both processes (else a hang)
+        record = json.loads(first.stdout.strip().splitlines()[-1])
+        assert record["stats"]["auto"]["basis"] == "observed" and record["stats"]["auto"]["step_costs_ms"]
     assert second.stdout == ""  # the same results: only process 0 prints them
 
 

@@ -11,17 +11,27 @@ give the target's tokens (greedy) or its distribution (sampling).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxspec import sharding
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import Completion, Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.auto_config import AcceptanceProfile, Choice, RunningAcceptance, StepCosts, choose_chain
+from jaxspec.spec.auto_config import (
+    AcceptanceProfile,
+    Choice,
+    RunningAcceptance,
+    StepCosts,
+    choose_chain,
+    expected_tokens,
+)
 from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.spec.step_costs import measure_step_costs
 
@@ -105,7 +115,15 @@ class AutoSpeculativeGenerator(Generator):
             return Choice(k, 0.0, 0.0, ()), "first batch"
         observed = self.running.profile().verify_steps > 0
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
-        return choose_chain(self.costs(capacity), profile, self.depth), basis
+        choice = choose_chain(self.costs(capacity), profile, self.depth)
+        if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
+            k = int(multihost_utils.broadcast_one_to_all(np.int32(choice.num_draft)))
+            if k != choice.num_draft:
+                per_step = 1.0 if k == 0 else expected_tokens(profile.rates, k)
+                choice = dataclasses.replace(
+                    choice, num_draft=k, tokens_per_step=per_step, tokens_per_second=dict(choice.candidates)[k]
+                )
+        return choice, basis
 
     def generate_batch(
         self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
