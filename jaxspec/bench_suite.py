@@ -41,14 +41,18 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
         return auto
     calls = sum(c.stats["verify_calls"] for c in out)  # raw integer counts from the engine (Generator stats)
     at_least = np.zeros((depth,), np.int64)  # chains of different lengths (automatic speculation) pad with zeros
+    drafted = np.zeros((depth,), np.int64)  # per position, the verify steps that drafted it
     for c in out:
-        at_least[: len(c.stats["accepted_per_position"])] += np.asarray(c.stats["accepted_per_position"], np.int64)
+        k = len(c.stats["accepted_per_position"])
+        at_least[:k] += np.asarray(c.stats["accepted_per_position"], np.int64)
+        drafted[:k] += c.stats["verify_calls"]
+    rates = [round(float(a) / max(d, 1), 3) for a, d in zip(at_least, drafted)]
     at_least = np.concatenate([[calls], at_least, [0]]).astype(int)  # [depth + 2]
     tokens = sum(c.num_generated for c in out)
     return {
         **auto,
         "mean_accepted_length": round((tokens - len(out)) / max(calls, 1), 3),
-        "acceptance_per_position": [round(float(a) / max(calls, 1), 3) for a in at_least[1 : depth + 1]],
+        "acceptance_per_position": rates,
         "accepted_drafts_histogram": (at_least[:-1] - at_least[1:]).tolist(),  # steps with a = 0..depth
         "verify_steps": int(calls),
         "rejections": {k: sum(c.stats["rejections"][k] for c in out) for k in out[0].stats["rejections"]},

@@ -210,11 +210,12 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
 
     if tree is None and num_draft == AUTO:
         from jaxspec.checkpoints.heads import read_head_config
-        from jaxspec.checkpoints.verifier import head_record
+        from jaxspec.checkpoints.verifier import check_acceptance, head_record
         from jaxspec.spec.auto_config import profile_from_record
         from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
 
-        prior = profile_from_record(head_record(read_head_config(draft))[1])
+        record = head_record(read_head_config(draft))[1]
+        prior = profile_from_record(check_acceptance(record) if record else None)  # a bad record: one-line error
         return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels)
     return SpeculativeGenerator(
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,

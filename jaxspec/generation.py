@@ -61,10 +61,11 @@ def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
     """Pooled over rows: tokens the verify steps produced (bonus included; the prefill's first token excluded) per
     verify step, from the raw counts in `stats` — what says whether speculation paid (1.0: every draft rejected).
     None without speculative statistics or verify steps."""
-    calls = sum(c.stats.get("verify_calls", 0) for c in completions)
+    speculated = [c for c in completions if "verify_calls" in c.stats]  # automatic: batches that ran target-only
+    calls = sum(c.stats["verify_calls"] for c in speculated)  # have no verify steps and are left out
     if not calls:
         return None
-    return sum(c.num_generated - 1 for c in completions if c.num_generated) / calls
+    return sum(c.num_generated - 1 for c in speculated if c.num_generated) / calls
 
 
 _prefill = jax.jit(

@@ -1,5 +1,5 @@
 """The automatic speculative configuration's arithmetic: expected tokens, the chain-length choice, and the
-acceptance profile refined by running counts."""
+acceptance profile pooled with running counts."""
 
 import numpy as np
 import pytest
@@ -44,18 +44,29 @@ def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_specul
     assert choose_chain(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
 
 
-def test_refinement_pools_observed_counts_with_the_prior():
+def test_running_counts_pool_with_the_prior_position_by_position():
+    from jaxspec.spec.auto_config import RunningAcceptance
+
     prior = AcceptanceProfile((0.8, 0.6, 0.4), 300)
-    seen = AcceptanceProfile.from_counts([50, 20], 100)  # drafts 1 and 2 accepted in 50 and 20 of 100 steps
-    assert seen.rates == (0.5, 0.2)
-    both = prior.refined(seen, prior_steps=300)
+    seen = RunningAcceptance()
+    seen.add([50, 20], 100)  # drafts 1 and 2 accepted in 50 and 20 of 100 steps
+    assert seen.profile().rates == (0.5, 0.2)
+    both = seen.pooled_with(prior)
     assert both.rates[0] == pytest.approx((300 * 0.8 + 100 * 0.5) / 400)
     assert both.rates[1] == pytest.approx((300 * 0.6 + 100 * 0.2) / 400)
-    assert both.rates[2] == pytest.approx(both.rates[1] * 0.4 / 0.6)  # unobserved: the prior's decay
+    assert both.rates[2] == pytest.approx(both.rates[1] * 0.4 / 0.6)  # undrafted: the prior's decay
     assert both.verify_steps == 400
-    assert prior.refined(AcceptanceProfile.from_counts([], 0), 300) == prior
-    many = prior.refined(AcceptanceProfile.from_counts([5000, 2000, 500], 10000), prior_steps=300)
-    assert many.rates == pytest.approx((0.5087, 0.2117, 0.0602), abs=1e-3)  # the running counts dominate
+    assert RunningAcceptance().pooled_with(prior) == prior
+    many = RunningAcceptance()
+    many.add([5000, 2000, 500], 10000)
+    assert many.pooled_with(prior).rates == pytest.approx((0.5087, 0.2117, 0.0602), abs=1e-3)  # counts dominate
+    # many one-draft steps, few three-draft ones: the far positions rest on the steps that drafted them
+    mixed = RunningAcceptance()
+    mixed.add([6000], 10000)
+    mixed.add([30, 20, 10], 100)
+    pooled = mixed.pooled_with(prior)
+    assert pooled.rates[0] == pytest.approx((240 + 6030) / 10400)
+    assert pooled.rates[2] == pytest.approx((120 + 10) / 400)  # not (120 + 10 * 101) / 10400
 
 
 def test_bad_inputs_are_one_line_errors():

@@ -1,8 +1,10 @@
 """Automatic speculation per batch (`--num-speculative-tokens auto`): whatever it chooses, the output is the
 target's; the choice follows the costs and the acceptance; the running counts are the engine's."""
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
 from jaxspec.generation import Generator
@@ -93,3 +95,30 @@ def test_running_acceptance_pools_chains_of_different_lengths():
     assert profile.verify_steps == 20
     assert profile.rates == pytest.approx((0.5, 0.25, 0.1, 0.0))  # positions 3-4 over the K=4 batch only
     assert RunningAcceptance().profile().rates == ()
+
+
+def test_while_target_only_is_chosen_a_probe_batch_keeps_measuring(target_only):
+    from jaxspec.spec.auto_generator import PROBE_EVERY
+
+    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), DEAR_VERIFY)
+    prompts = (PROMPTS * PROBE_EVERY)[:PROBE_EVERY]
+    out = gen.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == (target_only * PROBE_EVERY)[:PROBE_EVERY]
+    assert chosen(out, 1) == {0: PROBE_EVERY - 1, 1: 1}
+    probe = out[-1].stats
+    assert probe["auto"]["basis"] == "probe" and probe["auto"]["num_speculative_tokens"] == 1
+    assert probe["auto"]["running_verify_steps"] == probe["verify_calls"] > 0
+
+
+def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_only):
+    """Timing and every chain run on the mesh (data=2 × model=2), sharing one placed copy of the head."""
+    from jaxspec import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    gen = AutoSpeculativeGenerator(tiny_target(), fitted_head(), prior=AcceptanceProfile((0.9, 0.8), 100),
+                                   batch_size=2, mesh=mesh)
+    out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == target_only
+    assert len(gen.step_costs) >= 1 and sum(chosen(out, 2).values()) == 2
+    leaves = jax.tree.leaves(nnx.state(gen.head))
+    assert all(isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh for x in leaves)

@@ -54,8 +54,10 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
 def _warm_start(target, hcfg: HeadSection):
     """The head of `head.init_from`, in the target's dtype, whose shape must be the one the config asks for."""
     from jaxspec.checkpoints.heads import load_head
+    from jaxspec.spec.generator import check_head_fits
 
     head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=target.dtype)
+    check_head_fits(target, head)  # it reads the layers the target returns (the target's default aux layers)
     for key, value in (("draft_vocab_size", head.config.draft_vocab_size),
                        ("intermediate_size", head.config.intermediate_size)):
         wanted = getattr(hcfg, key)

@@ -9,7 +9,7 @@ twice a decode step). The choice needs two measurements, both cheap:
 Then with K drafts a verify step yields 1 + a_1 + ... + a_K tokens (the bonus token included) in
 verify(K+1) + K * draft seconds, and target-only yields one token per decode; the best ratio wins. The rates come
 from the head's exported profile (measured at training time) and are refined by the running counts of generation,
-pooled with the prior as if it were `prior_steps` verify steps.
+pooled with the prior as if it were `verify_steps` verify steps (`RunningAcceptance.pooled_with`).
 
 This module is the arithmetic only: pure functions of measured numbers, so that the decision can be tested and
 logged exactly. Output never depends on the choice: every K, and target-only, give the target's tokens.
@@ -61,27 +61,6 @@ class AcceptanceProfile:
         if verify_calls <= 0:
             return cls((), 0)
         return cls(tuple(min(1.0, n / verify_calls) for n in accepted_per_position), verify_calls)
-
-    def refined(self, observed: AcceptanceProfile, prior_steps: float) -> AcceptanceProfile:
-        """This profile (a prior, weighted as `prior_steps` verify steps) pooled with observed counts; positions the
-        observation did not reach keep the prior's rates, scaled by how the shared positions moved."""
-        if observed.verify_steps <= 0 or not observed.rates:
-            return self
-        w_prior, w_obs = prior_steps, observed.verify_steps
-        n = max(len(self.rates), len(observed.rates))
-        rates = []
-        for k in range(n):
-            if k < len(self.rates) and k < len(observed.rates):
-                rates.append((w_prior * self.rates[k] + w_obs * observed.rates[k]) / (w_prior + w_obs))
-            elif k < len(observed.rates):
-                rates.append(observed.rates[k])
-            else:  # beyond what was observed: the prior's decay from the last shared position
-                last = len(observed.rates) - 1
-                ratio = self.rates[k] / self.rates[last] if self.rates[last] > 0 else 0.0
-                rates.append(rates[last] * ratio)
-        for k in range(1, n):  # pooling keeps the rates non-increasing up to rounding; make it exact
-            rates[k] = min(rates[k], rates[k - 1])
-        return AcceptanceProfile(tuple(rates), w_prior + w_obs)
 
 
 def profile_from_record(acceptance: Sequence[dict] | None, weight: float = 200.0) -> AcceptanceProfile | None:
@@ -148,6 +127,27 @@ class RunningAcceptance:
                 self.drafted.append(0)
             self.accepted[k] += int(n)
             self.drafted[k] += int(verify_calls)
+
+    def pooled_with(self, prior: AcceptanceProfile) -> AcceptanceProfile:
+        """The prior (weighing as its `verify_steps`) pooled with these counts position by position, each observed
+        position with the steps that drafted it (after many short chains, a few long ones do not outweigh the prior
+        at the far positions); positions no batch drafted keep the prior's decay from the position before."""
+        rates: list[float] = []
+        for k in range(max(len(prior.rates), len(self.accepted))):
+            drafted = self.drafted[k] if k < len(self.drafted) else 0
+            if k < len(prior.rates) and drafted:
+                w = prior.verify_steps
+                rates.append((w * prior.rates[k] + self.accepted[k]) / (w + drafted))
+            elif drafted:
+                rates.append(self.accepted[k] / drafted)
+            elif k == 0:
+                rates.append(prior.rates[0])
+            else:
+                ratio = prior.rates[k] / prior.rates[k - 1] if prior.rates[k - 1] > 0 else 0.0
+                rates.append(rates[k - 1] * ratio)
+            if k:  # pooling keeps the rates non-increasing up to rounding; make it exact
+                rates[k] = min(rates[k], rates[k - 1])
+        return AcceptanceProfile(tuple(rates), prior.verify_steps + (self.drafted[0] if self.drafted else 0))
 
     def profile(self) -> AcceptanceProfile:
         """The observed rates (each position over the steps that drafted it; never growing with the position), resting

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxspec import sharding
@@ -37,13 +38,16 @@ from jaxspec.spec.step_costs import measure_step_costs
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
+PROBE_EVERY = 8  # while target-only is chosen, one batch in this many drafts one token to keep measuring
 
 
 class AutoSpeculativeGenerator(Generator):
     """`Generator` that picks, before each batch, the chain length (0 = target-only) with the most expected tokens
     per second, from this machine's step costs at the batch's shape and the acceptance profile: `prior` (the head's
     record, or None) pooled with the counts observed so far. The choice made for each batch is in its completions'
-    `stats["auto"]`, with the running acceptance after it."""
+    `stats["auto"]`, with the running acceptance after it. While target-only is the choice nothing is observed, so
+    every PROBE_EVERY-th such batch drafts one token (basis "probe"): a head that does better on these prompts
+    than its record says gets chosen."""
 
     def __init__(
         self,
@@ -60,6 +64,10 @@ class AutoSpeculativeGenerator(Generator):
             raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
         check_head_fits(model, head)
         super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # itself: the target-only choice
+        if mesh is not None:  # placed once: the chains built later find it on the mesh and share it
+            sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
+            graphdef, params = nnx.split(head)
+            head = nnx.merge(graphdef, sharding.shard_params(params, mesh))
         self.model, self.head = model, head
         self.prior = prior if prior is not None and prior.rates else None
         self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
@@ -68,6 +76,7 @@ class AutoSpeculativeGenerator(Generator):
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._chains: dict[int, SpeculativeGenerator] = {}
         self._own_compile_seconds = 0.0
+        self._target_only_batches = 0
 
     @property
     def num_draft(self) -> int:
@@ -76,16 +85,14 @@ class AutoSpeculativeGenerator(Generator):
 
     @property
     def extra_capacity(self) -> int:
-        """The longest chain's verify block: every choice fits the caches sized for it."""
+        """The longest chain's verify block: prompts are checked against it, so that every choice accepts them (each
+        chain sizes its own caches; the costs are timed at this capacity's bucket)."""
         return self.depth + 1
 
     def acceptance(self) -> AcceptanceProfile:
         """The profile the next choice rests on: the prior pooled with the counts so far (the prior weighs as many
         verify steps as it was given), or the counts alone."""
-        observed = self.running.profile()
-        if self.prior is None:
-            return observed
-        return self.prior.refined(observed, self.prior.verify_steps)
+        return self.running.profile() if self.prior is None else self.running.pooled_with(self.prior)
 
     def costs(self, capacity: int) -> StepCosts:
         """Step costs at this batch size and cache capacity, timed on first use."""
@@ -116,6 +123,13 @@ class AutoSpeculativeGenerator(Generator):
         observed = self.running.profile().verify_steps > 0
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
         choice = choose_chain(self.costs(capacity), profile, self.depth)
+        if choice.num_draft == 0:  # counts come only from speculating: every PROBE_EVERY-th target-only batch
+            self._target_only_batches += 1  # drafts one token, so that the choice follows these prompts
+            if self._target_only_batches % PROBE_EVERY == 0:
+                choice, basis = dataclasses.replace(
+                    choice, num_draft=1, tokens_per_step=expected_tokens(profile.rates, 1),
+                    tokens_per_second=dict(choice.candidates).get(1, 0.0),
+                ), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
             k = int(multihost_utils.broadcast_one_to_all(np.int32(choice.num_draft)))
             if k != choice.num_draft:
