@@ -38,7 +38,7 @@ from jaxspec.spec.step_costs import measure_step_costs
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
-PROBE_EVERY = 8  # while target-only is chosen, one batch in this many drafts one token to keep measuring
+PROBE_EVERY = 8  # while target-only is chosen, its 8th, 16th, 32nd, .. batch drafts one token to keep measuring
 
 
 class AutoSpeculativeGenerator(Generator):
@@ -46,8 +46,8 @@ class AutoSpeculativeGenerator(Generator):
     per second, from this machine's step costs at the batch's shape and the acceptance profile: `prior` (the head's
     record, or None) pooled with the counts observed so far. The choice made for each batch is in its completions'
     `stats["auto"]`, with the running acceptance after it. While target-only is the choice nothing is observed, so
-    every PROBE_EVERY-th such batch drafts one token (basis "probe"): a head that does better on these prompts
-    than its record says gets chosen."""
+    its PROBE_EVERY-th batch, then the 2×, 4×, .. PROBE_EVERY-th, drafts one token (basis "probe"): a head that does
+    better on these prompts than its record says gets chosen, and one that does not costs less and less."""
 
     def __init__(
         self,
@@ -123,9 +123,10 @@ class AutoSpeculativeGenerator(Generator):
         observed = self.running.profile().verify_steps > 0
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
         choice = choose_chain(self.costs(capacity), profile, self.depth)
-        if choice.num_draft == 0:  # counts come only from speculating: every PROBE_EVERY-th target-only batch
-            self._target_only_batches += 1  # drafts one token, so that the choice follows these prompts
-            if self._target_only_batches % PROBE_EVERY == 0:
+        if choice.num_draft == 0:  # counts come only from speculating: the PROBE_EVERY-th target-only batch, then
+            self._target_only_batches += 1  # the 2×, 4×, .. one drafts one token, so the choice follows the prompts
+            n = self._target_only_batches  # (a probe costs a little when target-only is right: fewer and fewer)
+            if n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0:
                 choice, basis = dataclasses.replace(
                     choice, num_draft=1, tokens_per_step=expected_tokens(profile.rates, 1),
                     tokens_per_second=dict(choice.candidates).get(1, 0.0),
