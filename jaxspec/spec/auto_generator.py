@@ -63,7 +63,7 @@ class AutoSpeculativeGenerator(Generator):
         if max_draft < 1:
             raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
         check_head_fits(model, head)
-        super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # itself: the target-only choice
+        super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # batching; choices run elsewhere
         if mesh is not None:  # placed once: the chains built later find it on the mesh and share it
             sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
             graphdef, params = nnx.split(head)
@@ -74,8 +74,7 @@ class AutoSpeculativeGenerator(Generator):
         self.running = RunningAcceptance()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
-        self._chains: dict[int, SpeculativeGenerator] = {}
-        self._own_compile_seconds = 0.0
+        self._generators: dict[int, Generator] = {}  # chain length (0: target-only) → its generator
         self._target_only_batches = 0
 
     @property
@@ -127,17 +126,10 @@ class AutoSpeculativeGenerator(Generator):
             self._target_only_batches += 1  # the 2×, 4×, .. one drafts one token, so the choice follows the prompts
             n = self._target_only_batches  # (a probe costs a little when target-only is right: fewer and fewer)
             if n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0:
-                choice, basis = dataclasses.replace(
-                    choice, num_draft=1, tokens_per_step=expected_tokens(profile.rates, 1),
-                    tokens_per_second=dict(choice.candidates).get(1, 0.0),
-                ), "probe"
+                choice, basis = _with_draft(choice, 1, profile), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
             k = int(multihost_utils.broadcast_one_to_all(np.int32(choice.num_draft)))
-            if k != choice.num_draft:
-                per_step = 1.0 if k == 0 else expected_tokens(profile.rates, k)
-                choice = dataclasses.replace(
-                    choice, num_draft=k, tokens_per_step=per_step, tokens_per_second=dict(choice.candidates)[k]
-                )
+            choice = _with_draft(choice, k, profile)
         return choice, basis
 
     def generate_batch(
@@ -147,17 +139,13 @@ class AutoSpeculativeGenerator(Generator):
         choice, basis = self.choose(capacity)
         rates = self.acceptance().rates
         args = (batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values)
-        if choice.num_draft == 0:
-            self.compile_seconds = self._own_compile_seconds
-            completions = super().generate_batch(*args)
-            self._own_compile_seconds = self.compile_seconds
-        else:
-            chain = self._chain(choice.num_draft)
-            completions = chain.generate_batch(*args)
-            self.memory = chain.memory
+        gen = self._generator(choice.num_draft)
+        completions = gen.generate_batch(*args)
+        self.memory = gen.memory
+        if choice.num_draft:
             for c in completions:
                 self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
-        self.compile_seconds = self._own_compile_seconds + sum(g.compile_seconds for g in self._chains.values())
+        self.compile_seconds = sum(g.compile_seconds for g in self._generators.values())
         running = self.running.profile()
         record = {
             **choice.as_dict(),
@@ -172,15 +160,19 @@ class AutoSpeculativeGenerator(Generator):
             c.stats = {**c.stats, "auto": record}
         return completions
 
-    def _chain(self, num_draft: int) -> SpeculativeGenerator:
-        if num_draft not in self._chains:
-            gen = SpeculativeGenerator(
-                self.model, self.head, num_draft=num_draft, batch_size=self.batch_size, mesh=self.mesh,
-                kernels=self.kernels,
-            )
+    def _generator(self, num_draft: int) -> Generator:
+        """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
+        if num_draft not in self._generators:
+            if num_draft == 0:
+                gen = Generator(self.model, batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
+            else:
+                gen = SpeculativeGenerator(
+                    self.model, self.head, num_draft=num_draft, batch_size=self.batch_size, mesh=self.mesh,
+                    kernels=self.kernels,
+                )
             gen.on_compile = self.on_compile
-            self._chains[num_draft] = gen
-        return self._chains[num_draft]
+            self._generators[num_draft] = gen
+        return self._generators[num_draft]
 
 
 
@@ -207,3 +199,13 @@ def describe_choices(completions: Sequence[Completion], batch_size: int) -> str:
     parts = [("target-only" if k == 0 else f"K={k}") + f" for {n} batch{'es' if n > 1 else ''}"
              for k, n in chosen(completions, batch_size).items()]
     return ", ".join(parts) or "no batches"
+
+
+def _with_draft(choice: Choice, num_draft: int, profile: AcceptanceProfile) -> Choice:
+    """`choice` made to run `num_draft` drafts (a probe, or process 0's choice), with that length's expectations."""
+    if num_draft == choice.num_draft:
+        return choice
+    return dataclasses.replace(
+        choice, num_draft=num_draft, tokens_per_step=expected_tokens(profile.rates, num_draft),
+        tokens_per_second=dict(choice.candidates).get(num_draft, 0.0),
+    )
