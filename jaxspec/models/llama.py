@@ -45,7 +45,7 @@ class Linear(nnx.Module):
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
         if numerics is not None:
-            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias, numerics.opaque_loops)
+            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias)
         y = x @ self.kernel[...]
         return y if bias is None else y + bias
 
@@ -209,8 +209,8 @@ class LlamaModel(nnx.Module):
         h = self.norm(hidden, nm is not None)
         if self.lm_head is None:
             if nm is not None:
-                table = self.embed_tokens[...].T  # [H, V]
-                return tiled_matmul(h, table, nm.row_tile, None, nm.opaque_loops).astype(jnp.float32)
+                table = self.embed_tokens[...]  # [V, H]
+                return tiled_matmul(h, table, nm.row_tile, w_out_in=True).astype(jnp.float32)
             return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...]).astype(jnp.float32)
         return self.lm_head(h, nm).astype(jnp.float32)
 

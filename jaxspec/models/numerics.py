@@ -16,8 +16,8 @@ reduction of the target is built from those two:
   (`halving_sum`), which have no shape-dependent order at all;
 - attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
 - no product meets an add inside one fusion (`exact_mul`), since XLA contracts those into FMAs program by program;
-  dots are fenced by optimization barriers (`fenced`) against algebraic rewrites, and on CPU every matmul tile
-  is a loop body XLA cannot inline, so nothing around it can fuse into it differently from program to program.
+  dots are fenced by optimization barriers (`fenced`) against algebraic rewrites, and each weight is contracted in
+  its stored layout (`tiled_matmul`'s w_out_in), never through a transpose XLA may fold in one program only.
 
 The draft head does not use any of this: drafts only change speed, never output.
 """
@@ -41,7 +41,6 @@ class Numerics:
 
     row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
-    opaque_loops: bool = False  # tiles always in a loop body XLA cannot inline (see tiled_matmul); for CPU
     kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
 
     def __post_init__(self):
@@ -50,16 +49,16 @@ class Numerics:
 
 
 def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
-    """One-row tiles on CPU, where a dot's cost grows with its rows (measured, SmolLM2 float32 on 2 cores, before
-    the opaque loops: decode at 29 tokens/s with 1-row tiles, as fast as plain XLA, but 12 with 8-row tiles; prefill
-    and verify pay one matmul call per row; with the opaque loops a decode step takes 116 ms vs 37 ms plain, see
-    BENCHMARKS.md). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot takes
-    what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels: the user's choice
+    """One-row tiles on CPU, where a dot's cost grows with its rows and a one-row dot is XLA:CPU's fastest
+    (measured, SmolLM2-135M float32 decode step on 2 cores: 26-30 ms with 1-row tiles, as fast as plain XLA; 47 ms
+    with 4-row and 56 ms with 8-row tiles); prefill and verify then pay one weight pass per row (a verify of 6
+    tokens: 77-93 ms vs 52-55 ms plain). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot
+    takes what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels: the user's choice
     (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
-        return Numerics(row_tile=1, opaque_loops=True, kernels=impl)
+        return Numerics(row_tile=1, kernels=impl)
     return Numerics(row_tile=64, kernels=impl)
 
 
@@ -89,7 +88,7 @@ def fenced(fn, *operands):
     """fn(*operands) with optimization barriers on both sides. They stop XLA's algebraic simplifier, which runs before
     the barriers are expanded, from rewriting the dot with its neighbours (seen on XLA:CPU: a broadcast operand
     folded into a larger dot). They do not stop fusion: XLA:CPU and XLA:GPU both remove barriers before fusing, so
-    what must not fuse is kept apart by other means (exact_mul, tiled_matmul's loops)."""
+    what must not fuse is kept apart by other means (exact_mul, tiled_matmul's tiles)."""
     return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(operands)))
 
 
@@ -112,17 +111,19 @@ def data_shards() -> int:
 
 
 def tiled_matmul(
-    x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, opaque_loop: bool = False
+    x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, *, w_out_in: bool = False
 ) -> jax.Array:
     """x [..., K] @ w [K, N] (+ bias) → [..., N] in x's dtype, computed as dots of exactly [row_tile, K] x [K, N] per
     data shard: rows are zero-padded to whole tiles, and more than one tile runs in a loop, so XLA cannot merge the
     tiles back into one larger dot. The bias is added inside the tile, next to its dot in every program (XLA:CPU
     fuses a one-row dot with a following add when they meet, which adds the bias first).
 
-    opaque_loop (CPU): even one tile runs in a loop whose trip count XLA cannot fold, so the tile is always compiled
-    as the same loop body, never inlined among whatever surrounds the call. Not on accelerators, where each trip of
-    a loop with an unknown count waits for the host."""
+    w_out_in: w is stored [N, K] (a tied embedding table used as the LM head) and each tile contracts over its last
+    axis in place. Transposing it first is slower and not invariant: XLA:CPU folded the transpose into a one-row
+    dot in a decode step but materialized it (a 113 MB copy for SmolLM2) before a verify's loop of tiles, and the two
+    dot forms gave other bits (measured: tied-embedding logits; 57 ms of a SmolLM2 decode step behind a loop)."""
     lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0] if w_out_in else w.shape[-1]
     shards = data_shards()
     rows = math.prod(lead)
     per_shard = rows // shards
@@ -130,23 +131,15 @@ def tiled_matmul(
     xs = x.reshape(shards, per_shard, k)
     xs = jnp.pad(xs, ((0, 0), (0, tiles * row_tile - per_shard), (0, 0)))
     xs = xs.reshape(shards, tiles, row_tile, k).transpose(1, 0, 2, 3)  # [tiles, shards, row_tile, K]
+    contract = ((2,), (1,) if w_out_in else (0,))
 
     def dot(tile):  # [shards, row_tile, K] -> [shards, row_tile, N]
-        y = fenced(jnp.dot, tile, w)
+        y = fenced(lambda a, b: jax.lax.dot_general(a, b, (contract, ((), ()))), tile, w)
         return (y if bias is None else y + bias).astype(x.dtype)
 
-    if opaque_loop:
-        probe = xs[0, 0, 0, 0]
-        trips = tiles + (probe != probe).astype(jnp.int32)  # `tiles` for any finite input; XLA cannot fold it
-
-        def body(i, out):
-            return jax.lax.dynamic_update_index_in_dim(out, dot(jax.lax.dynamic_index_in_dim(xs, i, 0, False)), i, 0)
-
-        y = jax.lax.fori_loop(0, trips, body, jnp.zeros((tiles, shards, row_tile, w.shape[-1]), x.dtype))
-    else:
-        y = dot(xs[0])[None] if tiles == 1 else jax.lax.map(dot, xs)
-    y = y.transpose(1, 0, 2, 3).reshape(shards, tiles * row_tile, -1)[:, :per_shard]
-    return y.reshape(*lead, -1)
+    y = dot(xs[0])[None] if tiles == 1 else jax.lax.map(dot, xs)  # [tiles, shards, row_tile, N]
+    y = y.transpose(1, 0, 2, 3).reshape(shards, tiles * row_tile, n)[:, :per_shard]
+    return y.reshape(*lead, n)
 
 
 def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
