@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.auto_config import AcceptanceProfile, StepCosts, choose_chain, expected_tokens
+from jaxspec.spec.auto_config import (
+    AcceptanceProfile,
+    StepCalibration,
+    StepCosts,
+    choose_chain,
+    expected_tokens,
+    step_seconds,
+)
 
 # This CPU's measured costs for SmolLM2 at batch 1 (BENCHMARKS.md): decode 26.2 ms, verify of 6 tokens 53.4 ms,
 # head step 1.56 ms; verify of k+1 tokens interpolated linearly between them.
@@ -42,6 +49,32 @@ def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_specul
     strong = AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), 1000)
     assert choose_chain(CPU, strong).num_draft >= 3
     assert choose_chain(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
+
+
+def test_calibration_scales_each_choice_by_what_its_steps_took():
+    cal = StepCalibration()
+    assert cal.calibrated(CPU) == CPU  # nothing ran yet: the timed costs
+    cal.add(0, 0.9, 1.0)  # target-only ran at 0.9x its timed decode
+    cal.add(1, 2.0, 1.6)  # K=1 at 1.25x, in two batches
+    cal.add(1, 0.5, 0.4)
+    got = cal.calibrated(CPU)
+    assert got.decode == pytest.approx(0.9 * CPU.decode)
+    assert step_seconds(got, 1) == pytest.approx(1.25 * step_seconds(CPU, 1))
+    assert step_seconds(got, 4) == pytest.approx(1.25 * step_seconds(CPU, 4))  # chains that did not run: pooled
+    assert got.draft == CPU.draft and cal.as_dict() == {0: 0.9, 1: 1.25}
+    cal.add(4, 1.0, 1.0)
+    assert cal.ratio(4) == 1.0 and cal.ratio(2) == pytest.approx(3.5 / 3.0)
+
+
+def test_a_close_call_flips_when_the_measured_steps_disagree_with_the_timed_ones():
+    # the grounded prompts' case: timed, one draft at a_1 = 0.26 looks marginally better than target-only...
+    costs = StepCosts(decode=0.091, verify=(0.0, 0.105), draft=0.007)
+    profile = AcceptanceProfile((0.26,), 100)
+    assert choose_chain(costs, profile).num_draft == 1
+    cal = StepCalibration()  # ...but the engine decoded at 0.9x and drafted at 1.13x of the timing
+    cal.add(0, 0.9, 1.0)
+    cal.add(1, 1.13, 1.0)
+    assert choose_chain(cal.calibrated(costs), profile).num_draft == 0
 
 
 def test_running_counts_pool_with_the_prior_position_by_position():

@@ -87,6 +87,16 @@ def test_timed_costs_are_measured_once_per_cache_bucket():
     assert costs.max_draft == 4 and costs.decode > 0
 
 
+def test_each_batch_calibrates_the_timed_costs_with_its_own_step_time():
+    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), DEAR_VERIFY)  # target-only
+    out = gen.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
+    assert chosen(out, 1) == {0: 2}
+    seconds = sum(c.seconds - c.prefill_seconds for c in out)
+    steps = sum(c.num_generated - 1 for c in out)
+    assert out[-1].stats["auto"]["step_calibration"] == {0: round(seconds / (steps * DEAR_VERIFY.decode), 4)}
+    assert gen.calibration.calibrated(DEAR_VERIFY).decode == pytest.approx(seconds / steps)  # what the next uses
+
+
 def test_running_acceptance_pools_chains_of_different_lengths():
     run = RunningAcceptance()
     run.add([6, 3], 10)  # a K=2 batch: 10 verify steps

@@ -9,7 +9,8 @@ twice a decode step). The choice needs two measurements, both cheap:
 Then with K drafts a verify step yields 1 + a_1 + ... + a_K tokens (the bonus token included) in
 verify(K+1) + K * draft seconds, and target-only yields one token per decode; the best ratio wins. The rates come
 from the head's exported profile (measured at training time) and are refined by the running counts of generation,
-pooled with the prior as if it were `verify_steps` verify steps (`RunningAcceptance.pooled_with`).
+pooled with the prior as if it were `verify_steps` verify steps (`RunningAcceptance.pooled_with`); the timed costs
+are scaled by what the generation loop's own steps took against them (`StepCalibration`).
 
 This module is the arithmetic only: pure functions of measured numbers, so that the decision can be tested and
 logged exactly. Output never depends on the choice: every K, and target-only, give the target's tokens.
@@ -98,13 +99,59 @@ def expected_tokens(rates: Sequence[float], num_draft: int) -> float:
     return 1.0 + float(sum(rates[:num_draft]))
 
 
+def step_seconds(costs: StepCosts, num_draft: int) -> float:
+    """Seconds of one step: a target-only decode (0 drafts) or a chain's draft steps and its verify."""
+    return costs.decode if num_draft == 0 else costs.verify[num_draft] + num_draft * costs.draft
+
+
+@dataclasses.dataclass
+class StepCalibration:
+    """The generation loop's own step times against what the timed costs predicted for them, per chain length.
+
+    Why: the costs are timed one forward per dispatch, while the engine runs its steps in an on-device loop that
+    also drafts, accepts, commits and syncs with the host once per chunk; measured on a 2-core CPU, the engine's
+    decode ran at 0.9x and its K=1 step at 1.13x of the timed prediction, enough to flip a close choice. So each
+    generated batch adds its measured seconds and the seconds its steps were predicted to take; a chain length
+    that ran is then costed at its own measured/predicted ratio, one that has not at the ratio pooled over the
+    chains that ran (speculative steps share the drafting and acceptance work), target-only at its own."""
+
+    measured: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds its steps took
+    predicted: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds predicted
+
+    def add(self, num_draft: int, seconds: float, predicted_seconds: float) -> None:
+        if seconds > 0 and predicted_seconds > 0:
+            self.measured[num_draft] = self.measured.get(num_draft, 0.0) + seconds
+            self.predicted[num_draft] = self.predicted.get(num_draft, 0.0) + predicted_seconds
+
+    def ratio(self, num_draft: int) -> float:
+        """measured / predicted for this chain length (1.0 where nothing comparable ran)."""
+        if num_draft in self.measured:
+            return self.measured[num_draft] / self.predicted[num_draft]
+        chains = [k for k in self.measured if k > 0]
+        if num_draft > 0 and chains:
+            return sum(self.measured[k] for k in chains) / sum(self.predicted[k] for k in chains)
+        return 1.0
+
+    def calibrated(self, costs: StepCosts) -> StepCosts:
+        """`costs` with every choice's step scaled by its ratio (the head step kept, the verify absorbing the
+        difference, never below a tenth of its timed cost)."""
+        verify = [0.0] + [
+            max(self.ratio(k) * costs.verify[k] + (self.ratio(k) - 1) * k * costs.draft, 0.1 * costs.verify[k])
+            for k in range(1, costs.max_draft + 1)
+        ]
+        return StepCosts(decode=costs.decode * self.ratio(0), verify=tuple(verify), draft=costs.draft)
+
+    def as_dict(self) -> dict[int, float]:
+        return {k: round(self.ratio(k), 4) for k in sorted(self.measured)}
+
+
 def choose_chain(costs: StepCosts, profile: AcceptanceProfile, max_draft: int | None = None) -> Choice:
     """The chain length in 0..max_draft (0: target-only) with the most expected tokens per second; ties go to the
     shorter chain (less work for the same speed)."""
     limit = min(costs.max_draft, len(profile.rates), costs.max_draft if max_draft is None else max_draft)
     candidates = [(0, 1.0 / costs.decode)]
     for k in range(1, limit + 1):
-        candidates.append((k, expected_tokens(profile.rates, k) / (costs.verify[k] + k * costs.draft)))
+        candidates.append((k, expected_tokens(profile.rates, k) / step_seconds(costs, k)))
     best_k, best = max(candidates, key=lambda c: (c[1], -c[0]))
     per_step = 1.0 if best_k == 0 else expected_tokens(profile.rates, best_k)
     return Choice(best_k, per_step, best, tuple(candidates))

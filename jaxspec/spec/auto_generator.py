@@ -2,7 +2,8 @@
 target-only — with the most expected tokens per second on this machine (`auto_config.choose_chain`).
 
 The inputs are measured, not guessed: the step costs are timed once per process and cache bucket on the real
-forwards (`step_costs.measure_step_costs`), and the acceptance profile is the head's recorded one
+forwards (`step_costs.measure_step_costs`) and then scaled by what each batch's steps really took
+(`auto_config.StepCalibration`), and the acceptance profile is the head's recorded one
 (`auto_config.profile_from_record`) refined with the counts of every batch generated so far. A head without a
 record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
 chosen automatically: `--tree` names one. Output never depends on the choice: every chain length, and target-only,
@@ -29,9 +30,11 @@ from jaxspec.spec.auto_config import (
     AcceptanceProfile,
     Choice,
     RunningAcceptance,
+    StepCalibration,
     StepCosts,
     choose_chain,
     expected_tokens,
+    step_seconds,
 )
 from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.spec.step_costs import measure_step_costs
@@ -72,6 +75,7 @@ class AutoSpeculativeGenerator(Generator):
         self.prior = prior if prior is not None and prior.rates else None
         self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
         self.running = RunningAcceptance()
+        self.calibration = StepCalibration()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._generators: dict[int, Generator] = {}  # chain length (0: target-only) → its generator
@@ -121,7 +125,7 @@ class AutoSpeculativeGenerator(Generator):
             return Choice(k, 0.0, 0.0, ()), "first batch"
         observed = self.running.profile().verify_steps > 0
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
-        choice = choose_chain(self.costs(capacity), profile, self.depth)
+        choice = choose_chain(self.calibration.calibrated(self.costs(capacity)), profile, self.depth)
         if choice.num_draft == 0:  # counts come only from speculating: the PROBE_EVERY-th target-only batch, then
             self._target_only_batches += 1  # the 2×, 4×, .. one drafts one token, so the choice follows the prompts
             n = self._target_only_batches  # (a probe costs a little when target-only is right: fewer and fewer)
@@ -145,6 +149,7 @@ class AutoSpeculativeGenerator(Generator):
         if choice.num_draft:
             for c in completions:
                 self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
+        self._calibrate(choice.num_draft, capacity, completions)
         self.compile_seconds = sum(g.compile_seconds for g in self._generators.values())
         running = self.running.profile()
         record = {
@@ -153,12 +158,26 @@ class AutoSpeculativeGenerator(Generator):
             "acceptance_per_position": [round(r, 4) for r in rates],  # what the choice rested on
             "running_acceptance_per_position": [round(r, 4) for r in running.rates],  # observed, this batch included
             "running_verify_steps": int(running.verify_steps),
-            "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),
+            "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),  # as timed; the choice used them calibrated
+            "step_calibration": self.calibration.as_dict(),  # chain length → measured / timed step seconds
             "timing_seconds": round(self.timing_seconds, 2),
         }
         for c in completions:
             c.stats = {**c.stats, "auto": record}
         return completions
+
+    def _calibrate(self, num_draft: int, capacity: int, completions: Sequence[Completion]) -> None:
+        """Add this batch's step time (its wall time after the prefill) against the timed costs' prediction for as
+        many steps: the batch ran until its longest row was done, so its steps are the most any row took."""
+        costs = self.step_costs.get(capacity)
+        if costs is None or num_draft > costs.max_draft:
+            return  # the first batch of a head without a profile runs before anything is timed
+        if num_draft:
+            steps = max(c.stats["verify_calls"] for c in completions)
+        else:  # the prefill gives each row its first token; every other token is a decode step
+            steps = max(c.num_generated for c in completions) - 1
+        seconds = completions[0].seconds - completions[0].prefill_seconds
+        self.calibration.add(num_draft, seconds, steps * step_seconds(costs, num_draft))
 
     def _generator(self, num_draft: int) -> Generator:
         """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
