@@ -46,7 +46,7 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
         k = len(c.stats["accepted_per_position"])
         at_least[:k] += np.asarray(c.stats["accepted_per_position"], np.int64)
         drafted[:k] += c.stats["verify_calls"]
-    rates = [round(float(a) / max(d, 1), 3) for a, d in zip(at_least, drafted)]
+    rates = [round(float(a) / max(int(d), 1), 3) for a, d in zip(at_least, drafted)]  # plain floats (JSON, print)
     at_least = np.concatenate([[calls], at_least, [0]]).astype(int)  # [depth + 2]
     tokens = sum(c.num_generated for c in out)
     return {

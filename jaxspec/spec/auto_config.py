@@ -108,12 +108,14 @@ def step_seconds(costs: StepCosts, num_draft: int) -> float:
 class StepCalibration:
     """The generation loop's own step times against what the timed costs predicted for them, per chain length.
 
-    Why: the costs are timed one forward per dispatch, while the engine runs its steps in an on-device loop that
-    also drafts, accepts, commits and syncs with the host once per chunk; measured on a 2-core CPU, the engine's
-    decode ran at 0.9x and its K=1 step at 1.13x of the timed prediction, enough to flip a close choice. So each
-    generated batch adds its measured seconds and the seconds its steps were predicted to take; a chain length
-    that ran is then costed at its own measured/predicted ratio, one that has not at the ratio pooled over the
-    chains that ran (speculative steps share the drafting and acceptance work), target-only at its own."""
+    Why: the costs are timed one forward per dispatch, at one moment, while the engine runs its steps in an
+    on-device loop that also drafts, accepts, commits and syncs with the host once per chunk, on a machine whose
+    speed drifts. Measured on a 2-core CPU, the loop's steps ran at 0.87-1.0x of the timed prediction, for
+    target-only and one draft alike (and at 0.9x / 1.13x before the CPU's invariant numerics lost their opaque
+    loops), enough to flip a close choice. So each generated batch adds its measured seconds and the seconds its
+    steps were predicted to take; a chain length (or target-only) that ran is then costed at its own
+    measured/predicted ratio, one that has not at the ratio pooled over all that ran — the common part of the
+    error, the machine's speed against the timing's, moves every choice alike."""
 
     measured: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds its steps took
     predicted: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds predicted
@@ -127,9 +129,8 @@ class StepCalibration:
         """measured / predicted for this chain length (1.0 where nothing comparable ran)."""
         if num_draft in self.measured:
             return self.measured[num_draft] / self.predicted[num_draft]
-        chains = [k for k in self.measured if k > 0]
-        if num_draft > 0 and chains:
-            return sum(self.measured[k] for k in chains) / sum(self.predicted[k] for k in chains)
+        if self.measured:
+            return sum(self.measured.values()) / sum(self.predicted.values())
         return 1.0
 
     def calibrated(self, costs: StepCosts) -> StepCosts:
