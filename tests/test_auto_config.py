@@ -53,7 +53,8 @@ def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_specul
 
 def test_calibration_scales_each_choice_by_what_its_steps_took():
     cal = StepCalibration()
-    assert cal.calibrated(CPU) == CPU  # nothing ran yet: the timed costs
+    for k in range(CPU.max_draft + 1):  # nothing ran yet: the timed costs
+        assert step_seconds(cal.calibrated(CPU), k) == pytest.approx(step_seconds(CPU, k))
     cal.add(0, 0.9, 1.0)  # target-only ran at 0.9x its timed decode
     cal.add(1, 2.0, 1.6)  # K=1 at 1.25x, in two batches
     cal.add(1, 0.5, 0.4)
@@ -61,7 +62,7 @@ def test_calibration_scales_each_choice_by_what_its_steps_took():
     assert got.decode == pytest.approx(0.9 * CPU.decode)
     assert step_seconds(got, 1) == pytest.approx(1.25 * step_seconds(CPU, 1))
     assert step_seconds(got, 4) == pytest.approx(3.4 / 3.0 * step_seconds(CPU, 4))  # did not run: all pooled
-    assert got.draft == CPU.draft and cal.as_dict() == {0: 0.9, 1: 1.25}
+    assert got.draft == 0.0 and cal.as_dict() == {0: 0.9, 1: 1.25}  # head steps folded into each chain's cost
     cal.add(4, 1.0, 1.0)
     assert cal.ratio(4) == 1.0 and cal.ratio(2) == pytest.approx(4.4 / 4.0)
     only_chains = StepCalibration()  # target-only never ran (a speculating head): it takes the chains' ratio

@@ -110,12 +110,11 @@ class StepCalibration:
 
     Why: the costs are timed one forward per dispatch, at one moment, while the engine runs its steps in an
     on-device loop that also drafts, accepts, commits and syncs with the host once per chunk, on a machine whose
-    speed drifts. Measured on a 2-core CPU, the loop's steps ran at 0.87-1.0x of the timed prediction, for
-    target-only and one draft alike (and at 0.9x / 1.13x before the CPU's invariant numerics lost their opaque
-    loops), enough to flip a close choice. So each generated batch adds its measured seconds and the seconds its
-    steps were predicted to take; a chain length (or target-only) that ran is then costed at its own
-    measured/predicted ratio, one that has not at the ratio pooled over all that ran — the common part of the
-    error, the machine's speed against the timing's, moves every choice alike."""
+    speed drifts. Measured on a 2-core CPU over three prompt sets, the loop's steps ran at 0.85-1.13x of the timed
+    prediction, target-only and one draft mostly alike, enough to flip a close choice. So each generated batch adds
+    its measured seconds and the seconds its steps were predicted to take; a chain length (or target-only) that
+    ran is then costed at its own measured/predicted ratio, one that has not at the ratio pooled over all that ran:
+    the common part of the error, the machine's speed against the timing's, moves every choice alike."""
 
     measured: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds its steps took
     predicted: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds predicted
@@ -134,13 +133,10 @@ class StepCalibration:
         return 1.0
 
     def calibrated(self, costs: StepCosts) -> StepCosts:
-        """`costs` with every choice's step scaled by its ratio (the head step kept, the verify absorbing the
-        difference, never below a tenth of its timed cost)."""
-        verify = [0.0] + [
-            max(self.ratio(k) * costs.verify[k] + (self.ratio(k) - 1) * k * costs.draft, 0.1 * costs.verify[k])
-            for k in range(1, costs.max_draft + 1)
-        ]
-        return StepCosts(decode=costs.decode * self.ratio(0), verify=tuple(verify), draft=costs.draft)
+        """`costs` with every choice's whole step scaled by its ratio; the head steps are folded into each chain's
+        verify (draft 0), since chains of different lengths may scale by different ratios."""
+        verify = [0.0] + [self.ratio(k) * step_seconds(costs, k) for k in range(1, costs.max_draft + 1)]
+        return StepCosts(decode=costs.decode * self.ratio(0), verify=tuple(verify), draft=0.0)
 
     def as_dict(self) -> dict[int, float]:
         return {k: round(self.ratio(k), 4) for k in sorted(self.measured)}
