@@ -59,7 +59,7 @@ def time_loads(hf_dir: Path, orbax_dir: Path, *, dtype: str, mesh=None, repeats:
     return {
         "dtype": dtype,
         "mesh": None if mesh is None else dict(mesh.shape),
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weight_bytes,  # as held in memory (numerics.held_dtype: float32 for 16-bit models on CPU)
         "repeats": repeats,
         "identical_parameters": same,
         "seconds": {name: [round(t, 3) for t in times] for name, times in seconds.items()},
@@ -71,7 +71,8 @@ def time_loads(hf_dir: Path, orbax_dir: Path, *, dtype: str, mesh=None, repeats:
 def load_table(r: dict) -> str:
     mesh = "one device" if r["mesh"] is None else " × ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
-        f"{r['weight_bytes'] / 1e9:.2f} GB of {r['dtype']} weights, {mesh}, median of {r['repeats']} loads; "
+        f"{r['weight_bytes'] / 1e9:.2f} GB of {r['dtype']} weights as held in memory, {mesh}, "
+        f"median of {r['repeats']} loads; "
         f"identical parameters: {'yes' if r['identical_parameters'] else 'NO'}",
         "| source | median s | all loads (s) |",
         "|---|---|---|",

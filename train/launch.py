@@ -47,7 +47,7 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     if hcfg.init_lm_head_from_target:
         rows = np.arange(vd) + d2t
         table = target.embed_tokens[...] if target.lm_head is None else target.lm_head.kernel[...].T
-        head.lm_head.kernel.set_value(jnp.asarray(table[rows].T))
+        head.lm_head.kernel.set_value(jnp.asarray(table[rows].T).astype(head.lm_head.kernel.dtype))
     return head
 
 

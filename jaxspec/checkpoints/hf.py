@@ -142,5 +142,5 @@ def assign(param: nnx.Variable, array: np.ndarray, transposed: bool, np_dtype, w
         want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
         raise JaxspecError(f"{what} has shape {tuple(array.shape)}, but {source} implies {want}")
     # Cast and transpose with XLA: numpy's strided bfloat16 copy is ~3x slower (7 s of a 1B target's 8 s load).
-    value = jnp.asarray(array).astype(np_dtype)
+    value = jnp.asarray(array).astype(np_dtype).astype(param.dtype)  # the model dtype's values, held as it holds them
     param.set_value(value.T if transposed else value)

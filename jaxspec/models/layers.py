@@ -16,7 +16,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as Hugging Face computes it: normalize in float32, cast back, then scale."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)  # the weight may be held wider (numerics.held_dtype)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, invariant: bool = False) -> tuple[jax.Array, jax.Array]:

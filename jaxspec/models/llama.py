@@ -21,38 +21,47 @@ from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
-from jaxspec.models.numerics import Numerics, default_numerics, invariant_rms_norm, tiled_matmul
+from jaxspec.models.numerics import (
+    Numerics,
+    contract,
+    default_numerics,
+    held_dtype,
+    invariant_rms_norm,
+    tiled_matmul,
+)
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
 
 def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> jax.Array | jax.ShapeDtypeStruct:
-    """N(0, 0.02²) weights; with `rngs=None` only their shape, for loaders that fill every weight (cheaper than
-    `nnx.eval_shape`, whose tracing of the RNG stream costs O(weights²) in flax 0.12: 0.8 s for SmolLM2)."""
+    """N(0, 0.02²) weights of a model computing in `dtype`, rounded to it and held in `held_dtype(dtype)`; with
+    `rngs=None` only their shape, for loaders that fill every weight (cheaper than `nnx.eval_shape`, whose tracing
+    of the RNG stream costs O(weights²) in flax 0.12: 0.8 s for SmolLM2)."""
     if rngs is None:
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        return jax.ShapeDtypeStruct(shape, held_dtype(dtype))
+    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype).astype(held_dtype(dtype))
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel + bias, kernel [in, out] (the transpose of a PyTorch checkpoint's weight)."""
+    """y = x @ kernel + bias, kernel [in, out] (the transpose of a PyTorch checkpoint's weight), computed in `dtype`
+    with the weights held in `held_dtype(dtype)`."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
         self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
-        self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None)
+        self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
 
     def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
         if numerics is not None:
             return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias)
-        y = x @ self.kernel[...]
-        return y if bias is None else y + bias
+        y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)))
+        return y if bias is None else y + bias.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), held_dtype(dtype)))
         self.eps = eps
 
     def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:
@@ -201,7 +210,7 @@ class LlamaModel(nnx.Module):
         return kvc.init_cache(cfg.num_layers, batch, capacity, kv_heads, cfg.head_dim, self.dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)  # gathered, then cast (held_dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on pre-norm hidden states [..., H] → float32 logits [..., V]."""
@@ -211,7 +220,7 @@ class LlamaModel(nnx.Module):
             if nm is not None:
                 table = self.embed_tokens[...]  # [V, H]
                 return tiled_matmul(h, table, nm.row_tile, w_out_in=True).astype(jnp.float32)
-            return jnp.einsum("...h,vh->...v", h, self.embed_tokens[...]).astype(jnp.float32)
+            return contract(h, self.embed_tokens[...], ((h.ndim - 1,), (1,))).astype(jnp.float32)
         return self.lm_head(h, nm).astype(jnp.float32)
 
     def __call__(
@@ -235,7 +244,7 @@ class LlamaModel(nnx.Module):
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)), self.numerics is not None)
-        x = self.embed(tokens).astype(self.dtype)  # [B, T, H]
+        x = self.embed(tokens)  # [B, T, H]
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if return_aux and i in cfg.aux_layer_ids:
