@@ -18,7 +18,7 @@ from jaxspec import sharding
 from jaxspec.config import TargetConfig
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
-from jaxspec.models.numerics import default_numerics, held_dtype
+from jaxspec.models.numerics import default_numerics, hold
 from jaxspec.spec.tree import tree_from_parents
 
 FAMILIES = {
@@ -45,7 +45,7 @@ def model(family: str, dtype: str, attention: str = "reference") -> LlamaModel:
         for layer in m.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 bias = 0.1 * jax.random.normal(jax.random.key(5), proj.bias.shape)
-                proj.bias.set_value(bias.astype(dtype).astype(held_dtype(dtype)))
+                proj.bias.set_value(hold(bias, dtype))
     return m
 
 
@@ -279,9 +279,8 @@ def test_invariant_on_the_mesh(dtype, attention):
 def _as_dtype(m: LlamaModel, dtype) -> LlamaModel:
     """The same weights in another dtype (a fresh skeleton filled with the cast parameters)."""
     out = LlamaModel(m.config, dtype=dtype, rngs=None)
-    held = held_dtype(dtype)  # as a loaded model holds them (float32 on CPU)
-    nnx.update(out, jax.tree.map(lambda x: x.astype(dtype).astype(held) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                 nnx.state(m)))
+    nnx.update(out, jax.tree.map(lambda x: hold(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                 nnx.state(m)))  # as a loaded model holds them (float32 on CPU)
     return out
 
 

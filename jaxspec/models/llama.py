@@ -26,6 +26,7 @@ from jaxspec.models.numerics import (
     contract,
     default_numerics,
     held_dtype,
+    hold,
     invariant_rms_norm,
     tiled_matmul,
 )
@@ -39,7 +40,7 @@ def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> jax.Array |
     of the RNG stream costs O(weights²) in flax 0.12: 0.8 s for SmolLM2)."""
     if rngs is None:
         return jax.ShapeDtypeStruct(shape, held_dtype(dtype))
-    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype).astype(held_dtype(dtype))
+    return hold(0.02 * jax.random.normal(rngs.params(), shape, jnp.float32), dtype)
 
 
 class Linear(nnx.Module):

@@ -77,6 +77,11 @@ def held_dtype(dtype, backend: str | None = None) -> jnp.dtype:
     return dtype
 
 
+def hold(w: jax.Array, dtype) -> jax.Array:
+    """A weight for a model computing in `dtype`: rounded to `dtype`, held in `held_dtype(dtype)`."""
+    return w.astype(dtype).astype(held_dtype(dtype))
+
+
 def contract(x: jax.Array, w: jax.Array, dims) -> jax.Array:
     """`lax.dot_general(x, w, (dims, ((), ())))` for activations x and a weight held in `held_dtype`: both meet in
     the wider of the two dtypes (x widened on CPU; nothing changes where they agree) and the result is rounded back
