@@ -22,19 +22,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxspec.config import RopeConfig, TargetConfig
 from jaxspec.generation import Generator
 from jaxspec.models.llama import LlamaModel
 from jaxspec.models.numerics import default_numerics
-
-SHAPES = {
-    "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                        num_kv_heads=8, head_dim=128, rope=RopeConfig(theta=500000.0)),
-    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                        num_kv_heads=8, head_dim=64, tie_word_embeddings=True, rope=RopeConfig(theta=500000.0)),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                         num_kv_heads=3, head_dim=64, tie_word_embeddings=True),
-}
+from jaxspec.reference_shapes import SHAPES, reference_config
 
 
 def main() -> None:
@@ -45,7 +36,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=100)
     args = ap.parse_args()
-    cfg = TargetConfig(max_position_embeddings=4096, **SHAPES[args.shape])
+    cfg = reference_config(args.shape)
     model = LlamaModel(cfg, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     rows = []

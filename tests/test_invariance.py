@@ -1,12 +1,17 @@
 """Batch-invariant target numerics: a token's logits and hidden states are the same bits whether it is decoded alone,
 prefilled, verified in a chain of K+1 or in a tree, next to other batch rows, at another cache capacity, in float32 and
 bfloat16, for several model families. The hidden states of every layer are compared (aux features at all layers),
-so a failure names the first layer — and so the op — that breaks invariance."""
+so a failure names the first layer — and so the op — that breaks invariance.
+
+The models are tiny by default. `JAXSPEC_TEST_SHAPE=llama3.1-8b` (a key of jaxspec.reference_shapes.SHAPES) runs the
+same tests on random weights of that real shape, each family's biases, norms and tying kept (16 GB in bfloat16: an
+accelerator's job); on a GPU or TPU, `attention="pallas"` cases then run the compiled kernel."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +24,7 @@ from jaxspec.config import TargetConfig
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.models.numerics import default_numerics, hold
+from jaxspec.reference_shapes import reference_config
 from jaxspec.spec.tree import tree_from_parents
 
 FAMILIES = {
@@ -31,14 +37,27 @@ FAMILIES = {
 }
 
 
+TEST_SHAPE = os.environ.get("JAXSPEC_TEST_SHAPE")  # None: tiny models
+
+
+def _config(family: str) -> TargetConfig:
+    """The family's tiny model, or (JAXSPEC_TEST_SHAPE) the real shape with the family's extras, every layer's input
+    as an aux feature."""
+    extra = FAMILIES[family]
+    if TEST_SHAPE is None:
+        return TargetConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=16, aux_layer_ids=(0, 1, 2),
+            **extra,
+        )
+    base = reference_config(TEST_SHAPE)
+    keep = {k: v for k, v in extra.items() if k not in ("num_heads", "num_kv_heads")}
+    return dataclasses.replace(base, aux_layer_ids=tuple(range(base.num_layers)), **keep)
+
+
 @functools.cache
 def model(family: str, dtype: str, attention: str = "reference") -> LlamaModel:
-    """attention: "reference" or "interpret" (the Pallas kernel in interpret mode)."""
-    extra = FAMILIES[family]
-    cfg = TargetConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=16, aux_layer_ids=(0, 1, 2),
-        **extra,
-    )
+    """attention: "reference", "interpret" (the Pallas kernel in interpret mode) or "pallas" (compiled)."""
+    cfg = _config(family)
     m = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
     m.numerics = dataclasses.replace(default_numerics(), kernels=attention)
     if cfg.attention_bias:  # non-zero biases
@@ -102,6 +121,7 @@ def _fresh_programs():
     yield
     _forward.cache_clear()
     _decoded.cache_clear()
+    model.cache_clear()  # at a real shape each model is gigabytes
     jax.clear_caches()
 
 
@@ -118,9 +138,10 @@ def _prefill(m, fwd, rows: list[np.ndarray], capacity: int):
 
 
 # (family, dtype, attention): every family and dtype with the jax.numpy attention, and two with the Pallas kernel
+# (interpret mode; on a GPU or TPU also compiled)
 CASES = [(f, d, "reference") for f in FAMILIES for d in ("float32", "bfloat16")] + [
     ("llama", "bfloat16", "interpret"), ("qwen2", "float32", "interpret"),
-]
+] + ([("llama", "bfloat16", "pallas"), ("qwen2", "float32", "pallas")] if jax.default_backend() != "cpu" else [])
 
 
 def matrix(combos, in_ci) -> list:
