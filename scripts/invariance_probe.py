@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.models.numerics import contract, hold
+
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -42,16 +44,23 @@ def neighbour_probe(f, x, trials: int = 4) -> int:
     return bad
 
 
+def model_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, K] @ w [K, N] as the target computes it: w held as `numerics.hold` keeps it (float32 on CPU for a
+    16-bit model, the model dtype elsewhere) and contracted with `numerics.contract`. Probing a plain bfloat16 x
+    bfloat16 dot on CPU would measure a form the target never runs."""
+    return contract(x, w, ((1,), (0,)))
+
+
 def probes(dtype) -> dict:
     key = jax.random.key(0)
     res = {}
     for k_dim, n_dim in ((576, 1536), (4096, 1024), (4096, 14336)):
         x = jax.random.normal(key, (64, k_dim), jnp.float32).astype(dtype)
-        w = (0.02 * jax.random.normal(jax.random.key(1), (k_dim, n_dim), jnp.float32)).astype(dtype)
-        res[f"dot K={k_dim} N={n_dim}: bad row counts"] = prefix_probe(lambda a, w=w: jnp.dot(a, w), x)
+        w = hold(0.02 * jax.random.normal(jax.random.key(1), (k_dim, n_dim), jnp.float32), dtype)
+        res[f"dot K={k_dim} N={n_dim}: bad row counts"] = prefix_probe(lambda a, w=w: model_dot(a, w), x)
         for tile in (8, 64):
             res[f"dot K={k_dim} N={n_dim} fixed {tile}-row tile: bad trials"] = neighbour_probe(
-                lambda a, w=w: jnp.dot(a, w), x[:tile]
+                lambda a, w=w: model_dot(a, w), x[:tile]
             )
     for g, d, bk in ((3, 64, 64), (4, 128, 64)):
         q = jax.random.normal(key, (48, g, d), jnp.float32).astype(dtype)
@@ -73,11 +82,11 @@ def probes(dtype) -> dict:
 
 
 def time_tiles(dtype) -> dict:
-    w = (0.02 * jax.random.normal(jax.random.key(1), (4096, 14336), jnp.float32)).astype(dtype)
+    w = hold(0.02 * jax.random.normal(jax.random.key(1), (4096, 14336), jnp.float32), dtype)
     out = {}
     for rows in (1, 8, 16, 64, 128, 256):
         x = jax.random.normal(jax.random.key(rows), (rows, 4096), jnp.float32).astype(dtype)
-        f = jax.jit(lambda a: jnp.dot(a, w))
+        f = jax.jit(lambda a: model_dot(a, w))
         f(x).block_until_ready()
         ts = []
         for _ in range(50):
