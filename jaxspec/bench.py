@@ -356,9 +356,11 @@ def run_load_time(args) -> int:
 
 
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
-    """Every method at every batch size on one prompt set; the report goes to --out."""
+    """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
+    import gc
     from pathlib import Path
 
+    import jax
     from tqdm import tqdm
 
     from jaxspec.bench_suite import write_report
@@ -374,6 +376,27 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         methods.append((ngram.num_draft, "ngram"))
     suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
+    result = {
+        "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
+        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (ngram.name if ngram else ""),
+        "prompts": len(encoded),
+        "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
+    }
+    out_dir = Path(args.out or Path("bench-results") / suite)
+
+    def finish_run() -> None:
+        """After each run: the report so far goes to disk, so a suite cut short (hours on a CPU) keeps what it
+        measured; and the run's compiled programs are released. XLA:CPU maps a few sections per compiled kernel
+        and keeps them while the program is cached (~1,300 memory maps per SmolLM2 program, measured), so a
+        suite that kept every method's programs ran into Linux's default limit of 65,530 maps per process
+        (`vm.max_map_count`) and died in LLVM ("Unable to allocate section memory") after ~75 minutes.
+        The next run recompiles, from the on-disk compile cache when it is on, outside its timed pass."""
+        bar.update()
+        if jax.process_index() == 0:  # multi-host: every process has the same results; one writes them
+            write_report(result, out_dir)
+        jax.clear_caches()
+        gc.collect()
+
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:
         name = f"batch {b} target-only"
@@ -384,7 +407,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0,
                      "memory": gen.memory.as_dict()})
-        bar.update()
+        del gen
+        finish_run()
         for num_draft, tree in methods:
             if tree == "ngram":
                 name = method_name(num_draft, None, proposer=ngram)
@@ -399,7 +423,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")
             runs.append({"batch_size": b, "method": name, **speculative_row(*measured, depth, *baselines[b]),
                          "memory": spec.memory.as_dict()})
-            bar.update()
+            del spec
+            finish_run()
     if args.compare_hf:
         bar.set_postfix_str("batch 1 transformers")
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
@@ -410,18 +435,9 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
             row["speedup_vs_target_only"] = round(hf_tokens / hf_seconds / base_tps, 3)
             row["identical_outputs"] = f"{sum(o == c.token_ids for o, c in zip(hf_outputs, base))}/{len(encoded)}"
         runs.append(row)
-        bar.update()
+        finish_run()
     bar.close()
-    import jax
-
-    result = {
-        "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
-        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (ngram.name if ngram else ""),
-        "prompts": len(encoded),
-        "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
-    }
-    out_dir = Path(args.out or Path("bench-results") / suite)
-    if jax.process_index() == 0:  # multi-host: every process has the same results; one writes them
+    if jax.process_index() == 0:
         paths = write_report(result, out_dir)
         print(json.dumps(result, indent=2) if args.json else (out_dir / "results.md").read_text())
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

@@ -168,15 +168,25 @@ def test_prompt_too_long_for_context_subprocess():
 
 
 def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
-    from jaxspec import bench
+    import jax
+
+    from jaxspec import bench, bench_suite
     from jaxspec import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
+    written, cleared = [], []  # runs in the report at each write; cache clears
+    write_report = bench_suite.write_report
+    monkeypatch.setattr(bench_suite, "write_report", lambda r, d: written.append(len(r["runs"])) or write_report(r, d))
+    clear_caches = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1) or clear_caches())
     out = tmp_path / "report"
     code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--suite", "mt_bench", "--limit", "2",
                        "--raw", "--max-new-tokens", "5", "--batch-sizes", "1,2", "--chain-lengths", "2",
                        "--tree", "5,2,2", "--compare-hf", "--out", str(out)])
     assert code == 0
+    # the report is on disk after every run (a suite cut short keeps what it measured), and every run's compiled
+    # programs are released before the next (XLA:CPU's memory maps would otherwise pile up to the process limit)
+    assert written == [*range(1, 10), 9] and len(cleared) == 9
     result = json.loads((out / "results.json").read_text())
     (hf,) = [r for r in result["runs"] if r["method"] == "transformers generate"]
     assert hf["batch_size"] == 1 and hf["tokens_per_second"] > 0 and hf["identical_outputs"] == "2/2"
