@@ -363,7 +363,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     import jax
     from tqdm import tqdm
 
-    from jaxspec.bench_suite import write_report
+    from jaxspec.bench_suite import batch_invariance, write_report
     from jaxspec.generation import Generator
     from jaxspec.spec.tree import TreeConfig
 
@@ -406,7 +406,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         baselines[b] = (base, tokens / seconds)
         runs.append({"batch_size": b, "method": "target-only", "tokens": tokens, "seconds": round(seconds, 3),
                      "tokens_per_second": round(tokens / seconds, 2), "speedup_vs_target_only": 1.0,
-                     "memory": gen.memory.as_dict()})
+                     **batch_invariance(base, baselines), "memory": gen.memory.as_dict()})
         del gen
         finish_run()
         for num_draft, tree in methods:

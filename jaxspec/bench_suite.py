@@ -117,6 +117,16 @@ def speculative_row(out, tokens: int, seconds: float, depth: int, baseline, base
     }
 
 
+def batch_invariance(out: Sequence[Completion], baselines: dict) -> dict:
+    """Target-only at a later batch size against target-only at the first: with invariant numerics the other rows
+    of a batch never change a row's tokens, so every output must be identical (empty for the first batch size)."""
+    first = next(iter(baselines))
+    if baselines[first][0] is out:
+        return {}
+    same = sum(a.token_ids == b.token_ids for a, b in zip(out, baselines[first][0]))
+    return {"identical_outputs": f"{same}/{len(out)} (to batch {first})"}
+
+
 def write_report(result: dict, out_dir: Path) -> list[Path]:
     """results.json, results.md and the plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -194,6 +194,8 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
     assert result["suite"] == "mt_bench" and result["prompts"] == 2
     runs = {(r["batch_size"], r["method"]): r for r in result["runs"]}
     assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2", "auto")}
+    assert "identical_outputs" not in runs[(1, "target-only")]
+    assert runs[(2, "target-only")]["identical_outputs"] == "2/2 (to batch 1)"  # batch-invariant numerics
     for b in (1, 2):  # a head without a recorded profile: the first batch drafts the default chain to measure one
         auto = runs[(b, "auto")]
         assert auto["identical_outputs"] == "2/2" and auto["auto_last"]["basis"] in ("observed", "first batch")
