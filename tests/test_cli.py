@@ -88,9 +88,11 @@ def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "xy"}\n{"id": "b", "prompt": "zzz"}\n')
     code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompts-file", str(prompts), "--raw",
-                       "--max-new-tokens", "5", "--num-speculative-tokens", "2", "--tree", "5,2,2", "--json"])
+                       "--max-new-tokens", "5", "--num-speculative-tokens", "2", "--tree", "5,2,2", "--compare-hf",
+                       "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0
+    assert result["transformers"]["identical_outputs"] == "2/2"  # float32: the same greedy tokens as transformers
     methods = {sp["method"]: sp for sp in result["speculative"]}
     assert set(methods) == {"chain K=2", "tree 5,2,2"}
     for sp in methods.values():
@@ -186,7 +188,7 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
     assert code == 0
     # the report is on disk after every run (a suite cut short keeps what it measured), and every run's compiled
     # programs are released before the next (XLA:CPU's memory maps would otherwise pile up to the process limit)
-    assert written == [*range(1, 10), 9] and len(cleared) == 9
+    assert written == list(range(1, 10)) and len(cleared) == 9
     result = json.loads((out / "results.json").read_text())
     (hf,) = [r for r in result["runs"] if r["method"] == "transformers generate"]
     assert hf["batch_size"] == 1 and hf["tokens_per_second"] > 0 and hf["identical_outputs"] == "2/2"
