@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxspec import processors as procs
 from jaxspec import sharding
+from jaxspec.compiled_programs import ProgramCache
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
 from jaxspec.models.llama import LlamaModel
@@ -125,7 +126,7 @@ class Generator:
         self.kernels = kernels
         self.forced_accept_prob = forced_accept_prob
         self.compile_seconds = 0.0
-        self._compiled: dict[tuple, Callable] = {}
+        self._compiled = ProgramCache()  # bounded process-wide on memory maps (compiled_programs.py)
         self.on_compile: Callable[[str], None] | None = None  # told what compiles and how long it took (CLIs: stderr)
         self.memory: MemoryReport | None = None  # of the last batch generated (`--memory-report`)
 
@@ -188,26 +189,31 @@ class Generator:
                 )
 
     def compiled_programs(self, name: str) -> list[Callable]:
-        """The ahead-of-time compiled "prefill" or "step" programs so far, one per shape bucket (for inspecting
-        their shardings or memory). They take (target params, proposer params, *arguments)."""
+        """The ahead-of-time compiled "prefill" or "step" programs held now, one per shape bucket (for inspecting
+        their shardings or memory; on a process near its memory-map limit older ones are released and compile
+        again when used: compiled_programs.py). They take (target params, proposer params, *arguments)."""
         return [fn for key, fn in self._compiled.items() if key[0] == name]
 
     def _compiled_fn(self, name: str, fn, *args, **static):
-        """AOT-compile once per static shape; compile time is kept apart from generation time."""
+        """AOT-compile once per static shape (while the program is held); compile time is kept apart from
+        generation time."""
         key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
-        if key not in self._compiled:
+
+        def compile_program():
             if self.on_compile is not None:
                 cache = f", cache {static['capacity']}" if "capacity" in static else ""
                 self.on_compile(f"compiling the {name} (batch {self.batch_size}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
                 models = (self.graphdef, self.params, self.proposer, self.proposer_params)
-                self._compiled[key] = fn.lower(*models, *args, **static).compile()
+                program = fn.lower(*models, *args, **static).compile()
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             if self.on_compile is not None:
                 self.on_compile(f"compiled the {name} in {seconds:.1f}s")
-        return self._compiled[key]
+            return program
+
+        return self._compiled.get(key, compile_program)
 
     def generate(
         self,

@@ -1,0 +1,62 @@
+"""The process-wide bound on compiled programs: past half the memory-map limit a new compile first releases the
+least recently used half of the held programs, which frees their maps; output is unchanged and a released program
+compiles again when used."""
+
+import gc
+
+import pytest
+from hf_tiny import make_tiny
+
+from jaxspec import compiled_programs
+from jaxspec.checkpoints.hf import load_target
+from jaxspec.generation import Generator
+
+# prompt buckets 16, 32 and 64: two programs each (prefill, step)
+PROMPTS = [[5, 17, 3, 9], [7] * 20, [11, 2] * 20]
+NEW_BUCKET = [[3, 1, 4, 1, 5] * 14]  # 70 tokens: bucket 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny("smollm2_tied", path, seed=3)
+    return load_target(path)
+
+
+def test_release_frees_maps_and_keeps_output(model, monkeypatch):
+    want = Generator(model, batch_size=1).generate(PROMPTS + NEW_BUCKET, max_new_tokens=8)
+    gen = Generator(model, batch_size=1)
+    first = gen.generate(PROMPTS, max_new_tokens=8)
+    assert [c.token_ids for c in first] == [c.token_ids for c in want[:3]]
+    held = len(gen.compiled_programs("prefill")) + len(gen.compiled_programs("step"))
+    assert held == 6
+    maps, releases = compiled_programs.maps_in_use(), compiled_programs.releases
+
+    monkeypatch.setattr(compiled_programs, "map_limit", lambda: 1)  # every compile now finds the process past it
+    new = gen.generate(NEW_BUCKET, max_new_tokens=8)
+    assert new[0].token_ids == want[3].token_ids
+    # the prefill's compile dropped 3 of 6, the step's 2 of 4: the 128 bucket's two and one older program remain
+    assert compiled_programs.releases == releases + 2
+    assert len(gen.compiled_programs("prefill")) + len(gen.compiled_programs("step")) == 3
+    assert compiled_programs.maps_in_use() < maps, "released programs still hold their memory maps"
+
+    again = gen.generate(PROMPTS, max_new_tokens=8)  # released buckets compile again
+    assert [c.token_ids for c in again] == [c.token_ids for c in want[:3]]
+
+
+def test_no_release_below_the_limit(model, monkeypatch):
+    monkeypatch.setattr(compiled_programs, "map_limit", lambda: 10**9)
+    releases = compiled_programs.releases
+    gen = Generator(model, batch_size=1)
+    gen.generate(PROMPTS, max_new_tokens=4)
+    assert compiled_programs.releases == releases
+    assert len(gen.compiled_programs("prefill")) == 3
+
+
+def test_a_collected_owner_leaves_the_order(model):
+    gen = Generator(model, batch_size=1)
+    gen.generate(PROMPTS[:1], max_new_tokens=4)
+    before = compiled_programs.held()
+    del gen
+    gc.collect()
+    assert compiled_programs.held() == before - 2
