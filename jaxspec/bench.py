@@ -356,12 +356,12 @@ def run_load_time(args) -> int:
 
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
-    import gc
     from pathlib import Path
 
     import jax
     from tqdm import tqdm
 
+    from jaxspec import compiled_programs
     from jaxspec.bench_suite import write_report
     from jaxspec.generation import Generator
     from jaxspec.spec.tree import TreeConfig
@@ -386,16 +386,14 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
 
     def finish_run() -> None:
         """After each run: the report so far goes to disk, so a suite cut short (hours on a CPU) keeps what it
-        measured; and the run's compiled programs are released. XLA:CPU maps a few sections per compiled kernel
-        and keeps them while the program is cached (~1,300 memory maps per SmolLM2 program, measured), so a
-        suite that kept every method's programs ran into Linux's default limit of 65,530 maps per process
-        (`vm.max_map_count`) and died in LLVM ("Unable to allocate section memory") after ~75 minutes.
-        The next run recompiles, from the on-disk compile cache when it is on, outside its timed pass."""
+        measured; and the run's compiled programs are released (`compiled_programs.release`): a suite that kept
+        every method's programs ran into Linux's per-process memory-map limit and died in LLVM after ~75 minutes
+        (compiled_programs.py says why). The next run recompiles, from the on-disk compile cache when it is on,
+        outside its timed pass."""
         bar.update()
         if jax.process_index() == 0:  # multi-host: every process has the same results; one writes them
             paths[:] = write_report(result, out_dir)
-        jax.clear_caches()
-        gc.collect()
+        compiled_programs.release()
 
     bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
     for b in args.batch_sizes:

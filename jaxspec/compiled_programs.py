@@ -100,9 +100,6 @@ class ProgramCache:
     def items(self) -> Iterator[tuple[Hashable, jax.stages.Compiled]]:
         return iter(list(self._programs.items()))
 
-    def __len__(self) -> int:
-        return len(self._programs)
-
     def drop(self, key: Hashable) -> None:
         """Forget one program (the process-wide release calls this on each owner it takes programs from)."""
         self._programs.pop(key, None)
@@ -119,6 +116,20 @@ def _forget_owner(serial: int) -> Callable[[weakref.ref], None]:
     return forget
 
 
+def release(entries: list[tuple[int, Hashable]] | None = None) -> None:
+    """Drop these held programs (default: all of them) from their owners, then JAX's caches, which also hold every
+    executable; the maps go once nothing references a program. Also what `jaxspec.bench --suite` calls after each
+    run, so that no run's programs outlive it."""
+    for entry in list(_BOUND.order) if entries is None else entries:
+        ref = _BOUND.order.pop(entry, None)
+        owner = ref() if ref is not None else None
+        if owner is not None:
+            owner.drop(entry[1])
+    jax.clear_caches()
+    gc.collect()
+    _BOUND.releases += 1
+
+
 def make_room(limit: int | None = None) -> bool:
     """Release the least recently used half of the held programs (never the newest KEEP_NEWEST) and JAX's caches
     if this process has reached its release threshold; True if it released. limit: the map limit (default: the
@@ -130,16 +141,8 @@ def make_room(limit: int | None = None) -> bool:
     threshold = _BOUND.next_release_at or int(RELEASE_AT * limit)
     if before < threshold:
         return False
-    droppable = list(_BOUND.order.items())[:-KEEP_NEWEST]
-    for (serial, key), ref in droppable[: -(-len(_BOUND.order) // 2)]:
-        owner = ref()
-        if owner is None:
-            _BOUND.order.pop((serial, key), None)
-        else:
-            owner.drop(key)
-    jax.clear_caches()
-    gc.collect()
-    _BOUND.releases += 1
+    oldest = list(_BOUND.order)[: -KEEP_NEWEST]
+    release(oldest[: -(-len(_BOUND.order) // 2)])  # half of all held, rounded up, from the oldest
     after = maps_in_use() or 0
     # still above the threshold: maps held elsewhere; release next at half of the remaining headroom
     _BOUND.next_release_at = after + (limit - after) // 2 if after >= RELEASE_AT * limit else None
