@@ -296,14 +296,13 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
     """Every method of this run again with the other numerics, tokens/s both ways. The
     ratio is plain / invariant, i.e. how much faster dropping invariance would be."""
     from jaxspec.generation import Generator
-    from jaxspec.models.numerics import default_numerics
 
     measured = [("target-only", None, result["jaxspec"])] + [
         (sp["method"], tree, sp) for tree, sp in zip([None, *args.tree], result.get("speculative", []))
     ]
     other = "plain" if args.numerics == "invariant" else "invariant"
     saved = model.numerics
-    model.numerics = None if other == "plain" else default_numerics(kernels=kernels_impl(args))
+    model.numerics = None if other == "plain" else model.invariant_numerics(kernels_impl(args))
     rows = []
     try:
         for method, tree, first in measured:

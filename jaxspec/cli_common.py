@@ -310,13 +310,12 @@ def load_target_and_tokenizer(
     default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.generation import default_dtype
-    from jaxspec.models.numerics import default_numerics
     from jaxspec.prompts import load_tokenizer
     from pallas_kernels.dispatch import describe, resolve_kernels
 
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
-    model.numerics = None if numerics == "plain" else default_numerics(kernels=kernels)
+    model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config

@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxspec.generation import Generator
 from jaxspec.models.llama import LlamaModel
-from jaxspec.models.numerics import default_numerics
 from jaxspec.reference_shapes import SHAPES, reference_config
 
 
@@ -44,7 +43,7 @@ def main() -> None:
         prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
         ids = {}
         for name in ("invariant", "plain"):
-            model.numerics = default_numerics() if name == "invariant" else None
+            model.numerics = model.invariant_numerics() if name == "invariant" else None
             gen = Generator(model, batch_size=batch, chunk_steps=16)
             gen.generate(prompts, max_new_tokens=args.new_tokens)  # compile
             start = time.perf_counter()

@@ -23,7 +23,7 @@ from jaxspec import sharding
 from jaxspec.config import TargetConfig
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
-from jaxspec.models.numerics import default_numerics, hold
+from jaxspec.models.numerics import hold
 from jaxspec.reference_shapes import reference_config
 from jaxspec.spec.tree import tree_from_parents
 
@@ -59,7 +59,7 @@ def model(family: str, dtype: str, attention: str = "reference") -> LlamaModel:
     """attention: "reference", "interpret" (the Pallas kernel in interpret mode) or "pallas" (compiled)."""
     cfg = _config(family)
     m = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
-    m.numerics = dataclasses.replace(default_numerics(), kernels=attention)
+    m.numerics = dataclasses.replace(m.invariant_numerics(), kernels=attention)
     if cfg.attention_bias:  # non-zero biases
         for layer in m.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -320,7 +320,7 @@ def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
     from jaxspec.spec.tree import TreeConfig
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)
-    target.numerics = dataclasses.replace(default_numerics(), kernels=attention)
+    target.numerics = dataclasses.replace(target.invariant_numerics(), kernels=attention)
     want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=40)]
     gen = SpeculativeGenerator(
         target, fitted_head(), num_draft=5, batch_size=batch, tree=None if tree is None else TreeConfig.parse(tree)

@@ -55,7 +55,7 @@ class Linear(nnx.Module):
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
         if numerics is not None:
-            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias)
+            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
         y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)))
         return y if bias is None else y + bias.astype(x.dtype)
 
@@ -195,13 +195,23 @@ class LlamaModel(nnx.Module):
     ):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
-        self.numerics = default_numerics() if numerics == "default" else numerics
+        self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.data(
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+
+    def layer_matmuls(self) -> tuple[tuple[int, int], ...]:
+        """The [K, N] shapes of the decoder layers' weights (q, k, v, o, gate, up, down), each once."""
+        cfg = self.config
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return tuple(dict.fromkeys(((h, q), (h, kv), (q, h), (h, cfg.intermediate_size), (cfg.intermediate_size, h))))
+
+    def invariant_numerics(self, kernels: str | None = None) -> Numerics:
+        """`default_numerics` of this backend for this model's matmuls and dtype (kernels: the user's choice)."""
+        return default_numerics(kernels=kernels, matmuls=self.layer_matmuls(), dtype=self.dtype)
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache; under a mesh whose model axis is wider than the KV heads, each KV head repeated so that
@@ -215,7 +225,7 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on pre-norm hidden states [..., H] → float32 logits [..., V]."""
-        nm = self.numerics
+        nm = None if self.numerics is None else self.numerics.narrow()  # wide tiles are measured for the layers
         h = self.norm(hidden, nm is not None)
         if self.lm_head is None:
             if nm is not None:

@@ -11,7 +11,9 @@ layers and the texts part (the technique: He et al., "Defeating Nondeterminism i
 What holds on every backend we measured: elementwise ops are invariant, and a dot or reduction of one fixed shape
 gives each row the same bits wherever the row sits and whatever its neighbours hold. So every order-dependent
 reduction of the target is built from those two:
-- matmuls run on fixed tiles of `row_tile` rows (`tiled_matmul`), one dot shape for every call;
+- matmuls run on fixed tiles of `row_tile` rows (`tiled_matmul`), one dot shape for every call, and long inputs
+  also on tiles of `wide_row_tile` rows where a measurement on this machine shows that shape gives a row the same
+  bits (`wide_tiles_agree`: XLA:CPU's one-row dot and its dots of 61 or more rows share one reduction order);
 - sums over a feature axis (RMSNorm, softmax denominators) are pairwise halvings of elementwise adds
   (`halving_sum`), which have no shape-dependent order at all;
 - attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
@@ -25,12 +27,13 @@ The draft head does not use any of this: drafts only change speed, never output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.mesh_axes import DATA
+from jaxspec.mesh_axes import DATA, MODEL
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 
 
@@ -39,7 +42,8 @@ class Numerics:
     """The fixed shapes that define the target's floating-point operations. Two runs agree bit for bit only with the
     same Numerics (and the same backend and mesh); a model takes `default_numerics()` of its backend when built."""
 
-    row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot
+    row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot ...
+    wide_row_tile: int | None = None  # ... or, for the bulk of many rows, [wide_row_tile, K] x [K, N] (tile_split)
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
     kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
 
@@ -47,19 +51,33 @@ class Numerics:
         if self.kernels not in IMPLEMENTATIONS:
             raise ValueError(f"Numerics.kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {self.kernels!r}")
 
+    def narrow(self) -> Numerics:
+        """These numerics without wide tiles (for a matmul `wide_tiles_agree` did not measure)."""
+        return dataclasses.replace(self, wide_row_tile=None)
 
-def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
+
+def default_numerics(
+    backend: str | None = None, kernels: str | None = None, matmuls: tuple[tuple[int, int], ...] = (), dtype=jnp.float32
+) -> Numerics:
     """One-row tiles on CPU, where a dot's cost grows with its rows and a one-row dot is XLA:CPU's fastest
     (measured, SmolLM2-135M float32 decode step on 2 cores: 26-30 ms with 1-row tiles, as fast as plain XLA; 47 ms
-    with 4-row and 56 ms with 8-row tiles); prefill and verify then pay one weight pass per row (a verify of 6
-    tokens: 77-93 ms vs 52-55 ms plain). 64-row tiles on accelerators, where a [64, 4096] x [4096, 14336] bfloat16 dot
-    takes what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels: the user's choice
-    (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto."""
+    with 4-row and 56 ms with 8-row tiles); a verify then pays one weight pass per row (a verify of 6 tokens: 77-93
+    ms vs 52-55 ms plain). Long inputs (a prefill) run the bulk of their rows on 64-row tiles when every matmul in
+    `matmuls` ([K, N] weights computing in `dtype`) gives a row of a 64-row dot the one-row dot's bits on this
+    machine (`wide_tiles_agree`; measured, SmolLM2 float32 prefill: 64 tokens 632 ms on one-row tiles, 422 ms on
+    one 64-row tile; 128 tokens 1386 ms and 763 ms). 64-row tiles on accelerators, where a [64, 4096] x [4096,
+    14336] bfloat16 dot takes what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels:
+    the user's choice (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
-        return Numerics(row_tile=1, kernels=impl)
+        name = jnp.dtype(dtype).name
+        wide = bool(matmuls) and all(wide_tiles_agree(k, n, name, 1, CPU_WIDE_ROW_TILE, backend) for k, n in matmuls)
+        return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE if wide else None, kernels=impl)
     return Numerics(row_tile=64, kernels=impl)
+
+
+CPU_WIDE_ROW_TILE = 64
 
 
 def held_dtype(dtype, backend: str | None = None) -> jnp.dtype:
@@ -138,36 +156,98 @@ def data_shards() -> int:
     return mesh.shape[DATA]
 
 
+def model_sharded() -> bool:
+    """Whether weights are split over a `model` axis: each device's dot then has other shapes than the whole
+    weight's, which `wide_tiles_agree` did not measure."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and MODEL in mesh.axis_names and mesh.shape[MODEL] > 1
+
+
+def tile_split(rows: int, row_tile: int, wide_row_tile: int | None) -> tuple[int, int]:
+    """(wide tiles, narrow tiles) for `rows` rows of one data shard. Rows go to wide tiles while a whole one fills;
+    the rest go to narrow tiles of row_tile rows, unless they fill at least WIDE_FILL of one more wide tile, which
+    then costs less than their narrow tiles (measured on this project's CPU: a 64-row dot costs what ~40 one-row
+    dots cost). At least one tile, so that an empty input still has a dot shape."""
+    if wide_row_tile is None:
+        return 0, max(-(-rows // row_tile), 1)
+    wide, rest = divmod(rows, wide_row_tile)
+    if rest >= WIDE_FILL * wide_row_tile:
+        return wide + 1, 0
+    narrow = -(-rest // row_tile)
+    return wide, narrow if wide + narrow else 1
+
+
+WIDE_FILL = 0.625  # the share of a wide tile that real rows must fill for it to beat one-row tiles (40 of 64 rows)
+
+
+def _tile_loop(xs: jax.Array, tile_rows: int, dot) -> jax.Array:
+    """dot on tiles of tile_rows rows of xs [shards, rows, K] (zero-padded to whole tiles) → [shards, rows, N]. More
+    than one tile runs in a loop, so XLA cannot merge the tiles back into one larger dot."""
+    shards, rows, k = xs.shape
+    tiles = -(-rows // tile_rows)
+    xs = jnp.pad(xs, ((0, 0), (0, tiles * tile_rows - rows), (0, 0)))
+    xs = xs.reshape(shards, tiles, tile_rows, k).transpose(1, 0, 2, 3)  # [tiles, shards, tile_rows, K]
+    y = dot(xs[0])[None] if tiles == 1 else jax.lax.map(dot, xs)  # [tiles, shards, tile_rows, N]
+    return y.transpose(1, 0, 2, 3).reshape(shards, tiles * tile_rows, -1)[:, :rows]
+
+
 def tiled_matmul(
-    x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, *, w_out_in: bool = False
+    x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, *, w_out_in: bool = False,
+    wide_row_tile: int | None = None,
 ) -> jax.Array:
-    """x [..., K] @ w [K, N] (+ bias) → [..., N] in x's dtype, computed as dots of exactly [row_tile, K] x [K, N] per
-    data shard: rows are zero-padded to whole tiles, and more than one tile runs in a loop, so XLA cannot merge the
-    tiles back into one larger dot. The bias is added inside the tile, next to its dot in every program (XLA:CPU
-    fuses a one-row dot with a following add when they meet, which adds the bias first).
+    """x [..., K] @ w [K, N] (+ bias) → [..., N] in x's dtype, computed per data shard as dots of exactly
+    [row_tile, K] x [K, N] (rows zero-padded to whole tiles), and, with wide_row_tile, the bulk of a long input as
+    dots of [wide_row_tile, K] x [K, N] (`tile_split`). Wide tiles are only for a dot whose wide_row_tile rows were
+    measured to get the bits of narrow tiles (`wide_tiles_agree`), and never under a `model` mesh axis. The bias
+    is added inside the tile, next to its dot in every program (XLA:CPU fuses a one-row dot with a following add when
+    they meet, which adds the bias first).
 
     w_out_in: w is stored [N, K] (a tied embedding table used as the LM head) and each tile contracts over its last
     axis in place. Transposing it first is slower and not invariant: XLA:CPU folded the transpose into a one-row
     dot in a decode step but materialized it (a 113 MB copy for SmolLM2) before a verify's loop of tiles, and the two
     dot forms gave other bits (measured: tied-embedding logits; 57 ms of a SmolLM2 decode step behind a loop)."""
+    wide = None if model_sharded() else wide_row_tile
+    return _tiled_matmul(x, w, row_tile, bias, w_out_in, wide, data_shards())
+
+
+def _tiled_matmul(x, w, row_tile, bias, w_out_in, wide_row_tile, shards: int) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0] if w_out_in else w.shape[-1]
-    shards = data_shards()
-    rows = math.prod(lead)
-    per_shard = rows // shards
-    tiles = max(-(-per_shard // row_tile), 1)
-    xs = x.reshape(shards, per_shard, k)
-    xs = jnp.pad(xs, ((0, 0), (0, tiles * row_tile - per_shard), (0, 0)))
-    xs = xs.reshape(shards, tiles, row_tile, k).transpose(1, 0, 2, 3)  # [tiles, shards, row_tile, K]
+    per_shard = math.prod(lead) // shards
+    xs = x.reshape(shards, per_shard, k)  # [shards, rows, K]
     dims = ((2,), (1,) if w_out_in else (0,))
 
-    def dot(tile):  # [shards, row_tile, K] -> [shards, row_tile, N]
-        y = fenced(lambda a, b: contract(a, b, dims), tile, w)  # [shards, row_tile, N] in x's dtype
+    def dot(tile):  # [shards, tile_rows, K] -> [shards, tile_rows, N]
+        y = fenced(lambda a, b: contract(a, b, dims), tile, w)  # [shards, tile_rows, N] in x's dtype
         return y if bias is None else y + bias.astype(x.dtype)
 
-    y = dot(xs[0])[None] if tiles == 1 else jax.lax.map(dot, xs)  # [tiles, shards, row_tile, N]
-    y = y.transpose(1, 0, 2, 3).reshape(shards, tiles * row_tile, n)[:, :per_shard]
+    wide, narrow = tile_split(per_shard, row_tile, wide_row_tile)
+    parts = []
+    if wide:
+        wide_rows = min(wide * wide_row_tile, per_shard)
+        parts.append(_tile_loop(xs[:, :wide_rows], wide_row_tile, dot))
+        xs = xs[:, wide_rows:]
+    if narrow:
+        parts.append(_tile_loop(xs, row_tile, dot))
+    y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)  # [shards, rows, N]
     return y.reshape(*lead, n)
+
+
+@functools.cache
+def wide_tiles_agree(k: int, n: int, dtype: str, row_tile: int, wide_row_tile: int, backend: str) -> bool:
+    """Whether a [wide_row_tile, K] x [K, N] dot gives each row the bits that [row_tile, K] x [K, N] dots give it,
+    measured on random inputs of `dtype` (the weight held in held_dtype) on this machine and backend. Why a
+    measurement: which rows share a reduction order is the dot library's choice, by shape and by this CPU's caches
+    (measured here with XLA:CPU, JAX 0.10: 1 row and 61 or more rows share one order, 2-60 rows another)."""
+    # Each device of a data mesh runs the dot a single device runs, so the forms are measured with one shard; a
+    # model may be built under the caller's mesh or inside a trace, and this still runs (and compares) real dots.
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend=backend)[0]):
+        kx, kw = jax.random.split(jax.random.key(0))
+        x = jax.random.normal(kx, (wide_row_tile, k), jnp.float32).astype(dtype)  # [rows, K]
+        w = hold(jax.random.normal(kw, (k, n), jnp.float32), dtype)  # [K, N]
+        one = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, None, 1))(x, w)
+        wide = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, wide_row_tile, 1))(x, w)
+        return bool(jnp.array_equal(one, wide))
 
 
 def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
