@@ -35,7 +35,8 @@ def config(base: Path, name: str, steps: int) -> Path:
         "target": str(base / "target"), "data": str(base / "data"), "out": str(base / name),
         "head": {"draft_vocab_size": 48, "intermediate_size": 96},
         "train": {"num_draft_steps": 3, "batch_size": 4, "seq_len": 24, "steps": steps, "seed": 0,
-                  "checkpoint_every": 2, "keep_checkpoints": 2, "log_every": 1, "eval_every": 0},
+                  "checkpoint_every": 2, "keep_checkpoints": 2, "log_every": 1, "eval_every": 0,
+                  "compute_dtype": "float32"},  # auto would time this machine's matmuls: other runs, other dtypes
         "optim": {"learning_rate": 0.003, "warmup_steps": 2},
     }
     path = base / f"{name}.yaml"
@@ -91,6 +92,20 @@ def test_killed_run_resumes_exactly(setup):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 2 and "other data or batch settings (seq_len, trained_positions)" in err
     assert sorted(losses(setup / "killed")) == list(range(10))
+
+
+def test_a_resumed_run_keeps_its_compute_dtype(setup):
+    """auto is resolved once per run: the dtype is in the checkpoint, and a resume under auto continues in it."""
+    cfg = config(setup, "mixed", 4)
+    first = launch(cfg, "train.steps=2", "train.compute_dtype=bfloat16", wait=False)
+    _, err = first.communicate(timeout=900)
+    assert first.returncode == 0, err
+    assert "computing in bfloat16 (master weights float32" in err
+    second = launch(cfg, "train.compute_dtype=auto", wait=False)
+    _, err = second.communicate(timeout=900)
+    assert second.returncode == 0, err
+    assert "resumed from step 2" in err and "computing in bfloat16" in err
+    assert sorted(losses(setup / "mixed")) == [0, 1, 2, 3]
 
 
 def test_bad_override(setup, capsys):

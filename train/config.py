@@ -58,6 +58,9 @@ class TrainSection:
     keep_checkpoints: int = _setting(3, at_least=1)
     log_every: int = _setting(10, at_least=1)
     features: Literal["online", "offline"] = "online"  # offline: cached by `python -m train.data features`
+    # the dtype a step computes in (train/precision.py): master weights and optimizer state keep the head's dtype;
+    # auto: bfloat16 on GPU/TPU, and on CPU where a timed bfloat16 matmul beats float32 (AVX512-BF16 / AMX)
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     eval_every: int = _setting(0, at_least=0)  # 0: no evaluation
     eval_prompts: str | None = None  # a shipped set (mt_bench, gsm8k) or a prompts file; needed when eval_every > 0
     eval_num_prompts: int = _setting(8, at_least=1)

@@ -120,6 +120,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.cli_common import resolve_target
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
+    from train.precision import computing_in, resolve_compute_dtype
     from train.step import (
         Batch,
         batch_sharding,
@@ -173,10 +174,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
 
     optim = cfg.optim  # its total_steps is train.steps
     tx = make_optimizer(optim)
-    tgd, tparams = nnx.split(target)
-    hgd, params, frozen = split_head(head, optim.freeze_lm_head)
+    hgd, params, frozen = split_head(head, optim.freeze_lm_head)  # params: the master weights the optimizer updates
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
-    tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
     params = jax.device_put(params, param_sharding(mesh, params))
     frozen = jax.device_put(frozen, param_sharding(mesh, frozen))
     opt_state = jax.jit(tx.init)(params)
@@ -186,7 +185,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     if batches.cut_tokens:
         print(f"{batches.cut_tokens} tokens past train.seq_len (or train.trained_positions) are cut", file=sys.stderr)
     ckpt = RunCheckpoints(out / "checkpoints", keep=t.keep_checkpoints)
-    start = 0
+    start, meta = 0, {}
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(ckpt.latest_step(), state)
         start = meta["next_step"]
@@ -198,8 +197,21 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
                 "the same run; restore them or use a new out"
             )
         print(f"resumed from step {start}", file=sys.stderr)
+    # A run keeps the compute dtype it started with, so that a resumed run continues the same arithmetic.
+    recorded = meta.get("compute_dtype") if start else None
+    compute = recorded if t.compute_dtype == "auto" and recorded else resolve_compute_dtype(
+        t.compute_dtype, t.batch_size * (t.trained_positions or t.seq_len), head.config.hidden_size,
+        head.config.draft_vocab_size,
+    )
+    print(f"computing in {compute} ({'master weights ' + str(head.dtype) + ', ' if compute != head.dtype else ''}"
+          f"train.compute_dtype: {t.compute_dtype})", file=sys.stderr)
+    step_target = target if compute == target.dtype else computing_in(target, compute)  # the f32 one evaluates
+    tgd, tparams = nnx.split(step_target)
+    tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
+    step_hgd = hgd if compute == head.dtype else split_head(computing_in(head, compute), optim.freeze_lm_head)[0]
     step_fn = jax.jit(
-        functools.partial(train_step, tgd, head_graphdef=hgd, tx=tx, num_steps=t.num_draft_steps),
+        functools.partial(train_step, tgd, head_graphdef=step_hgd, tx=tx, num_steps=t.num_draft_steps,
+                          compute_dtype=None if compute == head.dtype else compute),
         donate_argnames=("params", "opt_state"),
     )
     metrics_file = (out / "metrics.jsonl").open("a")
@@ -244,7 +256,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         interrupted = stop is not None and stop.is_set()
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
-                      {"next_step": step + 1, "data_order": batches.settings})
+                      {"next_step": step + 1, "data_order": batches.settings, "compute_dtype": compute})
         last = record
         if interrupted:
             print(f"saved step {step + 1}; the same command resumes from it", file=sys.stderr)

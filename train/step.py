@@ -17,6 +17,7 @@ from jaxspec.mesh_axes import DATA, FSDP
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from train.config import OptimConfig  # the `optim:` section of the training config
+from train.precision import cast_floats
 from train.ttt import ttt_logits, ttt_loss
 
 
@@ -79,9 +80,13 @@ def teacher_logits(target: LlamaModel, hidden: jax.Array, draft_ids: jax.Array) 
 
 
 def train_step(
-    target_graphdef, target_params, head_graphdef, params, frozen, opt_state, batch: Batch, *, tx, num_steps: int
+    target_graphdef, target_params, head_graphdef, params, frozen, opt_state, batch: Batch, *, tx, num_steps: int,
+    compute_dtype=None,
 ):
-    """One optimizer step; returns (params, opt_state, loss, metrics)."""
+    """One optimizer step; returns (params, opt_state, loss, metrics). compute_dtype: mixed precision
+    (train/precision.py): the head computes with params and frozen cast to it — head_graphdef is then a head of that
+    dtype (`computing_in`) — while the optimizer updates params in their own dtype; None: the params' dtype. The
+    target computes in the dtype of target_graphdef and target_params."""
     target = nnx.merge(target_graphdef, target_params)
     if batch.aux is None:
         features, hidden = target_features(target, batch.ids, batch.positions, batch.segments)
@@ -93,8 +98,12 @@ def train_step(
     teacher = teacher_logits(target, hidden, draft_ids)
     next_ids = jnp.concatenate([batch.ids[:, 1:], jnp.zeros_like(batch.ids[:, :1])], axis=1)
 
+    fixed = frozen if compute_dtype is None else cast_floats(frozen, compute_dtype)
+
     def loss_fn(params):
-        head = nnx.merge(head_graphdef, params, frozen)
+        if compute_dtype is not None:
+            params = cast_floats(params, compute_dtype)  # the gradient flows back through the cast to the master
+        head = nnx.merge(head_graphdef, params, fixed)
         logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps,
                             batch.positions, batch.segments, batch.trained)
         return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, trained=batch.trained)

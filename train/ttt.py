@@ -49,12 +49,18 @@ def _attend_with_lse(q, k, v, mask):
     (out [B, C, Hq, D] float32, lse [B, C, Hq])."""
     b, c, hq, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(b, c, hkv, hq // hkv, d)
-    s = jnp.einsum("bckgd,bskd->bckgs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    s = jnp.where(mask[:, :, None, None, :], s, NEG_INF)
-    lse = jax.nn.logsumexp(s, axis=-1)  # [B, C, Hkv, G]
-    out = jnp.einsum("bckgs,bskd->bckgd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
-    return out.reshape(b, c, hq, d), lse.reshape(b, c, hq)
+    g = hq // hkv
+    # [B, Hkv, G·C, ...]: both products are batched matmuls in the layout the next reads (no transposed copy of the
+    # [.., C, T] probabilities, which cost XLA:CPU more than the products themselves)
+    qg = q.reshape(b, c, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32).reshape(b, hkv, g, c, -1) * d**-0.5
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)  # [B, Hkv, G, C, T]
+    lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hkv, G, C]
+    probs = jnp.exp(s - lse[..., None]).reshape(b, hkv, g * c, -1)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.astype(jnp.float32))  # [B, Hkv, G·C, D]
+    out = out.reshape(b, hkv, g, c, d).transpose(0, 3, 1, 2, 4)  # [B, C, Hkv, G, D]
+    return out.reshape(b, c, hq, d), lse.transpose(0, 3, 1, 2).reshape(b, c, hq)
 
 
 def _merge_diagonal(out_b, lse_b, q, diag_k, diag_v):

@@ -34,17 +34,22 @@ def masked_attention(
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     # float32 math on the inputs' values (for bfloat16: exact products, float32 accumulation).
     # Prefix and window are scored separately and share one softmax, so the cache is never copied.
-    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)  # [B, T, Hkv, G, D]
+    g = hq // hkv
+    # Query heads of one KV head and the new tokens share one axis ([B, Hkv, G·T, ...]), so both products are
+    # batched matmuls in the layout the next one reads: no transposed copy of the [.., T, S + W] probabilities.
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d).astype(jnp.float32)
     prefix = jnp.arange(s)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
     visible = jnp.concatenate([jnp.broadcast_to(prefix, (b, t, s)), mask], axis=2)  # [B, T, S + W]
     scores = jnp.concatenate([
-        jnp.einsum("btkgd,bksd->bkgts", qg, k_cache.astype(jnp.float32)),
-        jnp.einsum("btkgd,bksd->bkgts", qg, k_win.astype(jnp.float32)),
-    ], axis=-1) * d**-0.5  # [B, Hkv, G, T, S + W]
+        jnp.einsum("bkqd,bksd->bkqs", qg, k_cache.astype(jnp.float32)),
+        jnp.einsum("bkqd,bksd->bkqs", qg, k_win.astype(jnp.float32)),
+    ], axis=-1).reshape(b, hkv, g, t, -1) * d**-0.5  # [B, Hkv, G, T, S + W]
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)
     probs = probs.astype(v_cache.dtype).astype(jnp.float32)  # probabilities rounded to v's dtype, as a fused kernel would
-    out = jnp.einsum("bkgts,bksd->btkgd", probs[..., :s], v_cache.astype(jnp.float32))
-    out = out + jnp.einsum("bkgts,bksd->btkgd", probs[..., s:], v_win.astype(jnp.float32))
+    probs = probs.reshape(b, hkv, g * t, -1)  # [B, Hkv, G·T, S + W]
+    out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s], v_cache.astype(jnp.float32))
+    out = out + jnp.einsum("bkqs,bksd->bkqd", probs[..., s:], v_win.astype(jnp.float32))  # [B, Hkv, G·T, D]
+    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]
     return out.reshape(b, t, hq, d).astype(q.dtype)

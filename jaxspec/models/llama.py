@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.attention import masked_attention
-from jaxspec.models.layers import apply_rope, rms_norm, rope_cos_sin
+from jaxspec.models.layers import accumulating_matmul, apply_rope, rms_norm, rope_cos_sin
 from jaxspec.models.numerics import (
     Numerics,
     contract,
@@ -50,13 +50,19 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
         self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
+        # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
+        # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
+        self.accumulate = None
 
     def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
         if numerics is not None:
             return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
-        y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)))
+        if self.accumulate is not None:
+            y = accumulating_matmul(x, self.kernel[...].astype(x.dtype), self.accumulate)
+        else:
+            y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)))
         return y if bias is None else y + bias.astype(x.dtype)
 
 

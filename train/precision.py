@@ -1,0 +1,76 @@
+"""Mixed precision for head training: the step computes in a narrower dtype than the weights it updates.
+
+The head's master weights and the optimizer state stay in the dtype they were built in (float32); every step
+computes the head's forward and backward with a copy cast to `compute_dtype`, and the frozen target runs in that
+dtype throughout (its features and teacher logits only need their values). Norms, softmax, the attention scores and
+the loss stay in float32 (jaxspec.models.layers, train.ttt), and the gradient reaching the master weights is
+float32 — the usual bf16 recipe of the EAGLE and SpecForge trainers on GPUs.
+
+Why `auto` measures on CPU: whether a bfloat16 matmul is faster there depends on the processor. With AVX512-BF16 /
+AMX, XLA:CPU runs it at ~2.6× float32 (measured: [4096, 576] x [576, 16384], 520 vs 199 GFLOP/s); on an AVX2
+processor it widens the whole weight to float32 on every dot (jaxspec.models.numerics.held_dtype) and is slower.
+On GPUs and TPUs bfloat16 is always the faster one.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+BF16_MARGIN = 0.8  # on CPU, bfloat16 only when its timed matmul takes at most this share of float32's
+
+
+def resolve_compute_dtype(setting: str, rows: int, hidden: int, columns: int, backend: str | None = None) -> str:
+    """The dtype a step computes in for `train.compute_dtype` = setting. auto: bfloat16 on accelerators; on CPU
+    the faster of float32 and bfloat16 for a [rows, hidden] x [hidden, columns] matmul (the head's LM head, the
+    largest matmul of a step), timed once per process and shape."""
+    if setting != "auto":
+        return setting
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return "bfloat16"
+    f32 = _matmul_seconds(rows, hidden, columns, "float32")
+    bf16 = _matmul_seconds(rows, hidden, columns, "bfloat16")
+    return "bfloat16" if bf16 <= BF16_MARGIN * f32 else "float32"
+
+
+@functools.cache
+def _matmul_seconds(rows: int, hidden: int, columns: int, dtype: str) -> float:
+    """Best of 3 timed [rows, hidden] x [hidden, columns] matmuls in dtype, float32 results, after one to compile."""
+    a = jnp.ones((rows, hidden), dtype)
+    b = jnp.ones((hidden, columns), dtype)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cast_floats(tree, dtype):
+    """tree with every floating-point leaf cast to dtype (integer buffers such as a head's d2t untouched)."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def computing_in(module: nnx.Module, dtype) -> nnx.Module:
+    """A copy of a target (LlamaModel) or head (Eagle3Head) that computes in dtype: its floating-point weights cast
+    to it — as plain arrays of dtype, not held wider as a loaded 16-bit model's are on CPU, since here the narrow
+    matmul is the point — and its activations kept in it (the module's `dtype`). The original is untouched."""
+    from jaxspec.models.llama import Linear
+
+    graphdef, state = nnx.split(module)
+    copy = nnx.merge(graphdef, cast_floats(state, dtype))
+    copy.dtype = jnp.dtype(dtype)
+    if jnp.dtype(dtype).itemsize < 4:  # 16-bit products, float32 sums, in the forward and the backward
+        for _, sub in nnx.iter_graph(copy):
+            if isinstance(sub, Linear):
+                sub.accumulate = jnp.float32
+    return copy
