@@ -45,7 +45,7 @@ def test_accumulating_matmul_and_its_gradient(lead):
 
 
 def test_computing_in_copies_and_leaves_the_original_alone():
-    tgd, tparams, hgd, params, frozen, tx, batch = setup()
+    _, _, hgd, params, frozen, _, _ = setup()
     head = nnx.merge(hgd, params, frozen)
     copy = computing_in(head, jnp.bfloat16)
     assert copy.dtype == jnp.bfloat16 and head.dtype == jnp.float32

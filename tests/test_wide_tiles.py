@@ -6,6 +6,7 @@ tokens against decoding one by one — is tests/test_invariance.py's test_prefil
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -77,7 +78,7 @@ def test_a_model_axis_keeps_narrow_tiles():
     """Under data=4 x model=2 each device's dot has half a weight's shape, which nothing measured: narrow tiles only.
     Under data=8 alone the per-device dot keeps the measured shape, and rows split per shard."""
     x, w, _ = _inputs(8 * 100, 64, 96, "float32", 0)
-    fn = lambda x, w: tiled_matmul(x, w, 1, wide_row_tile=WIDE)  # noqa: E731
+    fn = functools.partial(tiled_matmul, row_tile=1, wide_row_tile=WIDE)
     with sharding.mesh_context(sharding.make_mesh(sharding.MeshConfig(data=4, model=2))):
         assert _dot_rows(fn, x, w) == {1}
     mesh = sharding.make_mesh(sharding.MeshConfig(data=8))

@@ -203,15 +203,16 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         t.compute_dtype, t.batch_size * (t.trained_positions or t.seq_len), head.config.hidden_size,
         head.config.draft_vocab_size,
     )
-    print(f"computing in {compute} ({'master weights ' + str(head.dtype) + ', ' if compute != head.dtype else ''}"
+    mixed = compute != head.dtype  # the head and target were built in one dtype (build_head)
+    print(f"computing in {compute} ({f'master weights {head.dtype}, ' if mixed else ''}"
           f"train.compute_dtype: {t.compute_dtype})", file=sys.stderr)
-    step_target = target if compute == target.dtype else computing_in(target, compute)  # the f32 one evaluates
+    step_target = computing_in(target, compute) if mixed else target  # `target` itself evaluates
     tgd, tparams = nnx.split(step_target)
     tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
-    step_hgd = hgd if compute == head.dtype else split_head(computing_in(head, compute), optim.freeze_lm_head)[0]
+    step_hgd = split_head(computing_in(head, compute), optim.freeze_lm_head)[0] if mixed else hgd
     step_fn = jax.jit(
         functools.partial(train_step, tgd, head_graphdef=step_hgd, tx=tx, num_steps=t.num_draft_steps,
-                          compute_dtype=None if compute == head.dtype else compute),
+                          compute_dtype=compute if mixed else None),
         donate_argnames=("params", "opt_state"),
     )
     metrics_file = (out / "metrics.jsonl").open("a")

@@ -7,9 +7,10 @@ the loss stay in float32 (jaxspec.models.layers, train.ttt), and the gradient re
 float32 — the usual bf16 recipe of the EAGLE and SpecForge trainers on GPUs.
 
 Why `auto` measures on CPU: whether a bfloat16 matmul is faster there depends on the processor. With AVX512-BF16 /
-AMX, XLA:CPU runs it at ~2.6× float32 (measured: [4096, 576] x [576, 16384], 520 vs 199 GFLOP/s); on an AVX2
-processor it widens the whole weight to float32 on every dot (jaxspec.models.numerics.held_dtype) and is slower.
-On GPUs and TPUs bfloat16 is always the faster one.
+AMX, XLA:CPU (YNNPACK) runs a bfloat16 dot accumulated in float32 at 1,000-1,700 GFLOP/s against ~315 for float32
+([4096, 576] x [576, 1536] and similar, BENCHMARKS.md); on the AVX2 CPU of earlier sessions 16-bit decode dots
+were several times slower than float32 ones (jaxspec.models.numerics.held_dtype); training shapes were not timed
+there. On GPUs and TPUs `auto` takes bfloat16 without timing; this path has not yet run on either.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BF16_MARGIN = 0.8  # on CPU, bfloat16 only when its timed matmul takes at most this share of float32's
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import rope_inv_freq
 from jaxspec.models.eagle3 import Eagle3Head
-from jaxspec.models.layers import NEG_INF, attention, rope_cos_sin
+from jaxspec.models.layers import NEG_INF, attention, group_queries, rope_cos_sin, ungroup_queries
 
 
 def _project_step(head: Eagle3Head, emb, state, positions):
@@ -50,17 +50,14 @@ def _attend_with_lse(q, k, v, mask):
     b, c, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    # [B, Hkv, G·C, ...]: both products are batched matmuls in the layout the next reads (no transposed copy of the
-    # [.., C, T] probabilities, which cost XLA:CPU more than the products themselves)
-    qg = q.reshape(b, c, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
+    qg = group_queries(q, hkv)  # [B, Hkv, G·C, D]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
     s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32).reshape(b, hkv, g, c, -1) * d**-0.5
     s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)  # [B, Hkv, G, C, T]
     lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hkv, G, C]
     probs = jnp.exp(s - lse[..., None]).reshape(b, hkv, g * c, -1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v.astype(jnp.float32))  # [B, Hkv, G·C, D]
-    out = out.reshape(b, hkv, g, c, d).transpose(0, 3, 1, 2, 4)  # [B, C, Hkv, G, D]
-    return out.reshape(b, c, hq, d), lse.transpose(0, 3, 1, 2).reshape(b, c, hq)
+    return ungroup_queries(out, hq), ungroup_queries(lse.reshape(b, hkv, g * c), hq)
 
 
 def _merge_diagonal(out_b, lse_b, q, diag_k, diag_v):

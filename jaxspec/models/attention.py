@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models.layers import group_queries, ungroup_queries
+
 NEG_INF = -1e30  # finite: a fully masked row stays NaN-free
 
 
@@ -35,9 +37,7 @@ def masked_attention(
     # float32 math on the inputs' values (for bfloat16: exact products, float32 accumulation).
     # Prefix and window are scored separately and share one softmax, so the cache is never copied.
     g = hq // hkv
-    # Query heads of one KV head and the new tokens share one axis ([B, Hkv, G·T, ...]), so both products are
-    # batched matmuls in the layout the next one reads: no transposed copy of the [.., T, S + W] probabilities.
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d).astype(jnp.float32)
+    qg = group_queries(q, hkv).astype(jnp.float32)  # [B, Hkv, G·T, D]
     prefix = jnp.arange(s)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
     visible = jnp.concatenate([jnp.broadcast_to(prefix, (b, t, s)), mask], axis=2)  # [B, T, S + W]
     scores = jnp.concatenate([
@@ -51,5 +51,4 @@ def masked_attention(
     probs = probs.reshape(b, hkv, g * t, -1)  # [B, Hkv, G·T, S + W]
     out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :s], v_cache.astype(jnp.float32))
     out = out + jnp.einsum("bkqs,bksd->bkqd", probs[..., s:], v_win.astype(jnp.float32))  # [B, Hkv, G·T, D]
-    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, D]
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return ungroup_queries(out, hq).astype(q.dtype)  # [B, T, Hq, D]

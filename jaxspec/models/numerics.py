@@ -13,7 +13,7 @@ gives each row the same bits wherever the row sits and whatever its neighbours h
 reduction of the target is built from those two:
 - matmuls run on fixed tiles of `row_tile` rows (`tiled_matmul`), one dot shape for every call, and long inputs
   also on tiles of `wide_row_tile` rows where a measurement on this machine shows that shape gives a row the same
-  bits (`wide_tiles_agree`: XLA:CPU's one-row dot and its dots of 61 or more rows share one reduction order);
+  bits (`wide_tiles_agree`: on some CPUs XLA's one-row dot and its dots of 61 or more rows share one order);
 - sums over a feature axis (RMSNorm, softmax denominators) are pairwise halvings of elementwise adds
   (`halving_sum`), which have no shape-dependent order at all;
 - attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
@@ -236,18 +236,23 @@ def _tiled_matmul(x, w, row_tile, bias, w_out_in, wide_row_tile, shards: int) ->
 @functools.cache
 def wide_tiles_agree(k: int, n: int, dtype: str, row_tile: int, wide_row_tile: int, backend: str) -> bool:
     """Whether a [wide_row_tile, K] x [K, N] dot gives each row the bits that [row_tile, K] x [K, N] dots give it,
-    measured on random inputs of `dtype` (the weight held in held_dtype) on this machine and backend. Why a
-    measurement: which rows share a reduction order is the dot library's choice, by shape and by this CPU's caches
-    (measured here with XLA:CPU, JAX 0.10: 1 row and 61 or more rows share one order, 2-60 rows another)."""
+    measured on random inputs of `dtype` (the weight held in held_dtype) on this machine and backend, in both forms
+    a prefill runs it: one wide tile alone and wide tiles in a loop (XLA:CPU may compile a dot behind a loop
+    differently). Why a measurement: which rows share a reduction order is the dot library's choice, by shape and
+    by processor (XLA:CPU, JAX 0.10: on an AVX2 CPU 1 row and 61 or more rows shared one order, 2-60 rows another;
+    on an AVX-512/AMX CPU no row count from 2 to 256 shared the one-row order for SmolLM2's shapes)."""
     # Each device of a data mesh runs the dot a single device runs, so the forms are measured with one shard; a
     # model may be built under the caller's mesh or inside a trace, and this still runs (and compares) real dots.
     with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend=backend)[0]):
         kx, kw = jax.random.split(jax.random.key(0))
-        x = jax.random.normal(kx, (wide_row_tile, k), jnp.float32).astype(dtype)  # [rows, K]
         w = hold(jax.random.normal(kw, (k, n), jnp.float32), dtype)  # [K, N]
-        one = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, None, 1))(x, w)
-        wide = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, wide_row_tile, 1))(x, w)
-        return bool(jnp.array_equal(one, wide))
+        for tiles in (1, 2):  # one wide dot; two in a loop
+            x = jax.random.normal(kx, (tiles * wide_row_tile, k), jnp.float32).astype(dtype)  # [rows, K]
+            one = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, None, 1))(x, w)
+            wide = jax.jit(lambda a, b: _tiled_matmul(a, b, row_tile, None, False, wide_row_tile, 1))(x, w)
+            if not jnp.array_equal(one, wide):
+                return False
+        return True
 
 
 def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
