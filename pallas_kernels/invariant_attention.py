@@ -85,7 +85,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.mesh_axes import DATA, MODEL
-from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum
+from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum, held_dtype
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
@@ -106,14 +106,20 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced):
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
-    s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32), q, k)
+    # 16-bit operands meet in float32 on CPU (numerics.held_dtype; the products are exact, so the math is the same):
+    # on CPUs with AMX, XLA:CPU's own bfloat16 dot (YNNPACK) sums in an order that depends on the batch count, so the
+    # kernel's one-program products and the reference's batched ones differed in the last bit (measured)
+    wide = held_dtype(q.dtype)
+    s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32),
+              q.astype(wide), k.astype(wide))
     vis = visible[..., None, :]  # [..., 1, Bk]
     s = jnp.where(vis, s, NEG_INF)
     m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
     p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
     l = halving_sum(p)
     a = fence(
-        functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32), p.astype(v.dtype), v
+        functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32),
+        p.astype(v.dtype).astype(wide), v.astype(wide),  # probabilities rounded to v's dtype, then widened on CPU
     )
     return m, l, a
 
