@@ -68,6 +68,32 @@ def test_loss_matches_a_direct_computation():
     assert 1.0 <= float(metrics["tau"]) <= 1.0 + k
 
 
+def test_loss_gradient_is_the_soft_cross_entropy_gradient():
+    """The loss is computed as logsumexp(z) − Σ p·z (no log-probabilities materialized); its gradient must be the
+    one of the textbook −Σ p·log_softmax(z)."""
+    rng = np.random.default_rng(4)
+    b, t, k, vd = 2, 12, 3, 20
+    logits = [jnp.asarray(rng.normal(size=(b, t, vd)) * 3, jnp.float32) for _ in range(k)]
+    teacher = jnp.asarray(rng.normal(size=(b, t, vd)) * 3, jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, (b, t)), jnp.int32)
+
+    def textbook(logits):
+        p = jax.nn.softmax(teacher, axis=-1)
+        total = 0.0
+        for step, z in enumerate(logits):
+            at = jnp.arange(t) + 1 + step
+            valid = (at + 1 < t) & (jnp.take(mask, jnp.minimum(at + 1, t - 1), axis=1) > 0)  # [B, T]
+            ce = -jnp.sum(jnp.take(p, jnp.minimum(at, t - 1), axis=1) * jax.nn.log_softmax(z, axis=-1), axis=-1)
+            total = total + 0.8**step * jnp.sum(ce * valid) / jnp.maximum(valid.sum(), 1)
+        return total
+
+    got = jax.grad(lambda z: ttt_loss(z, teacher, mask)[0])(logits)
+    want = jax.grad(textbook)(logits)
+    assert float(ttt_loss(logits, teacher, mask)[0]) == pytest.approx(float(textbook(logits)), rel=1e-5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+
+
 def test_ttt_steps_equal_inference_drafting():
     """Step k, row t of TTT is exactly what the engine's head computes when drafting k tokens after anchor t
     (catch-up over the real pairs 0..t, then steps fed with its own state), given the same tokens."""

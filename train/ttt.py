@@ -182,7 +182,7 @@ def ttt_loss(
     Step k, row t is taught by the target's distribution at position t+1+k (which predicts x_{t+2+k}) and counts
     where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence.
     """
-    b, t, _ = teacher_logits.shape
+    t = teacher_logits.shape[1]
     _, segments, trained = _packing(loss_mask, None, segments, trained)
     teacher = jax.nn.softmax(teacher_logits.astype(jnp.float32), axis=-1)  # [B, T, V_d] renormalized on the draft vocab
     teacher_best = jnp.argmax(teacher, axis=-1)  # [B, T]
@@ -200,7 +200,10 @@ def ttt_loss(
         m = inside & (_take(loss_mask, nxt) > 0) & (_take(segments, nxt) == row_seg)
         m = m.astype(jnp.float32)
         count = jnp.maximum(m.sum(), 1.0)
-        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, C]
+        # −Σ p·log_softmax(z) = logsumexp(z) − Σ p·z since Σ p = 1: no [B, C, V_d] log-probabilities in the
+        # forward, and the gradient softmax(z) − p in the backward (the vocabulary-wide passes are most of the
+        # loss's cost on CPU)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(p * logits, axis=-1)  # [B, C]
         loss_k = jnp.sum(ce * m) / count
         total = total + decay**k * loss_k
         right = jnp.argmax(logits, axis=-1) == best
