@@ -39,7 +39,17 @@ def speculative_tokens(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {text!r}") from None
 
 
-def add_target_args(parser: argparse.ArgumentParser) -> None:
+NUMERICS_HELP = {
+    "invariant": "invariant: each token's logits are the same bits whether it is decoded, verified or batched, so "
+    "greedy speculation equals target-only output in any dtype",
+    "plain": "plain: XLA's own numerics, faster prefill, verify and batched decoding, but bfloat16 speculation can "
+    "then change the text",
+}
+
+
+def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant", numerics_why: str = "") -> None:
+    """--target, --dtype, --numerics (default `numerics`; `numerics_why` says why a command changes it), --kernels,
+    --no-compile-cache."""
     parser.add_argument(
         "--target",
         metavar="DIR",
@@ -50,10 +60,9 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
     )
     parser.add_argument(
-        "--numerics", choices=("invariant", "plain"), default="invariant",
-        help="invariant (default): each token's logits are the same bits whether it is decoded, verified or batched, "
-        "so greedy speculation equals target-only output in any dtype; plain: XLA's own numerics, faster prefill "
-        "and verify, but bfloat16 speculation can then change the text",
+        "--numerics", choices=tuple(NUMERICS_HELP), default=numerics,
+        help="; ".join(text + (" (default)" if name == numerics else "") for name, text in NUMERICS_HELP.items())
+        + numerics_why,
     )
     parser.add_argument(
         "--kernels", choices=("auto", "pallas", "reference", "interpret"), default="auto",

@@ -121,7 +121,7 @@ def test_offline_features_train_like_online(setup):
 
     # rows of 48 tokens: most hold two or three sequences, none fits a 29-token one twice
     assert data_main(["features", "--target", str(setup / "target"), "--data", str(setup / "data"),
-                      "--seq-len", "48"]) == 0
+                      "--seq-len", "48", "--compute-dtype", "float32"]) == 0
     seqs = read_shards(setup / "data", with_features=True)
     assert seqs[0][2].shape == (len(seqs[0][0]), 3 * 64) and seqs[0][3].shape == (len(seqs[0][0]), 64)
     # packed features equal each sequence's own forward (up to bfloat16 rounding of float32 values)
@@ -142,11 +142,27 @@ def test_offline_features_train_like_online(setup):
     short = setup / "data-short-rows"
     short.mkdir()
     shutil.copy(setup / "data" / "shard-00000.npz", short)
-    assert data_main(["features", "--target", str(setup / "target"), "--data", str(short), "--seq-len", "16"]) == 0
+    assert data_main(["features", "--target", str(setup / "target"), "--data", str(short), "--seq-len", "16",
+                      "--compute-dtype", "float32"]) == 0
     for (_, _, aux, hidden), (_, _, aux2, hidden2) in zip(seqs, read_shards(short, with_features=True)):
         np.testing.assert_allclose(np.asarray(aux2, np.float32), np.asarray(aux, np.float32), rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(np.asarray(hidden2, np.float32), np.asarray(hidden, np.float32), rtol=2e-2,
                                    atol=2e-2)
+    # computed in bfloat16: each sequence's own forward by a bfloat16 copy of the target (train.precision)
+    from train.precision import computing_in
+
+    wide = setup / "data-bfloat16"
+    wide.mkdir()
+    shutil.copy(setup / "data" / "shard-00000.npz", wide)
+    assert data_main(["features", "--target", str(setup / "target"), "--data", str(wide), "--seq-len", "48",
+                      "--compute-dtype", "bfloat16"]) == 0
+    narrow = computing_in(target, jnp.bfloat16)
+    for ids, _, aux, hidden in read_shards(wide, with_features=True)[:6]:
+        want_aux, want_hidden = target_features(narrow, jnp.asarray(ids)[None])
+        np.testing.assert_allclose(np.asarray(aux, np.float32), np.asarray(want_aux[0], np.float32), rtol=2e-2,
+                                   atol=2e-2)
+        np.testing.assert_allclose(np.asarray(hidden, np.float32), np.asarray(want_hidden[0], np.float32),
+                                   rtol=2e-2, atol=2e-2)
     launch(config(setup, "online", 3))
     launch(config(setup, "offline", 3), "train.features=offline")
     online, offline = losses(setup / "online"), losses(setup / "offline")

@@ -159,6 +159,7 @@ def compute_features(args) -> None:
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.cli_common import resolve_target
     from train.packing import first_fit, layout
+    from train.precision import computing_in, resolve_compute_dtype
     from train.step import target_features
 
     shards = require_shards(args.data)
@@ -168,6 +169,14 @@ def compute_features(args) -> None:
         return
     target = load_target(resolve_target(args.target))
     target.numerics = None  # features are values for training: plain XLA numerics, no batch-invariance needed
+    cfg = target.config
+    b, t = args.batch_size, args.seq_len
+    # The features are stored in bfloat16 either way; computing them in bfloat16 (float32 sums) is what an online
+    # bfloat16 training step does, and on accelerators and AMX CPUs about twice as fast (train/precision.py).
+    compute = resolve_compute_dtype(args.compute_dtype, b * t, cfg.hidden_size, cfg.intermediate_size)
+    if jnp.dtype(compute) != target.dtype:
+        target = computing_in(target, compute)
+    print(f"computing features in {compute} (--compute-dtype {args.compute_dtype})", file=sys.stderr)
     graphdef, state = nnx.split(target)
 
     @jax.jit
@@ -175,8 +184,6 @@ def compute_features(args) -> None:
         aux, hidden = target_features(nnx.merge(graphdef, state), ids, positions, segments)
         return aux.astype(jnp.bfloat16), hidden.astype(jnp.bfloat16)
 
-    cfg = target.config
-    b, t = args.batch_size, args.seq_len
     for path in tqdm(todo, desc="features", unit="shard"):
         tokens, offsets = load_npz(path, "tokens", "offsets")
         aux_out = np.zeros((len(tokens), len(cfg.aux_layer_ids) * cfg.hidden_size), BF16)
@@ -299,7 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write self-distilled responses in resumable shards",
         description="Write the target's greedy responses to the prompts in resumable shards of --out.",
     )
-    add_target_args(g)
+    add_target_args(
+        g, numerics="plain",
+        numerics_why=". Training data needs no batch-invariance, and plain numerics generate a batch several times "
+        "faster on CPU",
+    )
     g.add_argument(
         "--prompts",
         default="train",
@@ -372,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=_count(2), default=512, metavar="T",
         help="tokens per packed row; a longer sequence runs alone in a row of the next power of two "
         "(default: %(default)s)",
+    )
+    f.add_argument(
+        "--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="dtype the target computes the features in (stored in bfloat16 either way); auto: bfloat16 on GPU/TPU "
+        "and on CPUs where a timed bfloat16 matmul is faster, as train.compute_dtype (default: %(default)s)",
     )
     return parser
 
