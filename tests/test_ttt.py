@@ -16,7 +16,7 @@ CFG = HeadConfig(
 )
 
 
-@pytest.mark.parametrize("variant", [{}, dict(norm_before_residual=True), dict(num_heads=2, num_kv_heads=2, head_dim=16)])
+@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}])
 @pytest.mark.parametrize("t", [1, 9, 16])
 def test_efficient_attention_equals_explicit_masks(variant, t):
     cfg = HeadConfig(**{**CFG.__dict__, **variant})
@@ -92,6 +92,39 @@ def test_loss_gradient_is_the_soft_cross_entropy_gradient():
     assert float(ttt_loss(logits, teacher, mask)[0]) == pytest.approx(float(textbook(logits)), rel=1e-5)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
+
+
+def test_accuracies_and_tau_match_a_direct_argmax_computation():
+    """acc_k, cond_acc_k and the simulated τ, computed in the loss from row maxima and a top_k, against argmax
+    written out; about half of the draft rows are made to agree with the teacher so that all metrics are non-trivial."""
+    rng = np.random.default_rng(5)
+    b, t, k, vd = 3, 16, 3, 24
+    teacher = rng.normal(size=(b, t, vd)).astype(np.float32)
+    logits = []
+    for step in range(k):
+        z = rng.normal(size=(b, t, vd)).astype(np.float32)
+        best = teacher[:, np.minimum(np.arange(t) + 1 + step, t - 1)].argmax(-1)  # [B, T] the teacher's token
+        agree = rng.random((b, t)) < 0.6
+        rows, cols = np.nonzero(agree)
+        z[rows, cols, best[rows, cols]] = z[rows, cols].max(-1) + 1.0
+        logits.append(z)
+    mask = rng.integers(0, 2, (b, t)).astype(np.int32)
+    _, metrics = ttt_loss([jnp.asarray(z) for z in logits], jnp.asarray(teacher), jnp.asarray(mask))
+    still = np.ones((b, t), bool)
+    tau, chain = 1.0, 1.0
+    for step in range(k):
+        at = np.arange(t) + 1 + step
+        valid = (at + 1 < t)[None] & (mask[:, np.minimum(at + 1, t - 1)] > 0)  # [B, T]
+        right = logits[step].argmax(-1) == teacher[:, np.minimum(at, t - 1)].argmax(-1)
+        reached = still & valid
+        assert float(metrics[f"acc_{step}"]) == pytest.approx((right & valid).sum() / max(valid.sum(), 1), abs=1e-6)
+        cond = (right & reached).sum() / max(reached.sum(), 1)
+        assert float(metrics[f"cond_acc_{step}"]) == pytest.approx(cond, abs=1e-6)
+        chain *= cond
+        tau += chain
+        still &= right
+    assert 0.2 < float(metrics["acc_0"]) < 0.9
+    assert float(metrics["tau"]) == pytest.approx(tau, abs=1e-5)
 
 
 def test_ttt_steps_equal_inference_drafting():
@@ -177,7 +210,7 @@ def test_packed_loss_equals_the_padded_batch():
     rng = np.random.default_rng(7)
     embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
     lengths, t, steps = (9, 11), 24, 3
-    seqs, feats, ids, f, pos, seg, mask = _packed_case(rng, lengths, t)
+    _seqs, _feats, ids, f, pos, seg, mask = _packed_case(rng, lengths, t)
     teacher = rng.normal(size=(1, t, 20)).astype(np.float32)
     next_ids = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], axis=1)
     trained = np.concatenate([trained_positions(mask[0, s : s + n], steps) + s
