@@ -108,6 +108,19 @@ def test_a_resumed_run_keeps_its_compute_dtype(setup):
     assert sorted(losses(setup / "mixed")) == [0, 1, 2, 3]
 
 
+def test_a_list_of_datasets_trains_as_one_mix(setup):
+    """data: [A, B] reads every shard of both (here the same 24 sequences twice: 48) and trains on the mix."""
+    import shutil
+
+    second = setup / "data-second"
+    if not second.exists():
+        shutil.copytree(setup / "data", second)
+    proc = launch(config(setup, "mix", 2), f"data=[{setup / 'data'}, {second}]", wait=False)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    assert "48 sequences" in err and sorted(losses(setup / "mix")) == [0, 1]
+
+
 def test_bad_override(setup, capsys):
     from train.launch import main
 

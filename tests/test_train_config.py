@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 import yaml
 
+from jaxspec.errors import JaxspecError
 from train import data as train_data
 from train import launch
-from train.config import HeadSection, MeshSection, OptimConfig, RunConfig, TrainSection, load_config
+from train.config import HeadSection, MeshSection, OptimConfig, RunConfig, TrainSection, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -156,7 +158,19 @@ def test_launch_checks_its_data_before_loading_the_target(tmp_path, capsys, monk
     (tmp_path / "empty").mkdir()
     cfg["data"] = str(tmp_path / "empty")
     assert "holds no training shards" in launch_fails(capsys, tmp_path, cfg)
+    # a list of datasets: each is checked, the missing one named
+    cfg["data"] = [str(tmp_path / "empty"), str(tmp_path / "missing")]
+    assert "holds no training shards" in launch_fails(capsys, tmp_path, cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_is_a_directory_or_a_list_of_them():
+    assert parse_config({**MINIMAL, "data": "d"}).data == "d"
+    assert parse_config({**MINIMAL, "data": ["d", "e"]}).data == ("d", "e")
+    for bad, shown in (([], "[] (a list)"), (["d", 3], "['d', 3] (a list)"), (5, "5 (an integer)")):
+        with pytest.raises(JaxspecError, match=re.escape(
+                f"data must be a string or a non-empty list (a string each), got {shown}")):
+            parse_config({**MINIMAL, "data": bad})
 
 
 def test_data_features_needs_shards(tmp_path, capsys):

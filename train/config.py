@@ -93,7 +93,8 @@ class MeshSection:
 class RunConfig:
     """A whole training run: the top level of the YAML file."""
 
-    data: str  # the dataset directory (python -m train.data generate --out)
+    # the dataset directory (python -m train.data generate --out), or a list of them trained on as one mix
+    data: str | tuple[str, ...]
     out: str  # the run directory: checkpoints, metrics, exported heads
     train: TrainSection
     target: str | None = None  # null: the built-in SmolLM2-135M-Instruct
@@ -220,6 +221,8 @@ def _expected(tp) -> str:
         return " or ".join(_expected(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a non-empty list ({_expected(typing.get_args(tp)[0])} each)"
     if dataclasses.is_dataclass(tp):
         return "a section of key: value lines"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}[tp]
@@ -236,6 +239,16 @@ def _value(tp, value, path: tuple[str, ...], where: str, field: dataclasses.Fiel
             return None
         if len(args) == 1:
             return _value(args[0], value, path, where, field, partial)
+        for arg in args:  # the first alternative the value fits (str | tuple[str, ...]: a name or a list of them)
+            try:
+                return _value(arg, value, path, where, field, partial)
+            except JaxspecError:
+                pass
+    elif origin is tuple:  # tuple[X, ...]: a YAML list of X
+        (item,) = (a for a in typing.get_args(tp) if a is not Ellipsis)
+        if isinstance(value, list) and value:
+            return tuple(_value(item, v, (*path[:-1], f"{path[-1]}[{i}]"), where, None, partial)
+                         for i, v in enumerate(value))
     elif origin is Literal:
         choices = typing.get_args(tp)
         if value in choices and type(value) is type(choices[0]):

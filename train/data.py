@@ -15,7 +15,8 @@ its loss mask is 1 on the response (positions ≥ prompt_lens[i]). Shards are wr
 then rename) and cover fixed slices of a seeded shuffle of the prompts, so a killed run resumes by skipping the
 shards that exist, and host h of n takes shards h, h+n, ... .
 
-  python -m train.data generate [--prompts train] [--exclude mt_bench gsm8k] --out DIR [--limit N] ...
+  python -m train.data prompts --out FILE.jsonl --count N [--exclude mt_bench gsm8k]   (train/self_prompts.py)
+  python -m train.data generate [--prompts train|FILE.jsonl] [--exclude mt_bench gsm8k] --out DIR [--limit N] ...
   python -m train.data features --data DIR [--target DIR]
 """
 
@@ -296,6 +297,17 @@ def _count(minimum: int):
     return parse
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxspec.cli_common import add_target_args
 
@@ -367,6 +379,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--num-hosts", type=_count(1), default=1, metavar="N", help="hosts sharing the work (default: %(default)s)"
     )
+    pr = sub.add_parser(
+        "prompts",
+        help="sample user prompts from the target's own chat template (Magpie), to generate from",
+        description="Write --count distinct user prompts that the target samples after its chat template's "
+        "user-turn header (train/self_prompts.py) to a JSONL file that generate --prompts reads; a rerun continues it.",
+    )
+    add_target_args(pr, numerics="plain", numerics_why=". Sampled prompts need no batch-invariance")
+    pr.add_argument("--out", required=True, metavar="FILE.jsonl", help="the prompts file (required; no default)")
+    pr.add_argument("--count", type=_count(1), required=True, metavar="N", help="distinct prompts to write (required; no default)")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the first round's sampling (default: %(default)s)")
+    pr.add_argument(
+        "--temperature", type=_positive_float, default=1.0, metavar="T",
+        help="sampling temperature, > 0 (default: %(default)s)",
+    )
+    pr.add_argument("--top-p", type=_positive_float, default=0.95, metavar="P",
+                    help="nucleus sampling, in (0, 1] (default: %(default)s)")
+    pr.add_argument(
+        "--max-tokens", type=_count(1), default=128, metavar="N",
+        help="longest prompt; a turn the target has not ended by then is dropped (default: %(default)s)",
+    )
+    pr.add_argument("--batch-size", type=_count(1), default=32, metavar="B",
+                    help="turns sampled per round (default: %(default)s)")
+    pr.add_argument(
+        "--exclude", nargs="*", default=[], metavar="NAME|FILE",
+        help="prompt sets or files whose prompts are dropped if sampled (default: none)",
+    )
     f = sub.add_parser(
         "features",
         help="cache the target's features per shard (offline training, small targets)",
@@ -400,7 +438,12 @@ def main(argv=None) -> int:
     def run(argv):
         args = parser.parse_args(argv)
         use_compile_cache(args)
-        (generate if args.command == "generate" else compute_features)(args)
+        if args.command == "prompts":
+            from train.self_prompts import write_prompts
+
+            write_prompts(args)
+        else:
+            (generate if args.command == "generate" else compute_features)(args)
         return 0
 
     return main_guard(run)(argv)

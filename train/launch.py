@@ -136,8 +136,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     if cfg.distributed:  # multi-host (a TPU slice, several GPU hosts): one process per host
         jax.distributed.initialize()
     # Inputs named by the config are checked before the target loads and anything is written.
-    data_dir = Path(cfg.data).expanduser()
-    require_shards(data_dir, "training shards")
+    data_dirs = [Path(d).expanduser() for d in ((cfg.data,) if isinstance(cfg.data, str) else cfg.data)]
+    for data_dir in data_dirs:
+        require_shards(data_dir, "training shards")
     if cfg.head.init_from:
         from jaxspec.checkpoints.heads import read_head_config
 
@@ -154,9 +155,12 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     target_dir = resolve_target(cfg.target)
     target = load_target(target_dir)
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
-    sequences = read_shards(data_dir, with_features=t.features == "offline")
-    if not sequences:
-        raise JaxspecError(f"the training shards in {str(data_dir)!r} hold no sequences")
+    sequences = []
+    for data_dir in data_dirs:  # several datasets are one mix: the packing shuffles them together
+        found = read_shards(data_dir, with_features=t.features == "offline")
+        if not found:
+            raise JaxspecError(f"the training shards in {str(data_dir)!r} hold no sequences")
+        sequences += found
     # The draft vocabulary comes from all but every 20th sequence; its coverage of those held out says how often
     # a target token cannot be drafted at all (a cap on acceptance). Prompt tokens too rank the tokens responses
     # never used (a small dataset leaves many such ties).

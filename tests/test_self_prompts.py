@@ -1,0 +1,110 @@
+"""Prompts written by the target itself (train/self_prompts.py, `python -m train.data prompts`)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hf_tiny import write_char_tokenizer
+
+from jaxspec.errors import JaxspecError
+from jaxspec.prompts import read_prompts_file
+from train.self_prompts import read_written, sample_prompts, user_turn_prefix
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_prefix_is_the_template_up_to_the_users_message(tmp_path):
+    import transformers
+
+    write_char_tokenizer(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}[sys]be kind[/sys]{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}[end]{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    prefix = user_turn_prefix(tok)
+    assert tok.decode(prefix) == "[sys]be kind[/sys][user]"
+    tok.chat_template = None
+    with pytest.raises(JaxspecError, match="no chat template"):
+        user_turn_prefix(tok)
+
+
+@dataclass
+class Done:
+    token_ids: list[int]
+    finished_by_eos: bool
+
+
+class Scripted:
+    """Stands in for the target's Generator: each round (seed) returns the scripted turns, as token ids."""
+
+    batch_size = 4
+
+    def __init__(self, rounds):
+        self.rounds, self.seeds = rounds, []
+
+    def generate(self, prompts, *, max_new_tokens, sampling, stop_ids, seed):
+        assert len(prompts) == self.batch_size and sampling.temperature > 0
+        self.seeds.append(seed)
+        return [Done([ord(c) for c in text], finished) for text, finished in self.rounds[seed - 10]]
+
+
+def decode(ids):
+    return "".join(map(chr, ids))
+
+
+def test_sampling_keeps_distinct_finished_turns_and_resumes():
+    from jaxspec.sampling import SamplingConfig
+
+    rounds = [
+        [("What is rain?", True), ("  ", True), ("Cut mid-sent", False), ("Banned one", True)],
+        [("What is rain?", True), ("Write a poem.", True), ("Plan a trip.", True), ("Sort a list.", True)],
+        [("Name a bird.", True), ("Name a fish.", True), ("x", True), ("y", True)],
+    ]
+    kw = {"seed": 10, "sampling": SamplingConfig(temperature=1.0), "max_tokens": 8, "exclude": {"Banned one"}}
+    written = []
+    gen = Scripted(rounds)
+    rows = sample_prompts(gen, [1, 2], decode, [0], count=3, on_round=written.extend, **kw)
+    # round 0 keeps one (empty, unfinished, excluded dropped); round 1 adds two, its repeat of round 0 dropped
+    assert [r["prompt"] for r in rows] == ["What is rain?", "Write a poem.", "Plan a trip."]
+    assert [r["round"] for r in rows] == [0, 1, 1] and gen.seeds == [10, 11]  # seed + round
+    assert written == rows and len({r["id"] for r in rows}) == 3
+    # a rerun with a larger count continues after the last round written, keeping what exists
+    gen = Scripted(rounds)
+    more = sample_prompts(gen, [1, 2], decode, [0], count=5, written=rows, **kw)
+    assert more[:3] == rows and [r["prompt"] for r in more[3:]] == ["Name a bird.", "Name a fish."]
+    assert gen.seeds == [12]
+    with pytest.raises(JaxspecError, match="only 1 of 5 distinct prompts after 1 rounds"):
+        sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=5, max_rounds=1, **kw)
+
+
+def test_a_foreign_file_is_refused(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    with pytest.raises(JaxspecError, match="is not a row of `train.data prompts`"):
+        read_written(bad)
+
+
+@pytest.mark.smollm2
+def test_the_builtin_target_writes_prompts_that_generate_reads(tmp_path):
+    """End to end on SmolLM2-135M-Instruct: the CLI writes distinct chat prompts, generate's reader takes the file,
+    and a rerun with a larger count continues it."""
+    out = tmp_path / "self.jsonl"
+
+    def run(count):
+        cmd = [sys.executable, "-m", "train.data", "prompts", "--out", str(out), "--count", str(count),
+               "--batch-size", "4", "--max-tokens", "48", "--exclude", "mt_bench"]
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+
+    run(2)
+    first = read_prompts_file(out)
+    assert len(first) == 2 and len({text for _, text in first}) == 2
+    assert all(text.strip() and "<|im_" not in text for _, text in first)
+    run(3)
+    again = read_prompts_file(out)
+    assert again[:2] == first and len(again) == 3 and len({text for _, text in again}) == 3
