@@ -37,11 +37,18 @@ from jaxspec.errors import JaxspecError
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def excluded_prompts(exclude: list[str | Path]) -> set[str]:
+    """The prompt texts (stripped) of the `exclude` prompt sets or files: what training data must not contain."""
+    from jaxspec.prompts import prompt_set_path, read_prompts_file
+
+    return {text.strip() for f in exclude for _, text in read_prompts_file(prompt_set_path(f))}
+
+
 def load_prompts(path: str | Path, seed: int, exclude: list[str | Path] = ()) -> list[tuple[str, str]]:
     """(id, prompt) pairs in a seeded shuffle (sources mixed), minus any prompt text found in `exclude` files."""
     from jaxspec.prompts import prompt_set_path, read_prompts_file
 
-    banned = {text.strip() for f in exclude for _, text in read_prompts_file(prompt_set_path(f))}
+    banned = excluded_prompts(exclude)
     prompts = [(pid, text) for pid, text in read_prompts_file(prompt_set_path(path)) if text.strip() not in banned]
     order = np.random.default_rng(seed).permutation(len(prompts))
     return [prompts[i] for i in order]
@@ -438,12 +445,9 @@ def main(argv=None) -> int:
     def run(argv):
         args = parser.parse_args(argv)
         use_compile_cache(args)
-        if args.command == "prompts":
-            from train.self_prompts import write_prompts
+        from train.self_prompts import write_prompts  # it reads this module: imported when a command runs
 
-            write_prompts(args)
-        else:
-            (generate if args.command == "generate" else compute_features)(args)
+        {"generate": generate, "features": compute_features, "prompts": write_prompts}[args.command](args)
         return 0
 
     return main_guard(run)(argv)

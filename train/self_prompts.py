@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
@@ -110,16 +111,17 @@ def write_prompts(args) -> None:
     from jaxspec.cli_common import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.generation import Generator
-    from jaxspec.prompts import prompt_set_path, read_prompts_file, stop_token_ids
+    from jaxspec.prompts import stop_token_ids
     from jaxspec.sampling import SamplingConfig
+    from train.data import excluded_prompts
 
     out = Path(args.out)
     if out.exists() and not out.is_file():
         raise JaxspecError(f"--out {str(out)!r} exists and is not a file")
-    exclude = {text.strip() for f in args.exclude for _, text in read_prompts_file(prompt_set_path(f))}
+    exclude = excluded_prompts(args.exclude)
     written = read_written(out)
     if len(written) >= args.count:
-        print(f"{out} already holds {len(written)} prompts", flush=True)
+        print(f"{out} already holds {len(written)} prompts", file=sys.stderr)
         return
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
     target_dir = resolve_target(args.target)
