@@ -10,6 +10,7 @@ from jaxspec.spec.auto_config import (
     StepCalibration,
     StepCosts,
     choose_chain,
+    drafting_could_win,
     expected_tokens,
     step_seconds,
 )
@@ -49,6 +50,19 @@ def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_specul
     strong = AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), 1000)
     assert choose_chain(CPU, strong).num_draft >= 3
     assert choose_chain(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
+
+
+def test_a_probe_is_worth_running_only_while_the_counts_leave_drafting_a_chance():
+    # one draft pays above a first-draft rate of 0.6 here: (1 + r) / (15 ms + 1 ms) > 1 / 10 ms
+    costs = StepCosts(decode=0.01, verify=(0.0, 0.015), draft=0.001)
+    assert drafting_could_win(costs, AcceptanceProfile((), 0))  # nothing observed: the head may draft perfectly
+    assert not drafting_could_win(costs, AcceptanceProfile((0.1,), 100))  # 0.1 + 2 * 0.05 = 0.2 < 0.6
+    assert drafting_could_win(costs, AcceptanceProfile((0.55,), 100))  # 0.55 + 0.1 = 0.65: a chance left
+    assert not drafting_could_win(costs, AcceptanceProfile((0.55,), 10_000))  # 0.55 + 0.01: more counts, none
+    assert drafting_could_win(costs, AcceptanceProfile((0.55,), 10_000), z=12.0)  # 0.55 + 12 * 0.005
+    # a verify dearer than two decodes: even a head that is always right loses, so no probe ever pays
+    dear = StepCosts(decode=0.01, verify=(0.0, 0.025), draft=0.001)
+    assert not drafting_could_win(dear, AcceptanceProfile((), 0))
 
 
 def test_calibration_scales_each_choice_by_what_its_steps_took():

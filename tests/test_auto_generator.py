@@ -14,6 +14,8 @@ from jaxspec.spec.auto_generator import FIRST_CHAIN, AutoSpeculativeGenerator, c
 MAX_NEW = 12
 CHEAP_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + (0.0101,) * 4, draft=0.0001)  # any acceptance pays
 DEAR_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + tuple(0.01 * (1 + k) for k in range(1, 5)), draft=0.001)
+# one draft pays above a first-draft rate of 0.6: (1 + r) / (15 ms + 1 ms) > 1 / 10 ms
+MID_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + tuple(0.01 + 0.005 * k for k in range(1, 5)), draft=0.001)
 
 
 def _auto(prior, costs: StepCosts | None, batch_size: int = 1) -> AutoSpeculativeGenerator:
@@ -112,7 +114,7 @@ def test_running_acceptance_pools_chains_of_different_lengths():
 def test_while_target_only_is_chosen_a_probe_batch_keeps_measuring(target_only):
     from jaxspec.spec.auto_generator import PROBE_EVERY
 
-    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), DEAR_VERIFY)
+    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), MID_VERIFY)
     prompts = (PROMPTS * PROBE_EVERY)[:PROBE_EVERY]
     out = gen.generate(prompts, max_new_tokens=MAX_NEW)
     assert [c.token_ids for c in out] == (target_only * PROBE_EVERY)[:PROBE_EVERY]
@@ -120,6 +122,27 @@ def test_while_target_only_is_chosen_a_probe_batch_keeps_measuring(target_only):
     probe = out[-1].stats
     assert probe["auto"]["basis"] == "probe" and probe["auto"]["num_speculative_tokens"] == 1
     assert probe["auto"]["running_verify_steps"] == probe["verify_calls"] > 0
+
+
+@pytest.mark.parametrize(
+    "costs, observed, probes",
+    [
+        (MID_VERIFY, None, 1),  # nothing observed yet: the head may draft well on these prompts
+        (MID_VERIFY, (55, 100), 1),  # 0.55 of first drafts over 100 steps: 0.6 is within reach
+        (MID_VERIFY, (10, 100), 0),  # 0.1 over 100 steps: one draft cannot pay, the probe would only cost
+        (DEAR_VERIFY, None, 0),  # a verify of 2 tokens costs two decodes: no acceptance pays
+    ],
+)
+def test_a_probe_runs_only_where_it_could_change_the_choice(costs, observed, probes, target_only):
+    from jaxspec.spec.auto_generator import PROBE_EVERY
+
+    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), costs)
+    if observed is not None:  # what earlier probes counted (first-draft acceptances, verify steps)
+        gen.running.add([observed[0]], observed[1])
+    prompts = (PROMPTS * PROBE_EVERY)[:PROBE_EVERY]
+    out = gen.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == (target_only * PROBE_EVERY)[:PROBE_EVERY]
+    assert chosen(out, 1) == ({0: PROBE_EVERY - 1, 1: 1} if probes else {0: PROBE_EVERY})
 
 
 def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_only):

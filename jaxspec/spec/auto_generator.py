@@ -33,6 +33,7 @@ from jaxspec.spec.auto_config import (
     StepCalibration,
     StepCosts,
     choose_chain,
+    drafting_could_win,
     expected_tokens,
     step_seconds,
 )
@@ -41,7 +42,8 @@ from jaxspec.spec.step_costs import measure_step_costs
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
-PROBE_EVERY = 8  # while target-only is chosen, its 8th, 16th, 32nd, .. batch drafts one token to keep measuring
+PROBE_EVERY = 8  # while target-only is chosen, its 8th, 16th, 32nd, .. batch drafts one token to keep measuring,
+# unless the counts so far rule drafting out (`auto_config.drafting_could_win`)
 
 
 class AutoSpeculativeGenerator(Generator):
@@ -50,7 +52,9 @@ class AutoSpeculativeGenerator(Generator):
     record, or None) pooled with the counts observed so far. The choice made for each batch is in its completions'
     `stats["auto"]`, with the running acceptance after it. While target-only is the choice nothing is observed, so
     its PROBE_EVERY-th batch, then the 2×, 4×, .. PROBE_EVERY-th, drafts one token (basis "probe"): a head that does
-    better on these prompts than its record says gets chosen, and one that does not costs less and less."""
+    better on these prompts than its record says gets chosen, and one that does not costs less and less. A probe is
+    skipped where it cannot change the choice: when one draft could not beat target-only even at a first-draft rate
+    of 1.0, or at the optimistic end of the rate the probes so far observed (`auto_config.drafting_could_win`)."""
 
     def __init__(
         self,
@@ -125,11 +129,16 @@ class AutoSpeculativeGenerator(Generator):
             return Choice(k, 0.0, 0.0, ()), "first batch"
         observed = self.running.profile().verify_steps > 0
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
-        choice = choose_chain(self.calibration.calibrated(self.costs(capacity)), profile, self.depth)
-        if choice.num_draft == 0:  # counts come only from speculating: the PROBE_EVERY-th target-only batch, then
-            self._target_only_batches += 1  # the 2×, 4×, .. one drafts one token, so the choice follows the prompts
-            n = self._target_only_batches  # (a probe costs a little when target-only is right: fewer and fewer)
-            if n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0:
+        costs = self.calibration.calibrated(self.costs(capacity))
+        choice = choose_chain(costs, profile, self.depth)
+        if choice.num_draft == 0:
+            # Counts come only from speculating: the PROBE_EVERY-th target-only batch, then the 2×, 4×, .. one
+            # drafts one token, so that the choice follows the prompts; fewer and fewer, since a probe costs where
+            # target-only is right, and none once the counts rule drafting out.
+            self._target_only_batches += 1
+            n = self._target_only_batches
+            due = n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0
+            if due and drafting_could_win(costs, self.running.profile()):
                 choice, basis = _with_draft(choice, 1, profile), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
             k = int(multihost_utils.broadcast_one_to_all(np.int32(choice.num_draft)))
