@@ -56,9 +56,9 @@ def load_prompts(path: str | Path, seed: int, exclude: list[str | Path] = ()) ->
 
 def check_shard_prompts(out: Path, prompts: list[tuple[str, str]], shard_size: int) -> None:
     """Each shard already in `out` must hold the prompts this run assigns to it (a smaller --limit may leave more in
-    the last one). Why: a resumed run skips the shards
-    that exist, so a prompts file that grew (a rerun of `train.data prompts`) or another --exclude would shuffle other
-    prompts into them, and the dataset would silently repeat some prompts and miss others."""
+    the last one). Why: a resumed run skips the shards that exist, so a prompts file that grew (a rerun of
+    `train.data prompts`) or another --exclude would shuffle other prompts into them, and the dataset would silently
+    repeat some prompts and miss others."""
     for i in range(-(-len(prompts) // shard_size)):
         path = shard_path(out, i)
         if not path.exists():
@@ -68,8 +68,8 @@ def check_shard_prompts(out: Path, prompts: list[tuple[str, str]], shard_size: i
         expected = [pid for pid, _ in prompts[i * shard_size : (i + 1) * shard_size]]
         if held[: len(expected)] != expected:  # a last shard written under a larger --limit may hold more
             raise JaxspecError(
-                f"{path} holds other prompts than --prompts, --exclude, --seed and --limit now assign to it (the prompts "
-                "changed since it was written); use a new --out"
+                f"{path} holds other prompts than --prompts, --exclude, --seed and --limit now assign to it "
+                "(the prompts changed since it was written); use a new --out"
             )
 
 
@@ -280,10 +280,10 @@ def generate(args) -> None:
             raise JaxspecError(
                 f"{out} was generated with other settings ({', '.join(sorted(changed))}); use a new --out"
             )
+    check_shard_prompts(out, prompts, args.shard_size)  # before meta.json is rewritten
     meta_file.write_text(json.dumps(meta, indent=2))
 
     num_shards = -(-len(prompts) // args.shard_size)
-    check_shard_prompts(out, prompts, args.shard_size)
     mine = [i for i in range(num_shards) if i % args.num_hosts == args.host_index and not shard_path(out, i).exists()]
     if not mine:
         print(f"all {num_shards} shards exist in {out}", file=sys.stderr)
