@@ -26,7 +26,7 @@ import sys
 import time
 
 from jaxspec.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
-from jaxspec.bench_suite import auto_line, identical, measure, rejection_table, speculative_row
+from jaxspec.bench_suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
 from jaxspec.cli_common import (
     AUTO,
     add_draft_args,
@@ -235,8 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
+    # Every method runs in one interleaved pass (`measure_interleaved`): batch by batch, in rotating order, so that
+    # the machine's drift over minutes does not read as a speed-up or a slow-down.
     gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
-    completions, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label="target-only")
+    methods = []  # (name, generator, depth, draft path or proposer name, tree)
+    if head is not None:
+        for tree in [None, *args.tree]:
+            spec = speculative_generator(
+                model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
+                kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
+            )
+            methods.append((method_name(args.num_speculative_tokens, tree, args.accept_prob), spec, spec.num_draft,
+                            str(draft), tree))
+    if ngram is not None:
+        spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
+        methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
+    label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
+    measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
+    completions, tokens, seconds = measured[0]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     bandwidth = measure_bandwidth_gbs()
     result = {
@@ -247,31 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size,
+        "timing": "interleaved: each batch of prompts runs every method in turn, the order rotated by one each batch",
         "jaxspec": {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)},
         "roofline": weights_roofline(weight_bytes, args.batch_size, bandwidth),
         "memory": {"target-only": gen.memory.as_dict()},
     }
-    if head is not None:
-        result["speculative"] = []
-        for tree in [None, *args.tree]:
-            spec = speculative_generator(
-                model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
-                kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
-            )
-            method = method_name(args.num_speculative_tokens, tree, args.accept_prob)
-            measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
-            row = speculative_row(*measured, spec.num_draft, completions, tokens / seconds)
-            if tree is not None or method != "auto":  # automatic speculation records its own step costs
-                verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
-                row.update(component_timings(model, head, verified - 1, args.batch_size))
-            result["speculative"].append({"method": method, "draft": str(draft), **row})
-            result["memory"][method] = spec.memory.as_dict()
-    if ngram is not None:
-        spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
-        method = method_name(ngram.num_draft, None, proposer=ngram)
-        measured = measure(spec, encoded, args.max_new_tokens, stops, label=method)
-        row = speculative_row(*measured, ngram.depth, completions, tokens / seconds)
-        result["speculative"] = [{"method": method, "draft": ngram.name, **row}]
+    for (method, spec, depth, source, tree), m in zip(methods, measured[1:]):
+        row = speculative_row(*m, depth, completions, tokens / seconds)
+        if head is not None and source == str(draft) and (tree is not None or method != "auto"):
+            # automatic speculation records its own step costs
+            verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
+            row.update(component_timings(model, head, verified - 1, args.batch_size))
+        result.setdefault("speculative", []).append({"method": method, "draft": source, **row})
         result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:
         result["numerics_cost"] = numerics_cost(args, model, head, draft, encoded, stops, mesh, result)

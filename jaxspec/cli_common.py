@@ -225,7 +225,10 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
 
         record = head_record(read_head_config(draft))[1]
         prior = profile_from_record(check_acceptance(record) if record else None)  # a bad record: one-line error
-        return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels)
+        from jaxspec.spec.step_cost_store import default_store
+
+        return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels,
+                                        store=default_store())
     return SpeculativeGenerator(
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
         kernels=kernels, forced_accept_prob=forced_accept_prob,

@@ -6,6 +6,7 @@ from pathlib import Path
 # Simulate 8 devices on CPU for sharding tests; must happen before JAX initializes its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")  # hermetic tests; tests/test_compile_cache.py turns it on
+os.environ.setdefault("JAXSPEC_STEP_COSTS", "off")  # hermetic tests: every process times its own step costs
 sys.path.insert(0, str(Path(__file__).parent))
 
 import jax

@@ -1,8 +1,8 @@
 """Speculation configured per batch (`--num-speculative-tokens auto`): before each batch, the chain length — or
 target-only — with the most expected tokens per second on this machine (`auto_config.choose_chain`).
 
-The inputs are measured, not guessed: the step costs are timed once per process and cache bucket on the real
-forwards (`step_costs.measure_step_costs`) and then scaled by what each batch's steps really took
+The inputs are measured, not guessed: the step costs are timed once per machine and cache bucket on the real
+forwards (`step_costs.measure_step_costs`; kept on disk by `step_cost_store` for later processes) and then scaled by what each batch's steps really took
 (`auto_config.StepCalibration`), and the acceptance profile is the head's recorded one
 (`auto_config.profile_from_record`) refined with the counts of every batch generated so far. A head without a
 record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
@@ -38,6 +38,7 @@ from jaxspec.spec.auto_config import (
     step_seconds,
 )
 from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
+from jaxspec.spec.step_cost_store import StepCostStore, cost_key
 from jaxspec.spec.step_costs import measure_step_costs
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
@@ -66,6 +67,7 @@ class AutoSpeculativeGenerator(Generator):
         batch_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         kernels: str | None = None,
+        store: StepCostStore | None = None,
     ):
         if max_draft < 1:
             raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
@@ -81,6 +83,7 @@ class AutoSpeculativeGenerator(Generator):
         self.running = RunningAcceptance()
         self.calibration = StepCalibration()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
+        self.store = store  # timed costs of earlier processes (None: time every bucket in this process)
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._generators: dict[int, Generator] = {}  # chain length (0: target-only) → its generator
         self._target_only_batches = 0
@@ -102,8 +105,18 @@ class AutoSpeculativeGenerator(Generator):
         return self.running.profile() if self.prior is None else self.running.pooled_with(self.prior)
 
     def costs(self, capacity: int) -> StepCosts:
-        """Step costs at this batch size and cache capacity, timed on first use."""
+        """Step costs at this batch size and cache capacity: from the store if this machine timed them before,
+        else timed now (and stored)."""
         if capacity not in self.step_costs:
+            # Multi-host, every process times (the timed forwards are collectives, and the processes' disks may
+            # hold different stores); process 0's timings decide (`choose`).
+            store = self.store if jax.process_count() == 1 else None
+            key, what = cost_key(self.model, self.head, self.batch_size, capacity, self.depth, self.mesh)
+            stored = store.get(key) if store is not None else None
+            if stored is not None and stored.max_draft == self.depth:
+                self.step_costs[capacity] = stored
+                self._report(capacity, f"step costs (batch {self.batch_size}, cache {capacity}) timed earlier")
+                return stored
             if self.on_compile is not None:
                 self.on_compile(f"timing decode, verify and draft steps (batch {self.batch_size}, cache {capacity})...")
             start = time.perf_counter()
@@ -112,13 +125,18 @@ class AutoSpeculativeGenerator(Generator):
                     self.model, self.head, self.batch_size, capacity, self.depth
                 )
             self.timing_seconds += time.perf_counter() - start
-            if self.on_compile is not None:
-                c = self.step_costs[capacity]
-                self.on_compile(
-                    f"timed in {time.perf_counter() - start:.1f}s: decode {c.decode * 1e3:.1f} ms, verify of "
-                    f"{self.depth + 1} tokens {c.verify[-1] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms"
-                )
+            if store is not None:
+                store.put(key, self.step_costs[capacity], what)
+            self._report(capacity, f"timed in {time.perf_counter() - start:.1f}s")
         return self.step_costs[capacity]
+
+    def _report(self, capacity: int, how: str) -> None:
+        if self.on_compile is not None:
+            c = self.step_costs[capacity]
+            self.on_compile(
+                f"{how}: decode {c.decode * 1e3:.1f} ms, verify of {self.depth + 1} tokens "
+                f"{c.verify[-1] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms"
+            )
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
         """(the choice for a batch at this capacity, what it rests on: prior, observed, prior+observed, or first

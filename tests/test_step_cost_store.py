@@ -1,0 +1,82 @@
+"""Step costs kept on disk (`step_cost_store`): a second process reads what the first timed, keys separate shapes
+and models, a damaged file is a cache miss, and `auto` skips the timing when the store has the shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from spec_fixtures import PROMPTS, fitted_head, tiny_target
+
+from jaxspec.spec import auto_generator
+from jaxspec.spec.auto_config import AcceptanceProfile, StepCosts
+from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
+from jaxspec.spec.step_cost_store import STORE_ENV, StepCostStore, cost_key, default_store
+
+COSTS = StepCosts(decode=0.03, verify=(0.0, 0.04, 0.05), draft=0.002)
+PRIOR = AcceptanceProfile((0.5, 0.3), 100)
+
+
+def test_put_then_get_round_trips_and_other_keys_miss(tmp_path):
+    store = StepCostStore(tmp_path / "sub" / "costs.json")
+    assert store.get("a") is None  # no file yet
+    store.put("a", COSTS, {"batch": 1})
+    store.put("b", StepCosts(0.1, (0.0, 0.2), 0.0), {"batch": 2})
+    assert StepCostStore(store.path).get("a") == COSTS  # another reader of the same file
+    assert store.get("b") == StepCosts(0.1, (0.0, 0.2), 0.0) and store.get("c") is None
+    entry = json.loads(store.path.read_text())["a"]
+    assert entry["what"] == {"batch": 1} and entry["timed"]
+    assert not list(store.path.parent.glob("*.tmp"))  # written through a renamed temporary file
+
+
+NEGATIVE = '{"a": {"decode": -1.0, "verify": [0.0, 1.0], "draft": 0.0}}'
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"a": {"decode": "x"}}', NEGATIVE])
+def test_a_damaged_file_or_entry_is_a_miss_and_is_overwritten(tmp_path, text):
+    store = StepCostStore(tmp_path / "costs.json")
+    store.path.write_text(text)
+    assert store.get("a") is None
+    store.put("a", COSTS, {})
+    assert store.get("a") == COSTS
+
+
+def test_the_key_changes_with_shape_and_model_only():
+    model, head = tiny_target(), fitted_head()
+    key = cost_key(model, head, 1, 256, 4, None)[0]
+    assert cost_key(model, head, 1, 256, 4, None)[0] == key
+    others = {cost_key(model, head, 2, 256, 4, None)[0], cost_key(model, head, 1, 512, 4, None)[0],
+              cost_key(model, head, 1, 256, 3, None)[0], cost_key(tiny_target(context=1024), head, 1, 256, 4, None)[0]}
+    assert key not in others and len(others) == 4
+
+
+def test_default_store_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(STORE_ENV, "off")
+    assert default_store() is None
+    monkeypatch.setenv(STORE_ENV, str(tmp_path / "c.json"))
+    assert default_store() == StepCostStore(tmp_path / "c.json")
+    monkeypatch.delenv(STORE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_store() == StepCostStore(tmp_path / "jaxspec" / "step-costs.json")
+
+
+def test_a_second_generator_reads_the_costs_the_first_timed(tmp_path, monkeypatch):
+    timed = []
+    real = auto_generator.measure_step_costs
+    monkeypatch.setattr(auto_generator, "measure_step_costs", lambda *a: timed.append(a[2:]) or real(*a))
+    store = StepCostStore(tmp_path / "costs.json")
+    model, head = tiny_target(), fitted_head()
+
+    first = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store)
+    out1 = first.generate(PROMPTS[:2], max_new_tokens=8)
+    buckets = len(first.step_costs)  # one timing per cache bucket the prompts fall in
+    assert len(timed) == buckets and first.timing_seconds > 0
+    second = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store)
+    out2 = second.generate(PROMPTS[:2], max_new_tokens=8)
+    assert len(timed) == buckets and second.timing_seconds == 0  # read, not timed again
+    assert second.step_costs == first.step_costs
+    assert [c.token_ids for c in out2] == [c.token_ids for c in out1]
+
+    other_batch = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store, batch_size=2)
+    other_batch.generate(PROMPTS[:2], max_new_tokens=8)
+    assert len(timed) > buckets and all(batch == 2 for batch, _, _ in timed[buckets:])  # another shape: timed
