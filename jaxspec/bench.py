@@ -31,6 +31,7 @@ from jaxspec.cli_common import (
     AUTO,
     add_draft_args,
     add_mesh_args,
+    add_step_cost_args,
     add_target_args,
     check_generation_args,
     head_aux_layer_ids,
@@ -47,6 +48,7 @@ from jaxspec.cli_common import (
     resolve_target,
     run_program,
     speculative_generator,
+    step_cost_store,
     use_compile_cache,
 )
 from jaxspec.config import MAX_DRAFT_DEPTH
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 3)[3],
     )
     add_target_args(parser)
+    add_step_cost_args(parser)
     add_draft_args(parser)
     add_mesh_args(parser)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree in [None, *args.tree]:
             spec = speculative_generator(
                 model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
-                kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
+                kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
             )
             methods.append((method_name(args.num_speculative_tokens, tree, args.accept_prob), spec, spec.num_draft,
                             str(draft), tree))
@@ -315,7 +318,7 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
                 gen = speculative_generator(
                     model, head, draft, args.num_speculative_tokens, tree,
                     batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args),
-                    forced_accept_prob=args.accept_prob,
+                    forced_accept_prob=args.accept_prob, store=step_cost_store(args),
                 )
             out, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label=f"{method} ({other})")
             tps = {args.numerics: first["tokens_per_second"], other: round(tokens / seconds, 2)}
@@ -420,7 +423,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
             else:
                 name = method_name(num_draft, tree, args.accept_prob)
                 spec = speculative_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
-                                             kernels=kernels_impl(args), forced_accept_prob=args.accept_prob)
+                                             kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
+                                             store=step_cost_store(args))
                 depth = spec.num_draft
             bar.set_postfix_str(f"batch {b} {name}")
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")

@@ -79,6 +79,23 @@ def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant"
     )
 
 
+def add_step_cost_args(parser: argparse.ArgumentParser) -> None:
+    """--no-stored-step-costs (generate and bench: the commands that run automatic speculation)."""
+    parser.add_argument(
+        "--no-stored-step-costs", action="store_true",
+        help="automatic speculation (--num-speculative-tokens auto) times its step costs in this run and keeps "
+        "nothing (default: costs and their calibration are kept per machine and shape in "
+        "$XDG_CACHE_HOME/jaxspec/step-costs.json, or JAXSPEC_STEP_COSTS=FILE|off, so that later runs skip the timing)",
+    )
+
+
+def step_cost_store(args):
+    """The store of timed step costs for automatic speculation (`jaxspec.spec.step_cost_store`), or None."""
+    from jaxspec.spec.step_cost_store import default_store
+
+    return None if getattr(args, "no_stored_step_costs", False) else default_store()
+
+
 COMPILE_CACHE_ENV = "JAXSPEC_COMPILE_CACHE"
 COMPILE_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this
 
@@ -212,9 +229,10 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
 
 
 def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
-                          kernels: str | None = None, forced_accept_prob: float | None = None):
+                          kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
     """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length
-    chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any)."""
+    chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any), with step costs
+    from `store` (`step_cost_store`; None: timed in this process)."""
     from jaxspec.spec.generator import SpeculativeGenerator
 
     if tree is None and num_draft == AUTO:
@@ -225,10 +243,8 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
 
         record = head_record(read_head_config(draft))[1]
         prior = profile_from_record(check_acceptance(record) if record else None)  # a bad record: one-line error
-        from jaxspec.spec.step_cost_store import default_store
-
         return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels,
-                                        store=default_store())
+                                        store=store)
     return SpeculativeGenerator(
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
         kernels=kernels, forced_accept_prob=forced_accept_prob,

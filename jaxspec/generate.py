@@ -15,6 +15,7 @@ import sys
 from jaxspec.cli_common import (
     add_draft_args,
     add_mesh_args,
+    add_step_cost_args,
     add_target_args,
     check_generation_args,
     head_aux_layer_ids,
@@ -30,6 +31,7 @@ from jaxspec.cli_common import (
     resolve_target,
     run_program,
     speculative_generator,
+    step_cost_store,
     use_compile_cache,
 )
 
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2],
     )
     add_target_args(parser)
+    add_step_cost_args(parser)
     add_draft_args(parser)
     add_mesh_args(parser)
     parser.add_argument(
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         generator = speculative_generator(
             model, head, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,
-            kernels=kernels,
+            kernels=kernels, store=step_cost_store(args),
         )
     else:  # target-only, or drafts by prompt lookup
         generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)

@@ -1,5 +1,6 @@
-"""Step costs kept on disk (`step_cost_store`): a second process reads what the first timed, keys separate shapes
-and models, a damaged file is a cache miss, and `auto` skips the timing when the store has the shape."""
+"""Step costs kept on disk (`step_cost_store`): a second process reads what the first timed and calibrated, keys
+separate shapes and models, a damaged file is a cache miss, and `auto` skips the timing when the store has the
+shape."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
 from jaxspec.spec import auto_generator
-from jaxspec.spec.auto_config import AcceptanceProfile, StepCosts
+from jaxspec.spec.auto_config import AcceptanceProfile, StepCalibration, StepCosts
 from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
-from jaxspec.spec.step_cost_store import STORE_ENV, StepCostStore, cost_key, default_store
+from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, STORE_ENV, StepCostStore, cost_key, default_store
 
 COSTS = StepCosts(decode=0.03, verify=(0.0, 0.04, 0.05), draft=0.002)
 PRIOR = AcceptanceProfile((0.5, 0.3), 100)
@@ -80,3 +81,39 @@ def test_a_second_generator_reads_the_costs_the_first_timed(tmp_path, monkeypatc
     other_batch = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store, batch_size=2)
     other_batch.generate(PROMPTS[:2], max_new_tokens=8)
     assert len(timed) > buckets and all(batch == 2 for batch, _, _ in timed[buckets:])  # another shape: timed
+
+
+def test_calibration_round_trips_and_a_bad_entry_is_a_miss(tmp_path):
+    store = StepCostStore(tmp_path / "costs.json")
+    cal = StepCalibration({0: 3.0, 1: 2.0}, {0: 4.0, 1: 1.5})
+    store.put_calibration("c", cal, {})
+    assert store.get_calibration("c") == cal and store.get_calibration("d") is None
+    store.put("a", COSTS, {})  # another entry beside it
+    assert store.get_calibration("c") == cal and store.get("a") == COSTS
+    for bad in ({"measured": {"0": 1.0}}, {"measured": {"0": 1.0}, "predicted": {"1": 1.0}},
+                {"measured": {"0": 0.0}, "predicted": {"0": 1.0}}, {"measured": [1.0], "predicted": [1.0]}):
+        store.path.write_text(json.dumps({"bad": bad}))
+        assert store.get_calibration("bad") is None
+
+
+def test_a_stored_calibration_weighs_a_bounded_number_of_seconds():
+    cal = StepCalibration({0: 90.0, 1: 30.0}, {0: 100.0, 1: 20.0})
+    light = cal.weighing_at_most(CALIBRATION_SECONDS)
+    assert sum(light.measured.values()) == pytest.approx(CALIBRATION_SECONDS)
+    assert light.as_dict() == cal.as_dict()  # ratios unchanged
+    small = StepCalibration({0: 1.0}, {0: 2.0})
+    assert small.weighing_at_most(CALIBRATION_SECONDS) == small  # already lighter
+    assert StepCalibration().weighing_at_most(CALIBRATION_SECONDS) == StepCalibration()
+
+
+def test_a_second_generator_starts_from_the_first_ones_calibration(tmp_path):
+    store = StepCostStore(tmp_path / "costs.json")
+    model, head = tiny_target(), fitted_head()
+    first = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store)
+    first.generate(PROMPTS[:3], max_new_tokens=8)
+    assert first.calibration.measured  # every batch calibrates
+    second = AutoSpeculativeGenerator(model, head, prior=PRIOR, store=store)
+    assert second.calibration.as_dict() == first.calibration.as_dict()
+    assert sum(second.calibration.measured.values()) <= CALIBRATION_SECONDS + 1e-9
+    unstored = AutoSpeculativeGenerator(model, head, prior=PRIOR)
+    assert unstored.calibration == StepCalibration()

@@ -142,6 +142,15 @@ class StepCalibration:
     def as_dict(self) -> dict[int, float]:
         return {k: round(self.ratio(k), 4) for k in sorted(self.measured)}
 
+    def weighing_at_most(self, seconds: float) -> StepCalibration:
+        """A copy with every sum scaled by one factor (the ratios unchanged) so that the measured steps weigh at most
+        `seconds`: a history from earlier processes (`step_cost_store`) that this process's batches soon outweigh
+        where the machine has changed since."""
+        total = sum(self.measured.values())
+        scale = min(1.0, seconds / total) if total > 0 else 1.0
+        return StepCalibration({k: v * scale for k, v in self.measured.items()},
+                               {k: v * scale for k, v in self.predicted.items()})
+
 
 def choose_chain(costs: StepCosts, profile: AcceptanceProfile, max_draft: int | None = None) -> Choice:
     """The chain length in 0..max_draft (0: target-only) with the most expected tokens per second; ties go to the

@@ -38,7 +38,7 @@ from jaxspec.spec.auto_config import (
     step_seconds,
 )
 from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
-from jaxspec.spec.step_cost_store import StepCostStore, cost_key
+from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
 from jaxspec.spec.step_costs import measure_step_costs
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
@@ -81,9 +81,14 @@ class AutoSpeculativeGenerator(Generator):
         self.prior = prior if prior is not None and prior.rates else None
         self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
         self.running = RunningAcceptance()
-        self.calibration = StepCalibration()
+        # Timed costs and calibration of earlier processes (None: time every bucket in this process). Multi-host,
+        # every process times (the timed forwards are collectives, and the processes' disks may hold different
+        # stores); process 0's timings decide (`choose`).
+        self.store = store if jax.process_count() == 1 else None
+        self.calibration_key = calibration_key(model, head, batch_size, self.depth, mesh)
+        stored = self.store.get_calibration(self.calibration_key[0]) if self.store is not None else None
+        self.calibration = stored.weighing_at_most(CALIBRATION_SECONDS) if stored else StepCalibration()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
-        self.store = store  # timed costs of earlier processes (None: time every bucket in this process)
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._generators: dict[int, Generator] = {}  # chain length (0: target-only) → its generator
         self._target_only_batches = 0
@@ -108,11 +113,8 @@ class AutoSpeculativeGenerator(Generator):
         """Step costs at this batch size and cache capacity: from the store if this machine timed them before,
         else timed now (and stored)."""
         if capacity not in self.step_costs:
-            # Multi-host, every process times (the timed forwards are collectives, and the processes' disks may
-            # hold different stores); process 0's timings decide (`choose`).
-            store = self.store if jax.process_count() == 1 else None
             key, what = cost_key(self.model, self.head, self.batch_size, capacity, self.depth, self.mesh)
-            stored = store.get(key) if store is not None else None
+            stored = self.store.get(key) if self.store is not None else None
             if stored is not None and stored.max_draft == self.depth:
                 self.step_costs[capacity] = stored
                 self._report(capacity, f"step costs (batch {self.batch_size}, cache {capacity}) timed earlier")
@@ -125,8 +127,8 @@ class AutoSpeculativeGenerator(Generator):
                     self.model, self.head, self.batch_size, capacity, self.depth
                 )
             self.timing_seconds += time.perf_counter() - start
-            if store is not None:
-                store.put(key, self.step_costs[capacity], what)
+            if self.store is not None:
+                self.store.put(key, self.step_costs[capacity], what)
             self._report(capacity, f"timed in {time.perf_counter() - start:.1f}s")
         return self.step_costs[capacity]
 
@@ -177,6 +179,9 @@ class AutoSpeculativeGenerator(Generator):
             for c in completions:
                 self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
         self._calibrate(choice.num_draft, capacity, completions)
+        if self.store is not None:
+            key, what = self.calibration_key
+            self.store.put_calibration(key, self.calibration, what)
         self.compile_seconds = sum(g.compile_seconds for g in self._generators.values())
         running = self.running.profile()
         record = {

@@ -4,9 +4,12 @@ Why: timing compiles three target forwards and a head step per cache bucket (`st
 even with every program in the persistent compilation cache, tracing and loading them took ~18 s per bucket on a
 2-core CPU, so the default command's one-prompt run took 39 s against `--no-draft`'s 16 s. The costs of a shape
 depend on the machine, the software and the model, not on the prompts, so they are stored under a key made of
-exactly those (`cost_key`) and read back by later processes. A stale entry costs speed, never output: every
-choice gives the target's tokens, and each batch's own step times rescale the stored costs
-(`auto_config.StepCalibration`) as they do freshly timed ones.
+exactly those (`cost_key`) and read back by later processes. So is the calibration (`auto_config.StepCalibration`:
+what the generation loop's steps really took against those costs), or a process's first choice rests on isolated
+forwards: measured on a 2-core CPU, a timed decode of 48 ms where the loop's steps took ~37 ms, so a one-prompt
+run drafted one token at 20 tokens/s where target-only ran at 25. A stored calibration weighs as much as
+CALIBRATION_SECONDS of steps, so that a process's own batches soon outweigh it where the machine has changed. A
+stale entry costs speed, never output: every choice gives the target's tokens.
 
 Where: the JAXSPEC_STEP_COSTS file ("off" disables the store; the tests set that), else step-costs.json in
 jaxspec's cache directory (beside the built-in target). Delete the file to time afresh.
@@ -26,14 +29,18 @@ from pathlib import Path
 import jax
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.auto_config import StepCosts
+from jaxspec.spec.auto_config import StepCalibration, StepCosts
+from jaxspec.spec.step_costs import TIMING
 
 STORE_ENV = "JAXSPEC_STEP_COSTS"
+CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many seconds of this process's steps
 
 
 @dataclasses.dataclass(frozen=True)
 class StepCostStore:
-    """A JSON file {key: {"decode", "verify", "draft" (seconds), "timed": date, "what": the key's parts}}."""
+    """A JSON file {key: entry}: timed costs ({"decode", "verify", "draft": seconds, "timed": date, "what": the
+    key's parts}) per shape, and calibrations ({"measured", "predicted": {chain length: seconds}}) per machine,
+    model and batch size (`calibration_key`)."""
 
     path: Path
 
@@ -46,11 +53,32 @@ class StepCostStore:
             return None
 
     def put(self, key: str, costs: StepCosts, what: dict) -> None:
-        """Store `costs` under `key` (`what`: the key's parts, for a reader of the file). Written to a temporary
-        file and renamed, so that a reader — another process — never sees half a file."""
+        """Store `costs` under `key` (`what`: the key's parts, for a reader of the file)."""
+        self._write(key, {"decode": costs.decode, "verify": list(costs.verify), "draft": costs.draft,
+                          "timed": datetime.date.today().isoformat(), "what": what})
+
+    def get_calibration(self, key: str) -> StepCalibration | None:
+        """The calibration stored under `key` (per chain length, the seconds the generation loop's steps took and
+        the seconds the stored costs predicted for them), or None."""
+        entry = self._read().get(key)
+        try:
+            measured = {int(k): float(v) for k, v in entry["measured"].items()}
+            predicted = {int(k): float(v) for k, v in entry["predicted"].items()}
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+        if measured.keys() != predicted.keys() or any(v <= 0 for v in (*measured.values(), *predicted.values())):
+            return None
+        return StepCalibration(measured, predicted)
+
+    def put_calibration(self, key: str, calibration: StepCalibration, what: dict) -> None:
+        self._write(key, {"measured": calibration.measured, "predicted": calibration.predicted,
+                          "updated": datetime.date.today().isoformat(), "what": what})
+
+    def _write(self, key: str, entry: dict) -> None:
+        """Set one entry, through a temporary file renamed over the store, so that a reader — another process —
+        never sees half a file."""
         entries = self._read()
-        entries[key] = {"decode": costs.decode, "verify": list(costs.verify), "draft": costs.draft,
-                        "timed": datetime.date.today().isoformat(), "what": what}
+        entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1) + "\n")
@@ -76,10 +104,18 @@ def default_store() -> StepCostStore | None:
     return StepCostStore(cache_root() / "step-costs.json")
 
 
-def cost_key(model, head, batch: int, capacity: int, max_draft: int, mesh: jax.sharding.Mesh | None) -> tuple[str, dict]:
+def calibration_key(model, head, batch: int, max_draft: int, mesh: jax.sharding.Mesh | None) -> tuple[str, dict]:
+    """(key, its parts) of the calibration: `cost_key` without the cache capacity (calibrations pool the buckets)."""
+    key, what = cost_key(model, head, batch, None, max_draft, mesh)
+    return f"calibration-{key}", what
+
+
+def cost_key(
+    model, head, batch: int, capacity: int | None, max_draft: int, mesh: jax.sharding.Mesh | None
+) -> tuple[str, dict]:
     """(key, its parts): what a step's cost depends on — this machine (backend, device kind and count, CPU model
-    and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics) and the shape (batch,
-    cache capacity, longest chain, mesh)."""
+    and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics), the shape (batch,
+    cache capacity, longest chain, mesh) and how the costs were timed (`step_costs.TIMING`)."""
     device = jax.devices()[0]
     what = {
         "backend": jax.default_backend(),
@@ -96,6 +132,7 @@ def cost_key(model, head, batch: int, capacity: int, max_draft: int, mesh: jax.s
         "capacity": capacity,
         "max_draft": max_draft,
         "mesh": dict(mesh.shape) if mesh is not None else None,
+        "timing": TIMING,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32], what
 

@@ -24,14 +24,25 @@ from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import StepCosts
 
 
-def best_seconds(fn, *args, repeats: int = 3) -> float:
-    """The fastest of `repeats` timed calls after one untimed call (which compiles)."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
+TIMING = "best of 5 interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
+
+
+def best_seconds_interleaved(calls: dict, repeats: int = 3) -> dict:
+    """{name: the fastest of `repeats` timed calls} for calls {name: (fn, args)}, timed in rounds — each round
+    calls every fn once, in turn — after one untimed round (which compiles and warms up).
+
+    Why rounds: what the choice needs is the costs' ratios (a verify against a decode), and a machine's speed
+    drifts. Timed one function after another, right after a model was loaded, a SmolLM2 decode on a 2-core CPU
+    measured 40-48 ms where the generation loop's steps took 31-37 ms and the verify after it was timed at its
+    usual cost: one draft then looked cheaper than it was. In rounds, a slow stretch slows every length alike."""
+    for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - begin)
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeats):
+        for name, (fn, args) in calls.items():
+            begin = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - begin)
     return best
 
 
@@ -42,10 +53,11 @@ def verify_lengths(max_draft: int) -> list[int]:
 
 
 def time_forwards(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = 3
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = 5
 ) -> tuple[dict[int, float], float]:
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step, 0 without a head), at this
-    batch size and cache capacity, the cache half full, with the model's own numerics."""
+    batch size and cache capacity, the cache half full, with the model's own numerics, timed in interleaved rounds
+    (`best_seconds_interleaved`)."""
     tg, tp = nnx.split(model)
 
     @jax.jit
@@ -56,25 +68,25 @@ def time_forwards(
         return out.logits, out.aux
 
     cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
-    seconds = {t: best_seconds(target_forward, tp, cache, jnp.zeros((batch, t), jnp.int32), repeats=repeats)
-               for t in lengths}
-    if head is None:
-        return seconds, 0.0
-    hg, hp = nnx.split(head)
-    table = model.embed_tokens[...]
+    calls = {t: (target_forward, (tp, cache, jnp.zeros((batch, t), jnp.int32))) for t in lengths}
+    if head is not None:
+        hg, hp = nnx.split(head)
+        table = model.embed_tokens[...]
 
-    @jax.jit
-    def head_step(params, cache, tokens, state):  # one new token per row
-        h = nnx.merge(hg, params)
-        return h(tokens, state, cache.lengths[:, None], cache, table)[:2]
+        @jax.jit
+        def head_step(params, cache, tokens, state):  # one new token per row
+            h = nnx.merge(hg, params)
+            return h(tokens, state, cache.lengths[:, None], cache, table)[:2]
 
-    hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
-    state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
-    return seconds, best_seconds(head_step, hp, hcache, jnp.zeros((batch, 1), jnp.int32), state, repeats=repeats)
+        hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
+        state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
+        calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
+    best = best_seconds_interleaved(calls, repeats)
+    return {t: best[t] for t in lengths}, best.get("head", 0.0)
 
 
 def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = 3
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = 5
 ) -> StepCosts:
     """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
     lengths between interpolated, and one head step."""
