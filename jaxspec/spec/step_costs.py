@@ -23,7 +23,6 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import StepCosts
 
-
 TIMING = "best of 5 interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
 
 
