@@ -2,10 +2,10 @@
 target-only — with the most expected tokens per second on this machine (`auto_config.choose_chain`).
 
 The inputs are measured, not guessed: the step costs are timed once per machine and cache bucket on the real
-forwards (`step_costs.measure_step_costs`; kept on disk by `step_cost_store` for later processes) and then scaled by what each batch's steps really took
-(`auto_config.StepCalibration`), and the acceptance profile is the head's recorded one
-(`auto_config.profile_from_record`) refined with the counts of every batch generated so far. A head without a
-record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
+forwards (`step_costs.measure_step_costs`; kept on disk for later processes by `step_cost_store`, with the
+calibration) and then scaled by what each batch's steps really took (`auto_config.StepCalibration`), and the
+acceptance profile is the head's recorded one (`auto_config.profile_from_record`) refined with the counts of every
+batch generated so far. A head without a record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
 chosen automatically: `--tree` names one. Output never depends on the choice: every chain length, and target-only,
 give the target's tokens (greedy) or its distribution (sampling).
 """
