@@ -241,15 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     # Every method runs in one interleaved pass (`measure_interleaved`): batch by batch, in rotating order, so that
     # the machine's drift over minutes does not read as a speed-up or a slow-down.
     gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
-    methods = []  # (name, generator, depth, draft path or proposer name, tree)
+    # (name, generator, depth, draft path or proposer name, drafted tokens per verify to time the components of:
+    # a fixed EAGLE-3 chain or tree; None for auto, which records its own step costs, and for n-gram)
+    methods = []
     if head is not None:
         for tree in [None, *args.tree]:
             spec = speculative_generator(
                 model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
                 kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
             )
-            methods.append((method_name(args.num_speculative_tokens, tree, args.accept_prob), spec, spec.num_draft,
-                            str(draft), tree))
+            name = method_name(args.num_speculative_tokens, tree, args.accept_prob)
+            if tree is not None:
+                drafted = tree.total_tokens - 1
+            else:
+                drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
+            methods.append((name, spec, spec.num_draft, str(draft), drafted))
     if ngram is not None:
         spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
         methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
@@ -271,12 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": weights_roofline(weight_bytes, args.batch_size, bandwidth),
         "memory": {"target-only": gen.memory.as_dict()},
     }
-    for (method, spec, depth, source, tree), m in zip(methods, measured[1:]):
+    for (method, spec, depth, source, drafted), m in zip(methods, measured[1:]):
         row = speculative_row(*m, depth, completions, tokens / seconds)
-        if head is not None and source == str(draft) and (tree is not None or method != "auto"):
-            # automatic speculation records its own step costs
-            verified = args.num_speculative_tokens + 1 if tree is None else tree.total_tokens
-            row.update(component_timings(model, head, verified - 1, args.batch_size))
+        if drafted is not None:
+            row.update(component_timings(model, head, drafted, args.batch_size))
         result.setdefault("speculative", []).append({"method": method, "draft": source, **row})
         result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:

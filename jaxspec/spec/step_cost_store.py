@@ -76,7 +76,8 @@ class StepCostStore:
 
     def _write(self, key: str, entry: dict) -> None:
         """Set one entry, through a temporary file renamed over the store, so that a reader — another process —
-        never sees half a file."""
+        never sees half a file. Two processes writing at once may lose one's entry (the last rename wins): a cache
+        miss, timed again by the next process."""
         entries = self._read()
         entries[key] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,11 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import StepCosts
 
-TIMING = "best of 5 interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
+ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
+TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
 
 
-def best_seconds_interleaved(calls: dict, repeats: int = 3) -> dict:
+def best_seconds_interleaved(calls: dict, repeats: int = ROUNDS) -> dict:
     """{name: the fastest of `repeats` timed calls} for calls {name: (fn, args)}, timed in rounds — each round
     calls every fn once, in turn — after one untimed round (which compiles and warms up).
 
@@ -52,7 +53,7 @@ def verify_lengths(max_draft: int) -> list[int]:
 
 
 def time_forwards(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = 5
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = ROUNDS
 ) -> tuple[dict[int, float], float]:
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step, 0 without a head), at this
     batch size and cache capacity, the cache half full, with the model's own numerics, timed in interleaved rounds
@@ -85,7 +86,7 @@ def time_forwards(
 
 
 def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = 5
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = ROUNDS
 ) -> StepCosts:
     """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
     lengths between interpolated, and one head step."""
