@@ -1,7 +1,9 @@
-"""Batch-invariant target numerics: a token's logits and hidden states are the same bits whether it is decoded alone,
-prefilled, verified in a chain of K+1 or in a tree, next to other batch rows, at another cache capacity, in float32 and
-bfloat16, for several model families. The hidden states of every layer are compared (aux features at all layers),
-so a failure names the first layer — and so the op — that breaks invariance.
+"""Batch-invariant target numerics: after the same prompt, a token's logits and hidden states are the same bits
+whether it is decoded alone, verified in a chain of K+1 or in a tree, next to other batch rows, at another cache
+capacity, in float32 and bfloat16, for several model families; and a prompt's rows are the same bits whatever the
+batch and padding of its prefill. (A prefill may have its own tiles, so on CPU a prompt row need not get a decode's
+bits: jaxspec/models/numerics.py says why that is enough.) The hidden states of every layer are compared (aux
+features at all layers), so a failure names the first layer — and so the op — that breaks invariance.
 
 The models are tiny by default. `JAXSPEC_TEST_SHAPE=llama3.1-8b` (a key of jaxspec.reference_shapes.SHAPES) runs the
 same tests on random weights of that real shape (its heads and tying; each family's biases and norms kept; 16 GB in
@@ -81,18 +83,19 @@ def _forward(m):
     return lambda *a, **k: run(params, *a, **k)
 
 
-def decode_one_by_one(m, seq: np.ndarray, capacity: int = 128):
-    """The canonical numbers: every token run through the target alone (T=1, batch 1). → logits [n, V], aux [n, F]."""
-    return _decoded(m, tuple(int(x) for x in seq), capacity)
+def decode_one_by_one(m, seq: np.ndarray, prompt: int = 1, capacity: int = 128):
+    """The canonical numbers: the first `prompt` tokens prefilled alone (batch 1), then every other token run
+    through the target alone (T=1, batch 1). → logits [n, V], aux [n, F] (rows < prompt: the prefill's)."""
+    return _decoded(m, tuple(int(x) for x in seq), prompt, capacity)
 
 
 @functools.cache
-def _decoded(m, seq: tuple, capacity: int):
+def _decoded(m, seq: tuple, prompt: int, capacity: int):
     fwd = _forward(m)
-    cache = m.init_cache(1, capacity)
-    logits, aux = [], []
-    for i, tok in enumerate(seq):
-        lg, ax, cache = fwd(jnp.asarray([[tok]], jnp.int32), jnp.asarray([[i]], jnp.int32), cache, empty=i == 0)
+    lg, ax, cache = _prefill(m, fwd, [np.asarray(seq[:prompt], np.int32)], capacity)
+    logits, aux = list(np.asarray(lg[0, :prompt])), list(np.asarray(ax[0, :prompt].astype(jnp.float32)))
+    for i in range(prompt, len(seq)):
+        lg, ax, cache = fwd(jnp.asarray([[seq[i]]], jnp.int32), jnp.asarray([[i]], jnp.int32), cache)
         cache = kvc.advance(cache, 1)
         logits.append(np.asarray(lg[0, 0]))
         aux.append(np.asarray(ax[0, 0].astype(jnp.float32)))
@@ -125,9 +128,9 @@ def _fresh_programs():
     jax.clear_caches()
 
 
-def _prefill(m, fwd, rows: list[np.ndarray], capacity: int):
-    """Prefill right-padded rows together (padded to PREFILL_WIDTH); → cache advanced by each row's length."""
-    t = PREFILL_WIDTH
+def _prefill(m, fwd, rows: list[np.ndarray], capacity: int, width: int = PREFILL_WIDTH):
+    """Prefill right-padded rows together (padded to `width`); → cache advanced by each row's length."""
+    t = width
     assert max(len(r) for r in rows) <= t
     toks = np.zeros((len(rows), t), np.int32)
     for i, r in enumerate(rows):
@@ -154,18 +157,23 @@ def matrix(combos, in_ci) -> list:
     "family,dtype,attention",
     matrix(CASES, {c for c in CASES if c[2] == "reference"} | {("llama", "bfloat16", "interpret")}),
 )
-def test_prefill_equals_decode(family, dtype, attention):
+def test_prefill_is_batch_invariant(family, dtype, attention):
+    """A prompt's rows: alone, next to other rows, padded to another width, at another capacity; and where a
+    prefill has the decode's tiles (GPU, TPU), the bits of decoding it token by token."""
     m = model(family, dtype, attention)
     seq = _sequence(1, 21)
-    want_l, want_a = decode_one_by_one(m, seq)
+    want_l, want_a = decode_one_by_one(m, seq, prompt=len(seq))  # prefilled alone at PREFILL_WIDTH
     fwd = _forward(m)
-    for batch in (1, 4):
+    for batch, width, capacity in ((1, 40, 64), (4, PREFILL_WIDTH, 128), (3, 130, 256)):
         others = [_sequence(10 + i, 5 + 7 * i) for i in range(batch - 1)]
-        lg, ax, _ = _prefill(m, fwd, [seq, *others], capacity=128)
+        lg, ax, _ = _prefill(m, fwd, [seq, *others], capacity=capacity, width=width)
         assert_same_bits(
             np.asarray(lg[0, :21]), np.asarray(ax[0, :21].astype(jnp.float32)), want_l, want_a, m,
-            f"prefill batch {batch}",
+            f"prefill batch {batch}, width {width}",
         )
+    if m.numerics.for_prefill() == m.numerics:
+        dec_l, dec_a = decode_one_by_one(m, seq)
+        assert_same_bits(want_l, want_a, dec_l, dec_a, m, "prefill vs decode")
 
 
 @pytest.mark.parametrize("family,dtype,attention,k", matrix(
@@ -179,10 +187,10 @@ def test_chain_verify_equals_decode(family, dtype, attention, k):
     m = model(family, dtype, attention)
     n = 80
     seq = _sequence(1, n)
-    want_l, want_a = decode_one_by_one(m, seq)
     fwd = _forward(m)
     for batch in (1, 4):
         for start in (1, 60, 64 - k, n - k - 1):
+            want_l, want_a = decode_one_by_one(m, seq[: start + k + 1], prompt=start)
             rows = [seq[:start]] + [_sequence(20 + i, 3 + 11 * i) for i in range(batch - 1)]
             _, _, cache = _prefill(m, fwd, rows, capacity=256)
             block = np.zeros((batch, k + 1), np.int32)
@@ -233,7 +241,7 @@ def test_tree_verify_equals_decode(family, dtype, attention, nodes, max_depth):
             while parents[0, path[-1]] >= 0:
                 path.append(int(parents[0, path[-1]]))
             path = path[::-1]
-            want_l, want_a = decode_one_by_one(m, np.concatenate([prefix, tokens[0, path]]))
+            want_l, want_a = decode_one_by_one(m, np.concatenate([prefix, tokens[0, path]]), prompt=prefix_len)
             assert depths[leaf] == len(path) - 1
             assert_same_bits(
                 np.asarray(lg[0, leaf]), np.asarray(ax[0, leaf].astype(jnp.float32)), want_l[-1], want_a[-1], m,
@@ -248,9 +256,9 @@ def test_tree_verify_equals_decode(family, dtype, attention, nodes, max_depth):
     [("float32", "reference"), ("bfloat16", "reference"), ("bfloat16", "interpret")], {("bfloat16", "reference")}
 ))
 def test_invariant_on_the_mesh(dtype, attention):
-    """On a data=4 x model=2 mesh: decode, prefill and chain/tree verify agree bit for bit with each other (the mesh
-    has its own bits: a model axis splits contractions, so they need not equal one device's); the kernel runs per
-    shard."""
+    """On a data=4 x model=2 mesh: after the same prefill (whose rows do not depend on its padding), decode and
+    chain/tree verify agree bit for bit with each other (the mesh has its own bits: a model axis splits contractions,
+    so they need not equal one device's); the kernel runs per shard."""
     m = nnx.clone(model("llama", dtype, attention))
     mesh = sharding.make_mesh(sharding.MeshConfig(data=4, model=2))
     gd, params = nnx.split(m)
@@ -267,35 +275,39 @@ def test_invariant_on_the_mesh(dtype, attention):
 
     batch, n = 4, 30
     seqs = [_sequence(70 + i, n) for i in range(batch)]
-    # canonical on the mesh: one token at a time, all four rows together
-    cache = m.init_cache(batch, 64)
+
+    def prefill(width: int, capacity: int):  # the first 12 tokens of each row, padded to `width`
+        toks = jnp.asarray(np.stack([np.pad(s[:12], (0, width - 12)) for s in seqs]))
+        pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        return run(toks, pos, m.init_cache(batch, capacity), empty=True)
+
+    # a prompt's rows do not depend on its padding or the cache's capacity
+    lg, ax, cache = prefill(12, 128)
+    wide_l, wide_a, _ = prefill(16, 64)
+    assert_same_bits(np.asarray(wide_l[:, :12]), np.asarray(wide_a[:, :12].astype(jnp.float32)), np.asarray(lg),
+                     np.asarray(ax.astype(jnp.float32)), m, "mesh prefill, padded")
+    # canonical on the mesh: after the prefill, one token at a time, all four rows together
+    _, _, dec_cache = prefill(12, 64)
+    dec_cache = kvc.advance(dec_cache, 12)
     want_l, want_a = [], []
-    for i in range(n):
-        lg, ax, cache = run(jnp.asarray([[s[i]] for s in seqs]), jnp.full((batch, 1), i, jnp.int32), cache,
-                            empty=i == 0)
-        cache = kvc.advance(cache, 1)
+    for i in range(12, 18):
+        lg, ax, dec_cache = run(jnp.asarray([[s[i]] for s in seqs]), jnp.full((batch, 1), i, jnp.int32), dec_cache)
+        dec_cache = kvc.advance(dec_cache, 1)
         want_l.append(np.asarray(lg[:, 0]))
         want_a.append(np.asarray(ax[:, 0].astype(jnp.float32)))
-    want_l, want_a = np.stack(want_l, 1), np.stack(want_a, 1)  # [B, n, ...]
-    # prefill of 12, then a chain block of 6
-    toks = jnp.asarray(np.stack([s[:12] for s in seqs]))
-    lg, ax, cache = run(toks, jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (batch, 12)), m.init_cache(batch, 128),
-                        empty=True)
-    assert_same_bits(np.asarray(lg), np.asarray(ax.astype(jnp.float32)), want_l[:, :12], want_a[:, :12], m,
-                     "mesh prefill")
+    want_l, want_a = np.stack(want_l, 1), np.stack(want_a, 1)  # [B, 6, ...]: positions 12..17
     cache = kvc.advance(cache, 12)
     block = jnp.asarray(np.stack([s[12:18] for s in seqs]))
     lg, ax, _ = run(block, 12 + jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (batch, 6)), cache)
-    assert_same_bits(np.asarray(lg), np.asarray(ax.astype(jnp.float32)), want_l[:, 12:18], want_a[:, 12:18], m,
-                     "mesh chain verify")
+    assert_same_bits(np.asarray(lg), np.asarray(ax.astype(jnp.float32)), want_l, want_a, m, "mesh chain verify")
     # a tree whose first path is the true continuation: those nodes get the decode's bits
     parents = jnp.asarray([[-1, 0, 0, 1, 2, 3, 3]] * batch, jnp.int32)
     tree_tok = np.stack([[s[12], s[13], 5, s[14], 7, s[15], 9] for s in seqs]).astype(np.int32)
     dt = tree_from_parents(jnp.asarray(tree_tok), parents, 4)
     lg, ax, _ = run(jnp.asarray(tree_tok), 12 + dt.depths, cache, dt.ancestors)
     on_path = [0, 1, 3, 5]
-    assert_same_bits(np.asarray(lg[:, on_path]), np.asarray(ax[:, on_path].astype(jnp.float32)), want_l[:, 12:16],
-                     want_a[:, 12:16], m, "mesh tree verify")
+    assert_same_bits(np.asarray(lg[:, on_path]), np.asarray(ax[:, on_path].astype(jnp.float32)), want_l[:, :4],
+                     want_a[:, :4], m, "mesh tree verify")
 
 
 def _as_dtype(m: LlamaModel, dtype) -> LlamaModel:

@@ -1,8 +1,8 @@
 """Wide row tiles (jaxspec/models/numerics.py): long inputs run the bulk of their rows as 64-row dots, on a machine
 where a 64-row dot was measured to give each row the one-row dot's bits. Here: how rows are split between wide and
 narrow tiles, that the split changes no bit at ragged row counts, that the measurement decides, and that a `model`
-mesh axis (whose per-device dots were not measured) keeps narrow tiles. The model-level check — a prefill of 96
-tokens against decoding one by one — is tests/test_invariance.py's test_prefill_equals_decode."""
+mesh axis (whose per-device dots were not measured) keeps narrow tiles. Wide tiles serve long verify blocks: a
+prefill has tiles of its own (`Numerics.for_prefill`, tests/test_invariance.py)."""
 
 from __future__ import annotations
 

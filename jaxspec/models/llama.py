@@ -261,13 +261,15 @@ class LlamaModel(nnx.Module):
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)), self.numerics is not None)
+        # a prefill's rows meet only prefill rows: its own tiles (numerics.py); the logits below keep the decode's
+        numerics = self.numerics.for_prefill() if self.numerics is not None and empty_cache else self.numerics
         x = self.embed(tokens)  # [B, T, H]
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):
             if return_aux and i in cfg.aux_layer_ids:
                 aux[i] = x  # hidden_states[i]: the input of layer i
             x, k, v = layer(
-                x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, self.numerics, positions,
+                x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, numerics, positions,
                 ancestors,
             )
             ks.append(k)
