@@ -25,6 +25,8 @@ from jaxspec.errors import JaxspecError
 from train.config import HeadSection, RunConfig, TrainSection, load_config
 from train.packing import PackedBatches
 
+MASTER_DTYPE = np.dtype("float32")  # the head's trained weights and optimizer state, whatever the step computes in
+
 
 def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: np.ndarray | None = None):
     import jax.numpy as jnp
@@ -42,7 +44,7 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     head_cfg = HeadConfig.for_target(
         t, draft_vocab_size=vd, intermediate_size=hcfg.intermediate_size or t.intermediate_size
     )
-    head = Eagle3Head(head_cfg, dtype=target.dtype, rngs=nnx.Rngs(seed))
+    head = Eagle3Head(head_cfg, dtype=MASTER_DTYPE, rngs=nnx.Rngs(seed))
     head.d2t.set_value(jnp.asarray(d2t, jnp.int32))
     if hcfg.init_lm_head_from_target:
         rows = np.arange(vd) + d2t
@@ -52,11 +54,11 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
 
 
 def _warm_start(target, hcfg: HeadSection):
-    """The head of `head.init_from`, in the target's dtype, whose shape must be the one the config asks for."""
+    """The head of `head.init_from`, in MASTER_DTYPE, whose shape must be the one the config asks for."""
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.spec.generator import check_head_fits
 
-    head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=target.dtype)
+    head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=MASTER_DTYPE)
     check_head_fits(target, head)  # it reads the layers the target returns (the target's default aux layers)
     for key, value in (("draft_vocab_size", head.config.draft_vocab_size),
                        ("intermediate_size", head.config.intermediate_size)):
@@ -111,6 +113,7 @@ def _tensorboard(out: Path):
 
 def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     import jax
+    import jax.numpy as jnp
     from flax import nnx
     from tqdm import tqdm
 
@@ -118,6 +121,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli_common import resolve_target
+    from jaxspec.generation import default_dtype
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
     from train.precision import computing_in, resolve_compute_dtype
@@ -153,7 +157,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         raise JaxspecError(f"out {str(out)!r} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     target_dir = resolve_target(cfg.target)
-    target = load_target(target_dir)
+    # The target in the dtype generation runs it in (bfloat16 on GPU/TPU, float32 on CPU): the evaluation measures
+    # what inference would, and a step computing in that dtype uses it as it is, with no second copy (an 8B target
+    # held in float32 beside its bfloat16 copy was 48 GB)
+    target = load_target(target_dir, dtype=default_dtype())
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
     sequences = []
     for data_dir in data_dirs:  # several datasets are one mix: the packing shuffles them together
@@ -207,10 +214,11 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         t.compute_dtype, t.batch_size * (t.trained_positions or t.seq_len), head.config.hidden_size,
         head.config.draft_vocab_size,
     )
-    mixed = compute != head.dtype  # the head and target were built in one dtype (build_head)
+    mixed = compute != head.dtype  # the head's master weights are MASTER_DTYPE (build_head)
     print(f"computing in {compute} ({f'master weights {head.dtype}, ' if mixed else ''}"
           f"train.compute_dtype: {t.compute_dtype})", file=sys.stderr)
-    step_target = computing_in(target, compute) if mixed else target  # `target` itself evaluates
+    # `target` itself evaluates; the step shares it when it already computes in `compute`
+    step_target = target if target.dtype == jnp.dtype(compute) else computing_in(target, compute)
     tgd, tparams = nnx.split(step_target)
     tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
     step_hgd = split_head(computing_in(head, compute), optim.freeze_lm_head)[0] if mixed else hgd
@@ -246,6 +254,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             from jaxspec.prompts import load_tokenizer
 
             merged = nnx.merge(hgd, params, frozen)
+            if merged.dtype != target.dtype:  # evaluated as generation runs it: in the target's dtype
+                merged = computing_in(merged, target.dtype)
             mean, rates = evaluate(target, merged, load_tokenizer(target_dir), target_dir, t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
