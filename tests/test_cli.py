@@ -307,9 +307,11 @@ def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path
     assert code == 0 and result["identical_parameters"] is True
     assert result["mesh"] == ({"data": 2, "model": 1} if mesh else None)
     assert all(len(t) == 2 and min(t) > 0 for t in result["seconds"].values())
-    assert result["orbax_speedup"] == pytest.approx(
-        result["median_seconds"]["safetensors"] / result["median_seconds"]["orbax"], rel=0.05
-    )
+    # the ratio of the unrounded medians, rounded to 0.01; the medians are reported rounded to 0.001 s, which on a
+    # tiny model (a few ms) moves their ratio by far more than a relative tolerance allows: bound it by the roundings
+    s, o, half = result["median_seconds"]["safetensors"], result["median_seconds"]["orbax"], 0.0005
+    low, high = max(s - half, 0.0) / (o + half), (s + half) / max(o - half, 1e-9)
+    assert low - 0.005 <= result["orbax_speedup"] <= high + 0.005
     with pytest.raises(SystemExit) as exc:
         bench.main(["--target", str(tiny_dir), "--load-time", str(tiny_dir)])
     assert exc.value.code == 2 and "is not an orbax target; make one with" in capsys.readouterr().err
