@@ -113,7 +113,6 @@ def _tensorboard(out: Path):
 
 def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     import jax
-    import jax.numpy as jnp
     from flax import nnx
     from tqdm import tqdm
 
@@ -217,8 +216,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     mixed = compute != head.dtype  # the head's master weights are MASTER_DTYPE (build_head)
     print(f"computing in {compute} ({f'master weights {head.dtype}, ' if mixed else ''}"
           f"train.compute_dtype: {t.compute_dtype})", file=sys.stderr)
-    # `target` itself evaluates; the step shares it when it already computes in `compute`
-    step_target = target if target.dtype == jnp.dtype(compute) else computing_in(target, compute)
+    # `target` itself evaluates; the step's copy shares its weights when they are already in `compute`
+    step_target = computing_in(target, compute)
     tgd, tparams = nnx.split(step_target)
     tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
     step_hgd = split_head(computing_in(head, compute), optim.freeze_lm_head)[0] if mixed else hgd
@@ -253,9 +252,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         if t.eval_every and (step + 1) % t.eval_every == 0:
             from jaxspec.prompts import load_tokenizer
 
-            merged = nnx.merge(hgd, params, frozen)
-            if merged.dtype != target.dtype:  # evaluated as generation runs it: in the target's dtype
-                merged = computing_in(merged, target.dtype)
+            # evaluated as generation runs it: in the target's dtype (the master weights themselves when they are)
+            merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
             mean, rates = evaluate(target, merged, load_tokenizer(target_dir), target_dir, t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates

@@ -63,7 +63,8 @@ def cast_floats(tree, dtype):
 def computing_in(module: nnx.Module, dtype) -> nnx.Module:
     """A copy of a target (LlamaModel) or head (Eagle3Head) that computes in dtype: its floating-point weights cast
     to it — as plain arrays of dtype, not held wider as a loaded 16-bit model's are on CPU, since here the narrow
-    matmul is the point — and its activations kept in it (the module's `dtype`). The original is untouched."""
+    matmul is the point — and its activations kept in it (the module's `dtype`). The original is untouched; weights
+    already in dtype are shared with it, not copied (an 8B target loaded in bfloat16 stays 16 GB)."""
     from jaxspec.models.llama import Linear
 
     graphdef, state = nnx.split(module)

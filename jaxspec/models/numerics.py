@@ -77,16 +77,16 @@ def default_numerics(
     """One-row tiles on CPU, where a dot's cost grows with its rows and a one-row dot is XLA:CPU's fastest
     (measured, SmolLM2-135M float32 decode step on 2 cores: 26-30 ms with 1-row tiles, as fast as plain XLA; 47 ms
     with 4-row and 56 ms with 8-row tiles); a verify then pays one weight pass per row (a verify of 6 tokens: 77-93
-    ms vs 52-55 ms plain). Long inputs (a prefill) run the bulk of their rows on 64-row tiles when every matmul in
-    `matmuls` ([K, N] weights computing in `dtype`) gives a row of a 64-row dot the one-row dot's bits on this
-    machine (`wide_tiles_agree`; measured, SmolLM2 float32 prefill: 64 tokens 632 ms on one-row tiles, 422 ms on
-    one 64-row tile; 128 tokens 1386 ms and 763 ms). 64-row tiles on accelerators, where a [64, 4096] x [4096,
+    ms vs 52-55 ms plain). Long verify blocks (40 rows or more: large trees) run the bulk of their rows on 64-row
+    tiles when every matmul in `matmuls` ([K, N] weights computing in `dtype`) gives a row of a 64-row dot the
+    one-row dot's bits on this machine (`wide_tiles_agree`). 64-row tiles on accelerators, where a [64, 4096] x [4096,
     14336] bfloat16 dot takes what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels:
     the user's choice (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto.
 
     A CPU prefill runs all its rows on 64-row tiles (`Numerics.for_prefill`), whether or not they give the one-row
     bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where 64-row dots do not agree
-    with one-row ones): 64 tokens 368 ms on one-row tiles, 176 ms on 64-row tiles; 128 tokens 709 ms and 422 ms."""
+    with one-row ones, so wide tiles were off): 64 tokens 368 ms on one-row tiles, 176 ms on 64-row tiles; 128
+    tokens 709 ms and 422 ms."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
