@@ -358,3 +358,39 @@ def test_bfloat16_ngram_equals_target_only(batch):
     assert [c.token_ids for c in got] == want
     outcomes = {k: sum(c.stats["rejections"][k] for c in got) for k in ("no_draft", "miss", "all_accepted")}
     assert outcomes["no_draft"] > 0 and outcomes["miss"] + outcomes["all_accepted"] > 0  # both kinds of step ran
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_qkv_held_and_separate(family):
+    """Numerics.fused_qkv (one q/k/v dot, CPU's default): the kernels held once before a loop (`hold_fused_qkv`, as
+    the generators run them) give the bits of kernels concatenated in each call, in a decode and in a verify block;
+    and separate q/k/v dots give the same values to float32 rounding (their bits may differ: another dot shape)."""
+    base = model(family, "float32")
+    seq = _sequence(3, 40)
+
+    def run(numerics, held):
+        m = nnx.merge(*nnx.split(base))
+        m.numerics = numerics
+        gd, params = nnx.split(m)
+
+        @jax.jit
+        def fwd(params, tokens, positions, cache):
+            target = nnx.merge(gd, params)
+            if held:
+                target.hold_fused_qkv()
+            out = target(tokens, positions, cache, return_aux=True)
+            return out.logits, out.aux
+
+        _, _, cache = _prefill(m, _forward(m), [seq[:30]], capacity=128)
+        outs = []
+        for t in (1, 4):  # a decode, a chain verify of 4
+            pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+            outs += [np.asarray(x) for x in fwd(params, jnp.asarray(seq[None, 30 : 30 + t]), pos, cache)]
+        return outs
+
+    fused = dataclasses.replace(base.numerics, fused_qkv=True)
+    held, per_call = run(fused, True), run(fused, False)
+    separate = run(dataclasses.replace(fused, fused_qkv=False), False)
+    for a, b, c in zip(held, per_call, separate):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)

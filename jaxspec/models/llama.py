@@ -28,6 +28,7 @@ from jaxspec.models.numerics import (
     held_dtype,
     hold,
     invariant_rms_norm,
+    model_sharded,
     tiled_matmul,
 )
 from jaxspec.sharding import cache_kv_heads
@@ -88,6 +89,7 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
         self.q_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
+        self.qkv_fused = nnx.data(None)  # (kernel, bias) of `fused_qkv_weights`, computed once (`hold_fused_qkv`)
 
     def __call__(
         self,
@@ -135,12 +137,29 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         inv = numerics is not None
-        q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if inv and numerics.fused_qkv and not model_sharded():  # one dot (Numerics.fused_qkv)
+            kernel, bias = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
+            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
+            nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, k, v = jnp.split(qkv, (nq, nq + nkv), axis=-1)  # [B, T, Nq], [B, T, Nkv] x 2
+            q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        else:
+            q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
+            k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         return apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv), v
+
+
+    def fused_qkv_weights(self) -> tuple[jax.Array, jax.Array | None]:
+        """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases likewise (None without)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        kernel = jnp.concatenate([p.kernel[...] for p in projs], axis=1)
+        bias = None if self.q_proj.bias is None else jnp.concatenate([p.bias[...] for p in projs])
+        return kernel, bias
 
 
 class MLP(nnx.Module):
@@ -210,14 +229,28 @@ class LlamaModel(nnx.Module):
         )
 
     def layer_matmuls(self) -> tuple[tuple[int, int], ...]:
-        """The [K, N] shapes of the decoder layers' weights (q, k, v, o, gate, up, down), each once."""
+        """The [K, N] shapes of the decoder layers' weights (q, k, v, q/k/v side by side, o, gate, up, down), each
+        once."""
         cfg = self.config
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return tuple(dict.fromkeys(((h, q), (h, kv), (q, h), (h, cfg.intermediate_size), (cfg.intermediate_size, h))))
+        return tuple(dict.fromkeys((
+            (h, q), (h, kv), (h, q + 2 * kv), (q, h), (h, cfg.intermediate_size), (cfg.intermediate_size, h)
+        )))
 
     def invariant_numerics(self, kernels: str | None = None) -> Numerics:
         """`default_numerics` of this backend for this model's matmuls and dtype (kernels: the user's choice)."""
         return default_numerics(kernels=kernels, matmuls=self.layer_matmuls(), dtype=self.dtype)
+
+    def hold_fused_qkv(self) -> LlamaModel:
+        """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows;
+        returns self. Without it each call concatenates them again (same values, so the same bits): the generators
+        call it inside their jitted programs before the step loop, so that the loop reads the concatenation
+        instead of making it every step (a copy of the q/k/v weights per step). Under a model-sharded mesh the
+        projections stay separate dots, and nothing is held."""
+        if self.numerics is not None and self.numerics.fused_qkv and not model_sharded():
+            for layer in self.layers:
+                layer.self_attn.qkv_fused = nnx.data(layer.self_attn.fused_qkv_weights())
+        return self
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache; under a mesh whose model axis is wider than the KV heads, each KV head repeated so that

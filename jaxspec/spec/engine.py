@@ -284,7 +284,7 @@ def steps(
 ) -> GenState:
     """Up to `num_steps` steps (target-only without a proposer), stopping once every row is done. kernels: the
     verifier's implementation (the target's attention follows its own Numerics)."""
-    target = nnx.merge(target_graphdef, target_params)
+    target = nnx.merge(target_graphdef, target_params).hold_fused_qkv()  # concatenated here, not in every step
 
     def cond(carry):
         i, st = carry
