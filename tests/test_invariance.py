@@ -394,3 +394,17 @@ def test_fused_qkv_held_and_separate(family):
     for a, b, c in zip(held, per_call, separate):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_hold_fused_qkv_holds_once():
+    """What the CLIs hold at load is what every later program reads: a second hold (each step program's) keeps it;
+    numerics without fused_qkv hold nothing."""
+    base = model("llama", "float32")
+    m = nnx.merge(*nnx.split(base))
+    m.numerics = dataclasses.replace(base.numerics, fused_qkv=True)
+    first = m.hold_fused_qkv().layers[0].self_attn.qkv_fused[0]
+    assert first.shape == (64, (4 + 2 * 2) * 16)  # [hidden, q + k + v columns]
+    assert m.hold_fused_qkv().layers[0].self_attn.qkv_fused[0] is first
+    plain = nnx.merge(*nnx.split(base))
+    plain.numerics = dataclasses.replace(base.numerics, fused_qkv=False)
+    assert all(layer.self_attn.qkv_fused is None for layer in plain.hold_fused_qkv().layers)

@@ -242,14 +242,17 @@ class LlamaModel(nnx.Module):
         return default_numerics(kernels=kernels, matmuls=self.layer_matmuls(), dtype=self.dtype)
 
     def hold_fused_qkv(self) -> LlamaModel:
-        """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows;
-        returns self. Without it each call concatenates them again (same values, so the same bits): the generators
-        call it inside their jitted programs before the step loop, so that the loop reads the concatenation
-        instead of making it every step (a copy of the q/k/v weights per step). Under a model-sharded mesh the
-        projections stay separate dots, and nothing is held."""
+        """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows,
+        unless it is held already; returns self. Without it each call concatenates them again (same values, so the
+        same bits). Held on a loaded model (the CLIs' `load_target_and_tokenizer`), every generator's programs read
+        it; otherwise each step program holds it before its loop, once per call (`Generator.chunk_steps` steps; the
+        concatenation copies the q/k/v weights, which XLA:CPU does slowly).
+        A snapshot: call it once the weights are final. Under a model-sharded mesh the projections stay separate
+        dots, and nothing is held."""
         if self.numerics is not None and self.numerics.fused_qkv and not model_sharded():
             for layer in self.layers:
-                layer.self_attn.qkv_fused = nnx.data(layer.self_attn.fused_qkv_weights())
+                if layer.self_attn.qkv_fused is None:
+                    layer.self_attn.qkv_fused = nnx.data(layer.self_attn.fused_qkv_weights())
         return self
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
