@@ -208,6 +208,7 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import jax
+    from flax import nnx
 
     from jaxspec.generation import Generator
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
     measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
     completions, tokens, seconds = measured[0]
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # what a step reads
     bandwidth = measure_bandwidth_gbs()
     result = {
         "machine": _machine(),

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
-from jaxspec.mesh_axes import MODEL
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -345,8 +344,6 @@ def load_target_and_tokenizer(
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
     model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
-    if mesh is None or mesh.shape[MODEL] == 1:  # once here, not in every step program (LlamaModel.hold_fused_qkv)
-        model.hold_fused_qkv()
     tokenizer = load_tokenizer(target_dir)
     if log:
         cfg = model.config

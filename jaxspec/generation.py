@@ -19,6 +19,7 @@ from jaxspec import sharding
 from jaxspec.compiled_programs import ProgramCache
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
+from jaxspec.mesh_axes import MODEL
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import engine
@@ -114,6 +115,8 @@ class Generator:
             raise JaxspecError(f"kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {kernels!r}")
         self.config = model.config
         self.mesh = mesh  # None: one device; else params, caches and batch rows are split over its (data, model) axes
+        if mesh is None or mesh.shape[MODEL] == 1:  # on the model, so every generator of it shares one copy
+            model.hold_fused_qkv()
         self.graphdef, self.params = nnx.split(model)
         self.proposer, self.proposer_params = proposer, proposer_params
         if mesh is not None:

@@ -40,7 +40,7 @@ def save_target_orbax(model: LlamaModel, source_dir: str | Path, out_dir: str | 
     for name in _COPIED:
         if (Path(source_dir) / name).is_file():
             shutil.copy(Path(source_dir) / name, out / name)
-    _, state = nnx.split(model)
+    state = nnx.state(model, nnx.Param)  # the weights, without what generation derives from them (hold_fused_qkv)
     params = jax.tree.map(  # in the model dtype, however it holds them (numerics.held_dtype)
         lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, nnx.to_pure_dict(state)
     )

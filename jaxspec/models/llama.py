@@ -244,11 +244,12 @@ class LlamaModel(nnx.Module):
     def hold_fused_qkv(self) -> LlamaModel:
         """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows,
         unless it is held already; returns self. Without it each call concatenates them again (same values, so the
-        same bits). Held on a loaded model (the CLIs' `load_target_and_tokenizer`), every generator's programs read
-        it; otherwise each step program holds it before its loop, once per call (`Generator.chunk_steps` steps; the
-        concatenation copies the q/k/v weights, which XLA:CPU does slowly).
-        A snapshot: call it once the weights are final. Under a model-sharded mesh the projections stay separate
-        dots, and nothing is held."""
+        same bits). A `Generator` holds it on the model it is given, so that its programs (and those of every other
+        generator of that model) read it; a step program given an unheld model holds it before its loop, once per
+        call (`Generator.chunk_steps` steps; the concatenation copies the q/k/v weights, which XLA:CPU does slowly:
+        ~20% of a 4-step speculative chain). A snapshot: the weights must be final (the target's are never trained).
+        Under a model-sharded mesh the projections stay separate dots, and nothing is held. The held arrays are not
+        `nnx.Param`s: checkpoints (`nnx.state(model, nnx.Param)`) leave them out."""
         if self.numerics is not None and self.numerics.fused_qkv and not model_sharded():
             for layer in self.layers:
                 if layer.self_attn.qkv_fused is None:

@@ -86,7 +86,8 @@ def default_numerics(
     the user's choice (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto.
 
     On CPU the q, k and v projections run as one dot over their kernels side by side (`fused_qkv`): a one-row dot
-    costs XLA:CPU a fixed ~40 µs besides its weight traffic, and the k and v kernels are small (SmolLM2: [576, 192]).
+    costs XLA:CPU a fixed overhead besides its weight traffic (~75 µs per dot saved below), and the k and v kernels
+    are small (SmolLM2: [576, 192]).
     Measured, SmolLM2's 211 weight dots of a decode step chained alone on this project's 2-core AVX-512 CPU: 26.5 ms
     with separate q/k/v dots, 22.0 ms with one (gate and up side by side gained nothing: 26.4 ms). Not measured on
     accelerators, where it stays off.
