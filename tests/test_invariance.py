@@ -314,7 +314,7 @@ def _as_dtype(m: LlamaModel, dtype) -> LlamaModel:
     """The same weights in another dtype (a fresh skeleton filled with the cast parameters)."""
     out = LlamaModel(m.config, dtype=dtype, rngs=None)
     nnx.update(out, jax.tree.map(lambda x: hold(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                 nnx.state(m)))  # as a loaded model holds them (float32 on CPU)
+                                 nnx.state(m, nnx.Param)))  # as a loaded model holds them (float32 on CPU)
     return out
 
 

@@ -256,6 +256,13 @@ class LlamaModel(nnx.Module):
                     layer.self_attn.qkv_fused = nnx.data(layer.self_attn.fused_qkv_weights())
         return self
 
+    def without_held_qkv(self) -> LlamaModel:
+        """A copy sharing this model's weights, without the side-by-side q/k/v kernels held on it."""
+        copy = nnx.merge(*nnx.split(self))
+        for layer in copy.layers:
+            layer.self_attn.qkv_fused = None
+        return copy
+
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache; under a mesh whose model axis is wider than the KV heads, each KV head repeated so that
         every device holds the one its query heads read (sharding.cache_kv_heads)."""
