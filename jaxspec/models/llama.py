@@ -142,17 +142,14 @@ class Attention(nnx.Module):
             qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
             nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             q, k, v = jnp.split(qkv, (nq, nq + nkv), axis=-1)  # [B, T, Nq], [B, T, Nkv] x 2
-            q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         else:
-            q = self.q_proj(x, numerics).reshape(b, t, cfg.num_heads, cfg.head_dim)
-            k = self.k_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-            v = self.v_proj(x, numerics).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = (proj(x, numerics) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         return apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv), v
-
 
     def fused_qkv_weights(self) -> tuple[jax.Array, jax.Array | None]:
         """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases likewise (None without)."""

@@ -58,8 +58,7 @@ def time_forwards(
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step, 0 without a head), at this
     batch size and cache capacity, the cache half full, with the model's own numerics, timed in interleaved rounds
     (`best_seconds_interleaved`)."""
-    # the generators' programs hold the side-by-side q/k/v kernels before their loops: so does the timed forward
-    tg, tp = nnx.split(nnx.merge(*nnx.split(model)).hold_fused_qkv())
+    tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
 
     @jax.jit
     def target_forward(params, cache, tokens):  # [B, T]
