@@ -268,3 +268,68 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     record = _acceptance(t, (1, mean, rates))
     check_acceptance(record)
     assert profile_from_record(record).rates == pytest.approx(rates)
+
+
+def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
+    """train.heldout: the teacher-forced acceptance over many small batches (the last one wrapping into the next
+    epoch, its repeats dropped) equals one batch holding every sequence, and the TTT loss's own metrics on it."""
+    import jax.numpy as jnp
+
+    from jaxspec.checkpoints.hf import load_target
+    from train import heldout
+    from train.config import HeadSection
+    from train.launch import build_head
+    from train.packing import PackedBatches
+    from train.step import target_features, teacher_logits
+    from train.ttt import ttt_logits, ttt_loss
+
+    target = load_target(setup / "target")
+    head = build_head(target, HeadSection(48, 96), np.arange(target.config.vocab_size), seed=2)
+    sequences = read_shards(setup / "data")
+    whole = heldout.heldout_acceptance(target, head, sequences, 3)
+    monkeypatch.setattr(heldout, "ROW_LEN", 32)  # 24 sequences of 12-29 tokens: one or two per row
+    rows = len(PackedBatches([s[:2] for s in sequences], 32, 1, 3, seed=0).epoch_rows(0))
+    monkeypatch.setattr(heldout, "ROWS", 1)  # a batch per row
+    split = heldout.heldout_acceptance(target, head, sequences, 3)
+    monkeypatch.setattr(heldout, "ROWS", rows - 1)  # the second batch: one row, then rows - 2 repeats dropped
+    wrapped = heldout.heldout_acceptance(target, head, sequences, 3)
+    assert rows > 3
+    assert whole["positions"] == sum(len(s[0]) - 5 for s in sequences)  # every response token (prompts: 5)
+    for other in (split, wrapped):
+        assert other["positions"] == whole["positions"]
+        for key in ("accuracy", "conditional_acceptance", "mean_accepted_length"):
+            assert other[key] == pytest.approx(whole[key], abs=1e-4)
+    assert whole["accuracy"][0] > 0  # some drafts right: the counts are not all zero
+
+    b = PackedBatches([s[:2] for s in sequences], 1024, 1, 3, seed=0)(0)  # every sequence in one row
+    features, hidden = target_features(target, b.ids, b.positions, b.segments)
+    teacher = teacher_logits(target, hidden, head.to_target_ids(jnp.arange(48)))
+    next_ids = np.concatenate([b.ids[:, 1:], np.zeros_like(b.ids[:, :1])], axis=1)
+    logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, 3, b.positions, b.segments, b.trained)
+    _, metrics = ttt_loss(logits, teacher, b.loss_mask, segments=b.segments, trained=b.trained)
+    assert whole["accuracy"] == pytest.approx([float(metrics[f"acc_{k}"]) for k in range(3)], abs=1e-4)
+    assert whole["mean_accepted_length"] == pytest.approx(float(metrics["tau"]), abs=1e-4)
+
+
+def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
+    """train.eval_data: held-out shard directories scored teacher-forced every eval_every steps, in the log."""
+    launch(config(setup, "heldout", 4), "train.eval_every=2", f"train.eval_data=[{setup / 'data'}]")
+    records = [json.loads(line) for line in (setup / "heldout" / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["heldout_data"] for r in records if "heldout_data" in r}
+    assert sorted(scored) == [1, 3]
+    for s in scored.values():
+        assert s["positions"] > 0 and len(s["accuracy"]) == 3 and s["mean_accepted_length"] >= 1.0
+    proc = launch(config(setup, "heldout-missing", 2), "train.eval_data=[nowhere]", wait=False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "nowhere" in err
+    # the command scores an exported head the same way
+    cli = [sys.executable, "-m", "train.heldout", "--draft", str(setup / "heldout" / "head-speculators"),
+           "--target", str(setup / "target"), "--num-draft", "3", "--data"]
+    done = subprocess.run([*cli, str(setup / "data")], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["positions"] == scored[3]["positions"] and min(out[f"chain_{k}"] for k in (1, 2, 3)) >= 1.0
+    done = subprocess.run([*cli, "nowhere"], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2 and done.stderr.startswith("error:") and "nowhere" in done.stderr

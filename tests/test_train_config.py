@@ -49,6 +49,7 @@ def test_shipped_configs_parse(path):
     assert isinstance(cfg, RunConfig)
     for section in ("train", "head", "optim", "mesh"):  # every value written is the value used
         for key, value in (raw.get(section) or {}).items():
+            value = tuple(value) if isinstance(value, list) else value  # YAML lists are tuples in the frozen config
             assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
     assert cfg.optim.total_steps == cfg.train.steps
     assert load_config(path, ["train.steps=7", "optim.learning_rate=1e-3"]).optim.total_steps == 7

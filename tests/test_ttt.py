@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxspec.config import HeadConfig
 from jaxspec.models.eagle3 import Eagle3Head
-from train.ttt import ttt_logits, ttt_logits_reference, ttt_loss
+from train.ttt import ttt_hits, ttt_logits, ttt_logits_reference, ttt_loss
 
 CFG = HeadConfig(
     hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, vocab_size=50,
@@ -110,6 +110,8 @@ def test_accuracies_and_tau_match_a_direct_argmax_computation():
         logits.append(z)
     mask = rng.integers(0, 2, (b, t)).astype(np.int32)
     _, metrics = ttt_loss([jnp.asarray(z) for z in logits], jnp.asarray(teacher), jnp.asarray(mask))
+    hits, counted = (np.asarray(x) for x in ttt_hits([jnp.asarray(z) for z in logits], jnp.asarray(teacher),
+                                                     jnp.asarray(mask)))  # [K, B, T] each
     still = np.ones((b, t), bool)
     tau, chain = 1.0, 1.0
     for step in range(k):
@@ -117,6 +119,8 @@ def test_accuracies_and_tau_match_a_direct_argmax_computation():
         valid = (at + 1 < t)[None] & (mask[:, np.minimum(at + 1, t - 1)] > 0)  # [B, T]
         right = logits[step].argmax(-1) == teacher[:, np.minimum(at, t - 1)].argmax(-1)
         reached = still & valid
+        np.testing.assert_array_equal(counted[step], valid)
+        np.testing.assert_array_equal(hits[step] & valid, right & valid)  # held-out sums count what the loss does
         assert float(metrics[f"acc_{step}"]) == pytest.approx((right & valid).sum() / max(valid.sum(), 1), abs=1e-6)
         cond = (right & reached).sum() / max(reached.sum(), 1)
         assert float(metrics[f"cond_acc_{step}"]) == pytest.approx(cond, abs=1e-6)

@@ -65,6 +65,9 @@ class TrainSection:
     eval_prompts: str | None = None  # a shipped set (mt_bench, gsm8k) or a prompts file; needed when eval_every > 0
     eval_num_prompts: int = _setting(8, at_least=1)
     eval_max_new_tokens: int = _setting(64, at_least=1)
+    # held-out shard directories (python -m train.data generate, e.g. the target's responses to MT-Bench) scored
+    # teacher-forced at each evaluation (train/heldout.py): every response position, a few seconds per 1k tokens
+    eval_data: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +137,10 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
         raise JaxspecError(f"{where}: missing required key{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
     cfg = _convert(RunConfig, raw, (), where, partial=False)
     t = cfg.train
-    if t.eval_every and not t.eval_prompts:
+    if t.eval_every and not (t.eval_prompts or t.eval_data):
         raise JaxspecError(
-            f"{where}: train.eval_every = {t.eval_every} needs train.eval_prompts (mt_bench, gsm8k or a prompts file)"
+            f"{where}: train.eval_every = {t.eval_every} needs train.eval_prompts (mt_bench, gsm8k or a prompts file) "
+            "or train.eval_data (held-out shard directories)"
         )
     if t.trained_positions > t.seq_len:
         raise JaxspecError(

@@ -146,7 +146,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         from jaxspec.checkpoints.heads import read_head_config
 
         read_head_config(Path(cfg.head.init_from).expanduser())  # a missing head fails now, not after loading
-    if t.eval_every:
+    for eval_dir in t.eval_data:
+        require_shards(Path(eval_dir).expanduser(), "held-out shards (train.eval_data)")
+    if t.eval_every and t.eval_prompts:
         from jaxspec.prompts import prompt_set_path, read_prompts_file
 
         # a missing file fails now, not after eval_every steps
@@ -161,6 +163,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     # held in float32 beside its bfloat16 copy was 48 GB)
     target = load_target(target_dir, dtype=default_dtype())
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
+    heldout = {d: read_shards(Path(d).expanduser()) for d in t.eval_data}
     sequences = []
     for data_dir in data_dirs:  # several datasets are one mix: the packing shuffles them together
         found = read_shards(data_dir, with_features=t.features == "offline")
@@ -249,21 +252,30 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             "tokens_per_second": round(packed.real_tokens / (time.perf_counter() - begin), 1),  # padding not counted
             "epoch": round(batches.epoch_of_step(step + 1), 4),
         }
-        if t.eval_every and (step + 1) % t.eval_every == 0:
-            from jaxspec.prompts import load_tokenizer
-
+        evaluating = t.eval_every and (step + 1) % t.eval_every == 0
+        if evaluating:
             # evaluated as generation runs it: in the target's dtype (the master weights themselves when they are)
             merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
+            for eval_dir in t.eval_data:
+                from train.heldout import heldout_acceptance
+
+                scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
+                record[f"heldout_{Path(eval_dir).name}"] = scored
+        if evaluating and t.eval_prompts:
+            from jaxspec.prompts import load_tokenizer
+
             mean, rates = evaluate(target, merged, load_tokenizer(target_dir), target_dir, t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
-        if step % t.log_every == 0 or "eval_mean_accepted_length" in record or step == t.steps - 1:
+        if step % t.log_every == 0 or evaluating or step == t.steps - 1:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             if board is not None:
                 for name, value in record.items():
-                    if name != "step" and not isinstance(value, list):  # per-position lists stay in the JSONL
+                    if isinstance(value, dict):  # a held-out score: its mean accepted length
+                        board.add_scalar(f"train/{name}_tau", value["mean_accepted_length"], step)
+                    elif name != "step" and not isinstance(value, list):  # per-position lists stay in the JSONL
                         board.add_scalar(f"train/{name}", value, step)
                 board.flush()
         interrupted = stop is not None and stop.is_set()

@@ -171,6 +171,39 @@ def ttt_logits_reference(
     return out_logits
 
 
+def _taught_at(k: int, trained, loss_mask, segments, row_seg):
+    """Where step k of the rows `trained` [B, C] is taught: (the teacher's position t+1+k, clamped into the row,
+    [B, C]; whether it counts [B, C] bool — the token t+2+k is a response token of the row's own sequence)."""
+    t = loss_mask.shape[1]
+    at = trained + 1 + k  # the teacher's position; the trained token is at + 1
+    nxt = jnp.minimum(at + 1, t - 1)
+    counted = (at + 1 < t) & (_take(loss_mask, nxt) > 0) & (_take(segments, nxt) == row_seg)
+    return jnp.minimum(at, t - 1), counted
+
+
+def ttt_hits(
+    step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `trained`
+    teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
+    loss_mask: jax.Array,  # [B, T]
+    segments: jax.Array | None = None,  # [B, T]
+    trained: jax.Array | None = None,  # [B, C]
+) -> tuple[jax.Array, jax.Array]:
+    """(right [K, B, C]: step k's greedy draft is the teacher's greedy token, counted [K, B, C]: step k is taught
+    there), as `ttt_loss` counts them: sums over many batches give exact held-out accuracies, where the loss's
+    per-batch means would weigh batches equally."""
+    _, segments, trained = _packing(loss_mask, None, segments, trained)
+    teacher_best = jax.lax.top_k(teacher_logits, 1)[1][..., 0]  # [B, T], argmax's tie rule
+    row_seg = _take(segments, trained)
+    right, counted = [], []
+    for k, logits in enumerate(step_logits):
+        at, m = _taught_at(k, trained, loss_mask, segments, row_seg)
+        best = _take(teacher_best, at)
+        right.append(jnp.take_along_axis(logits, best[..., None], axis=-1, mode="clip")[..., 0]
+                     >= jnp.max(logits, axis=-1))
+        counted.append(m)
+    return jnp.stack(right), jnp.stack(counted)
+
+
 def ttt_loss(
     step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `trained`
     teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
@@ -184,7 +217,6 @@ def ttt_loss(
     Step k, row t is taught by the target's distribution at position t+1+k (which predicts x_{t+2+k}) and counts
     where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence.
     """
-    t = teacher_logits.shape[1]
     _, segments, trained = _packing(loss_mask, None, segments, trained)
     teacher_logits = teacher_logits.astype(jnp.float32)
     teacher = jax.nn.softmax(teacher_logits, axis=-1)  # [B, T, V_d] renormalized on the draft vocab
@@ -197,12 +229,9 @@ def ttt_loss(
     still_right = jnp.ones(trained.shape, bool)
     cond = []
     for k, logits in enumerate(step_logits):
-        at = trained + 1 + k  # the teacher's position; the trained token is at + 1
-        inside = at + 1 < t
-        p = _take(teacher, jnp.minimum(at, t - 1))  # [B, C, V_d]
-        best = _take(teacher_best, jnp.minimum(at, t - 1))
-        nxt = jnp.minimum(at + 1, t - 1)
-        m = inside & (_take(loss_mask, nxt) > 0) & (_take(segments, nxt) == row_seg)
+        at, m = _taught_at(k, trained, loss_mask, segments, row_seg)
+        p = _take(teacher, at)  # [B, C, V_d]
+        best = _take(teacher_best, at)
         m = m.astype(jnp.float32)
         count = jnp.maximum(m.sum(), 1.0)
         # −Σ p·log_softmax(z) = logsumexp(z) − Σ p·z since Σ p = 1: no [B, C, V_d] log-probabilities in the
