@@ -322,6 +322,15 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     proc = launch(config(setup, "heldout-missing", 2), "train.eval_data=[nowhere]", wait=False)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "nowhere" in err
+    # the exported head records the last replay as its acceptance profile, the prior automatic speculation reads
+    from jaxspec.checkpoints.verifier import check_acceptance
+    from jaxspec.spec.auto_config import profile_from_record
+
+    exported = json.loads((setup / "heldout" / "head-speculators" / "config.json").read_text())["jaxspec"]
+    (record,) = check_acceptance(exported["acceptance"])
+    assert record["prompts"] == "data" and record["num_prompts"] == 24 and record["method"] == "chain K=3"
+    assert record["mean_accepted_length"] == scored[3]["chain_3"]
+    assert profile_from_record([record]).rates == pytest.approx(scored[3]["chain_3_acceptance_per_position"])
     # the command scores an exported head the same way
     cli = [sys.executable, "-m", "train.heldout", "--draft", str(setup / "heldout" / "head-speculators"),
            "--target", str(setup / "target"), "--num-draft", "3", "--data"]
@@ -333,3 +342,18 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     done = subprocess.run([*cli, "nowhere"], check=False, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 2 and done.stderr.startswith("error:") and "nowhere" in done.stderr
+
+
+def test_replayed_chain_follows_the_engine_from_verify_to_verify():
+    """replay_chain by hand: a prompt of 2 and 8 response tokens; the engine holds x_2 from the prefill and drafts
+    from row j-1 after committing x_j. runs (accepted drafts of a chain anchored at each row) chosen so that the
+    path is 2 -> 5 (2 drafts + bonus) -> 6 (0 + bonus) -> 9 (K=2 caps 3 at 2, + bonus): 7 tokens in 3 verifies."""
+    from train.heldout import replay_chain
+
+    ids = np.arange(10)
+    mask = np.array([0, 0] + [1] * 8)
+    runs = np.array([0, 2, 9, 9, 0, 3, 9, 9, 9, 9])  # read at rows 1, 4, 5
+    tokens, rates = replay_chain([(ids, mask)], [runs], 2)
+    assert tokens == pytest.approx(7 / 3) and rates == pytest.approx([2 / 3, 2 / 3], abs=1e-4)  # rounded
+    tokens, rates = replay_chain([(ids, mask)], [runs], 1)  # 2 -> 4 -> 6 -> 8 -> 9 (the last cut by the end)
+    assert tokens == pytest.approx(7 / 4)

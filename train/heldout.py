@@ -14,49 +14,61 @@ first-draft 0.256 teacher-forced vs 0.242 in the engine on MT-Bench), at a few s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxspec.errors import JaxspecError
 from train.packing import PackedBatches, layout
+from train.step import target_features, teacher_logits
+from train.ttt import ttt_hits, ttt_logits
 
 ROWS = 4  # packed rows per evaluated batch
 ROW_LEN = 512
 
 
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "head_graphdef", "num_steps"))
+def _hits(target_graphdef, target_state, head_graphdef, head_state, ids, loss_mask, positions, segments, trained, *,
+          num_steps: int):
+    """For one batch ([B, T] each, trained [B, C]): the per-step sums (right, counted, chained, reached) [4, K] and
+    how many drafts a chain anchored at each trained row gets accepted [B, C]. The models come in as graphdefs
+    (static) and states (arguments), not closed over: weights as traced constants made XLA constant-fold them, and a
+    launcher evaluating every N steps recompiles nothing."""
+    target = nnx.merge(target_graphdef, target_state)
+    head = nnx.merge(head_graphdef, head_state)
+    draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
+    features, hidden = target_features(target, ids, positions, segments)
+    teacher = teacher_logits(target, hidden, draft_ids)
+    next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    logits = ttt_logits(head, target.embed_tokens[...], features.astype(head.dtype), next_ids, num_steps,
+                        positions, segments, trained)
+    right, counted = ttt_hits(logits, teacher, loss_mask, segments, trained)  # [K, B, C] each
+    chain = jnp.cumprod(right, axis=0).astype(bool)  # steps 0..k all right
+    reached = jnp.concatenate([jnp.ones_like(chain[:1]), chain[:-1]], axis=0) & counted
+    sums = (jnp.sum(right & counted, axis=(1, 2)), jnp.sum(counted, axis=(1, 2)),
+            jnp.sum(chain & reached, axis=(1, 2)), jnp.sum(reached, axis=(1, 2)))
+    runs = jnp.sum(jnp.cumprod(right & counted, axis=0), axis=0)  # [B, C] drafts a chain from here accepts
+    return jnp.stack(sums), runs
+
+
 def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
     """Teacher-forced acceptance of `head` drafting `num_steps` tokens on (ids, loss_mask) sequences: per step the
-    accuracy and the conditional acceptance (right given every earlier step was right), and the chain's mean
-    accepted length; the head and target compute in their own dtypes (evaluate as generation would run them)."""
-    import jax
-    import jax.numpy as jnp
-
-    from train.step import target_features, teacher_logits
-    from train.ttt import ttt_hits, ttt_logits
-
+    accuracy and the conditional acceptance (right given every earlier step was right), the mean accepted length
+    they imply, and chain_k: greedy chain drafting of k ≤ num_steps tokens replayed. The head and target compute
+    in their own dtypes (evaluate as generation would run them)."""
     sequences = [s[:2] for s in sequences]
     longest = max(len(s[0]) for s in sequences)
     row_len = max(ROW_LEN, 1 << int(np.ceil(np.log2(longest))))  # one row holds the longest: nothing is cut
     batches = PackedBatches(sequences, row_len, ROWS, num_steps, seed=0)
     steps = -(-len(batches.epoch_rows(0)) // ROWS)
-    draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
-
-    @jax.jit
-    def hits(ids, loss_mask, positions, segments, trained):  # [B, T] each, trained [B, C]
-        features, hidden = target_features(target, ids, positions, segments)
-        teacher = teacher_logits(target, hidden, draft_ids)
-        next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
-        logits = ttt_logits(head, target.embed_tokens[...], features.astype(head.dtype), next_ids, num_steps,
-                            positions, segments, trained)
-        right, counted = ttt_hits(logits, teacher, loss_mask, segments, trained)  # [K, B, C] each
-        chain = jnp.cumprod(right, axis=0).astype(bool)  # steps 0..k all right
-        reached = jnp.concatenate([jnp.ones_like(chain[:1]), chain[:-1]], axis=0) & counted
-        sums = (jnp.sum(right & counted, axis=(1, 2)), jnp.sum(counted, axis=(1, 2)),
-                jnp.sum(chain & reached, axis=(1, 2)), jnp.sum(reached, axis=(1, 2)))
-        runs = jnp.sum(jnp.cumprod(right & counted, axis=0), axis=0)  # [B, C] drafts a chain from here accepts
-        return jnp.stack(sums), runs
+    tgd, tstate = nnx.split(target)
+    hgd, hstate = nnx.split(head)
+    hits = functools.partial(_hits, tgd, tstate, hgd, hstate, num_steps=num_steps)
 
     totals = np.zeros((4, num_steps), np.int64)
     runs = [np.zeros(len(s[0]), np.int64) for s in sequences]  # per sequence and position
@@ -80,27 +92,33 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
         "accuracy": [round(float(x), 4) for x in right / np.maximum(counted, 1)],
         "conditional_acceptance": [round(float(x), 4) for x in cond],
         "mean_accepted_length": round(float(1 + np.cumprod(cond).sum()), 4),
-        **{f"chain_{k}": round(chain_tokens_per_verify(sequences, runs, k), 4) for k in range(1, num_steps + 1)},
+        **{f"chain_{k}": round(replay_chain(sequences, runs, k)[0], 4) for k in range(1, num_steps + 1)},
+        f"chain_{num_steps}_acceptance_per_position": replay_chain(sequences, runs, num_steps)[1],
+        "sequences": len(sequences),
     }
 
 
-def chain_tokens_per_verify(sequences, runs, k: int) -> float:
-    """Tokens per verify step (bonus included, the prefill's token not) that greedy chain drafting of k tokens
-    would give on these sequences, replayed: the engine, having committed x_0..x_j (x_j the last verify's bonus,
-    or the prefill's token), drafts from row j-1 and accepts min(runs[j-1], k) drafts plus the bonus. Unlike the
-    per-position rates above, this visits only the positions where verify steps start, as the engine does — after
-    an accepted chain they land past the easy tokens it consumed, so the per-step rates overstate the engine's."""
+def replay_chain(sequences, runs, k: int) -> tuple[float, list[float]]:
+    """(tokens per verify step — bonus included, the prefill's token not —, the share of verify steps that accepted
+    each of the k draft positions) that greedy chain drafting of k tokens would give on these sequences, replayed:
+    the engine, having committed x_0..x_j (x_j the last verify's bonus, or the prefill's token), drafts from row
+    j-1 and accepts min(runs[j-1], k) drafts plus the bonus. Unlike the per-position rates over all positions,
+    this visits only the positions where verify steps start, as the engine does: after an accepted chain they land
+    past the easy tokens it consumed, so the all-positions rates overstate the engine's."""
     tokens = verifies = 0
+    accepted = np.zeros(k, np.int64)  # verify steps that accepted position i
     for (ids, loss_mask), run in zip((s[:2] for s in sequences), runs):
         n, j = len(ids), int(np.argmax(loss_mask > 0))  # x_j: the first response token, from the prefill
         if not loss_mask[j] or j == 0:  # no response, or no prompt to prefill
             continue
         while j < n - 1:
-            made = min(int(min(run[j - 1], k)) + 1, n - 1 - j)
+            took = int(min(run[j - 1], k))
+            made = min(took + 1, n - 1 - j)
+            accepted[: min(took, made)] += 1
             j += made
             tokens += made
             verifies += 1
-    return tokens / max(verifies, 1)
+    return tokens / max(verifies, 1), [round(float(a) / max(verifies, 1), 4) for a in accepted]
 
 
 def build_parser() -> argparse.ArgumentParser:

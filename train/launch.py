@@ -89,17 +89,30 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> tuple[floa
     return tokens_per_verify(out) or 1.0, [round(float(a) / max(calls, 1), 4) for a in accepted]
 
 
-def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | None) -> list[dict] | None:
-    """The exported head's acceptance profile: the run's last evaluation (`eval_every`), if it made one."""
-    if last_eval is None:
-        return None
-    step, mean, rates = last_eval
-    return [{
-        "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts, "method": f"chain K={t.num_draft_steps}",
-        "num_speculative_tokens": t.num_draft_steps, "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
-        "mean_accepted_length": max(1.0, mean), "acceptance_per_position": rates,
-        "measured_by": f"train.launch evaluation after step {step}",
-    }]
+def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | None,
+                last_heldout: dict[str, tuple[int, dict]] | None = None) -> list[dict] | None:
+    """The exported head's acceptance profile: the run's last evaluations (`eval_every`), if it made any — the
+    engine's on `eval_prompts`, and the chain replayed on each `eval_data` set (train/heldout.py)."""
+    records = []
+    if last_eval is not None:
+        step, mean, rates = last_eval
+        records.append({
+            "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts,
+            "method": f"chain K={t.num_draft_steps}", "num_speculative_tokens": t.num_draft_steps,
+            "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
+            "mean_accepted_length": max(1.0, mean), "acceptance_per_position": rates,
+            "measured_by": f"train.launch evaluation after step {step}",
+        })
+    for eval_dir, (step, scored) in (last_heldout or {}).items():
+        k = t.num_draft_steps
+        records.append({
+            "prompts": Path(eval_dir).name, "num_prompts": scored["sequences"], "method": f"chain K={k}",
+            "num_speculative_tokens": k, "temperature": 0.0,
+            "mean_accepted_length": max(1.0, scored[f"chain_{k}"]),
+            "acceptance_per_position": scored[f"chain_{k}_acceptance_per_position"],
+            "measured_by": f"train.heldout replay (teacher-forced) after step {step}",
+        })
+    return records or None
 
 
 def _tensorboard(out: Path):
@@ -232,7 +245,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     metrics_file = (out / "metrics.jsonl").open("a")
     board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
-    last, interrupted, last_eval = {}, False, None
+    last, interrupted, last_eval, last_heldout = {}, False, None, {}
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         packed = batches(step)
         batch = jax.device_put(
@@ -261,6 +274,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
 
                 scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
                 record[f"heldout_{Path(eval_dir).name}"] = scored
+                last_heldout[eval_dir] = (step + 1, scored)
         if evaluating and t.eval_prompts:
             from jaxspec.prompts import load_tokenizer
 
@@ -296,7 +310,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     for layout in ("speculators", "sglang"):
         head_dir = out / f"head-{layout}"
         export_head(head, head_dir, layout=layout, target=target.config, dtype="bfloat16",
-                    verifier=verifier_name(cfg.target, head_dir), acceptance=_acceptance(t, last_eval))
+                    verifier=verifier_name(cfg.target, head_dir), acceptance=_acceptance(t, last_eval, last_heldout))
     return last
 
 
