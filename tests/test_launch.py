@@ -270,18 +270,42 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     assert profile_from_record(record).rates == pytest.approx(rates)
 
 
-def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
-    """train.heldout: the teacher-forced acceptance over many small batches (the last one wrapping into the next
-    epoch, its repeats dropped) equals one batch holding every sequence, and the TTT loss's own metrics on it."""
+def _one_row_hits(target, head, sequences, num_steps):
+    """(right, counted) [K, positions] written out for every sequence packed in one row: step k of row t is right
+    where the head's argmax, as a target id, is the token at t+2+k, counted where that token is a response token
+    of t's own sequence."""
     import jax.numpy as jnp
 
+    from train.packing import PackedBatches
+    from train.step import target_features
+    from train.ttt import ttt_logits
+
+    b = PackedBatches([s[:2] for s in sequences], 1024, 1, num_steps, seed=0)(0)
+    features, _ = target_features(target, b.ids, b.positions, b.segments)
+    next_ids = np.concatenate([b.ids[:, 1:], np.zeros_like(b.ids[:, :1])], axis=1)
+    logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps, b.positions, b.segments,
+                        b.trained)
+    to_target = np.asarray(head.to_target_ids(jnp.arange(head.config.draft_vocab_size)))
+    ids, mask, seg, t_len = b.ids[0], b.loss_mask[0], b.segments[0], b.ids.shape[1]
+    right, counted = np.zeros((2, num_steps, len(b.trained[0])), bool)
+    for k in range(num_steps):
+        drafted = to_target[np.asarray(logits[k][0]).argmax(-1)]
+        for c, t in enumerate(b.trained[0]):
+            at = t + 2 + k
+            counted[k, c] = at < t_len and mask[at] > 0 and seg[at] == seg[t] > 0
+            right[k, c] = counted[k, c] and drafted[c] == ids[at]
+    return right, counted
+
+
+def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
+    """train.heldout: a step is right where the head's greedy draft is the token the data hold; the rates over many
+    small batches (the last one wrapping into the next epoch, its repeats dropped) equal one batch holding every
+    sequence and a direct count."""
     from jaxspec.checkpoints.hf import load_target
     from train import heldout
     from train.config import HeadSection
     from train.launch import build_head
     from train.packing import PackedBatches
-    from train.step import target_features, teacher_logits
-    from train.ttt import ttt_logits, ttt_loss
 
     target = load_target(setup / "target")
     head = build_head(target, HeadSection(48, 96), np.arange(target.config.vocab_size), seed=2)
@@ -297,18 +321,48 @@ def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
     assert whole["positions"] == sum(len(s[0]) - 5 for s in sequences)  # every response token (prompts: 5)
     for other in (split, wrapped):
         assert other["positions"] == whole["positions"]
-        for key in ("accuracy", "conditional_acceptance", "mean_accepted_length"):
+        for key in ("accuracy", "conditional_acceptance", "mean_accepted_length", "chain_1", "chain_3"):
             assert other[key] == pytest.approx(whole[key], abs=1e-4)
-    assert whole["accuracy"][0] > 0  # some drafts right: the counts are not all zero
+    right, counted = _one_row_hits(target, head, sequences, 3)
+    assert whole["accuracy"] == pytest.approx(list((right & counted).sum(1) / counted.sum(1)), abs=1e-4)
 
-    b = PackedBatches([s[:2] for s in sequences], 1024, 1, 3, seed=0)(0)  # every sequence in one row
-    features, hidden = target_features(target, b.ids, b.positions, b.segments)
-    teacher = teacher_logits(target, hidden, head.to_target_ids(jnp.arange(48)))
-    next_ids = np.concatenate([b.ids[:, 1:], np.zeros_like(b.ids[:, :1])], axis=1)
-    logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, 3, b.positions, b.segments, b.trained)
-    _, metrics = ttt_loss(logits, teacher, b.loss_mask, segments=b.segments, trained=b.trained)
-    assert whole["accuracy"] == pytest.approx([float(metrics[f"acc_{k}"]) for k in range(3)], abs=1e-4)
-    assert whole["mean_accepted_length"] == pytest.approx(float(metrics["tau"]), abs=1e-4)
+
+def test_heldout_replay_counts_runs_of_draftable_tokens(setup):
+    """With a zero LM head every draft logit ties, so a step is right exactly where the data's token lies in the
+    draft vocabulary (a tie counts as right; a token outside it never does): the rates and the replayed chains
+    follow from the data alone."""
+    import jax.numpy as jnp
+
+    from jaxspec.checkpoints.hf import load_target
+    from train import heldout
+    from train.config import HeadSection
+    from train.launch import build_head
+
+    target = load_target(setup / "target")
+    head = build_head(target, HeadSection(48, 96), np.arange(target.config.vocab_size), seed=2)
+    head.lm_head.kernel.set_value(jnp.zeros_like(head.lm_head.kernel[...]))
+    draftable = np.zeros(target.config.vocab_size, bool)
+    draftable[np.asarray(head.to_target_ids(jnp.arange(48)))] = True
+    sequences = read_shards(setup / "data")
+    got = heldout.heldout_acceptance(target, head, sequences, 3)
+    runs, hits, total = [], np.zeros(3), 0
+    for ids, mask in sequences:
+        n = len(ids)
+        run = np.zeros(n, np.int64)
+        for t in range(n):
+            while run[t] < 3 and t + 2 + run[t] < n and mask[t + 2 + run[t]] and draftable[ids[t + 2 + run[t]]]:
+                run[t] += 1
+        runs.append(run)
+        for k in range(3):
+            at = np.arange(n) + 2 + k
+            ok = (at < n) & (mask[np.minimum(at, n - 1)] > 0)
+            hits[k] += (ok & draftable[ids[np.minimum(at, n - 1)]]).sum()
+        total += int(mask.sum())
+    assert 0.2 < got["accuracy"][0] < 0.8  # the data's tokens: about half of them draftable
+    assert got["accuracy"] == pytest.approx(list(hits / total), abs=1e-4)
+    for k in (1, 2, 3):
+        assert got[f"chain_{k}"] == pytest.approx(heldout.replay_chain(sequences, runs, k)[0], abs=1e-4)
+    assert got["chain_3"] > got["chain_1"] > 1.0
 
 
 def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
@@ -319,7 +373,7 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     assert sorted(scored) == [1, 3]
     for s in scored.values():
         assert s["positions"] > 0 and len(s["accuracy"]) == 3 and s["mean_accepted_length"] >= 1.0
-    proc = launch(config(setup, "heldout-missing", 2), "train.eval_data=[nowhere]", wait=False)
+    proc = launch(config(setup, "heldout-missing", 2), "train.eval_every=2", "train.eval_data=[nowhere]", wait=False)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "nowhere" in err
     # the exported head records the last replay as its acceptance profile, the prior automatic speculation reads

@@ -13,7 +13,7 @@ import yaml
 
 from jaxspec.errors import JaxspecError
 from train import data as train_data
-from train import launch
+from train import heldout, launch
 from train.config import HeadSection, MeshSection, OptimConfig, RunConfig, TrainSection, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,16 @@ def test_missing_required_keys_are_named(tmp_path, capsys):
     assert "missing required keys train.num_draft_steps, train.batch_size, train.seq_len, train.steps" in err
     err = launch_fails(capsys, tmp_path, {**MINIMAL, "train": {**MINIMAL["train"], "eval_every": 5}})
     assert "train.eval_every = 5 needs train.eval_prompts" in err
+
+
+def test_held_out_sets_need_distinct_names(tmp_path, capsys):
+    """train.eval_data: each set's scores are logged under its directory's name; null turns it off."""
+    train = {**MINIMAL["train"], "eval_every": 5}
+    err = launch_fails(capsys, tmp_path, {**MINIMAL, "train": {**train, "eval_data": ["a/mt_bench", "b/mt_bench"]}})
+    assert "train.eval_data directories need distinct names" in err
+    cfg = parse_config({**MINIMAL, "train": {**train, "eval_data": ["a/mt_bench", "a/gsm8k"]}})
+    assert cfg.train.eval_data == ("a/mt_bench", "a/gsm8k")
+    assert parse_config({**MINIMAL, "train": {**MINIMAL["train"], "eval_data": None}}).train.eval_data is None
 
 
 def test_wrong_types_name_key_type_and_value(tmp_path, capsys):
@@ -234,7 +244,8 @@ def _parsers(parser: argparse.ArgumentParser):
                 yield from _parsers(sub)
 
 
-@pytest.mark.parametrize("build", [launch.build_parser, train_data.build_parser], ids=["launch", "data"])
+@pytest.mark.parametrize("build", [launch.build_parser, train_data.build_parser, heldout.build_parser],
+                         ids=["launch", "data", "heldout"])
 def test_every_flag_has_help_with_its_default(build):
     for prog, parser in _parsers(build()):
         for action in parser._actions:

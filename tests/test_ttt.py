@@ -110,8 +110,11 @@ def test_accuracies_and_tau_match_a_direct_argmax_computation():
         logits.append(z)
     mask = rng.integers(0, 2, (b, t)).astype(np.int32)
     _, metrics = ttt_loss([jnp.asarray(z) for z in logits], jnp.asarray(teacher), jnp.asarray(mask))
-    hits, counted = (np.asarray(x) for x in ttt_hits([jnp.asarray(z) for z in logits], jnp.asarray(teacher),
-                                                     jnp.asarray(mask)))  # [K, B, T] each
+    best = jnp.asarray(teacher.argmax(-1))  # [B, T] the teacher's token, as ttt_loss takes it
+    hits, counted = (np.asarray(x) for x in ttt_hits([jnp.asarray(z) for z in logits], best, jnp.asarray(mask)))
+    # a position whose token no draft can be (-1) is never right
+    never, _ = ttt_hits([jnp.asarray(z) for z in logits], jnp.full_like(best, -1), jnp.asarray(mask))
+    assert not np.asarray(never).any()
     still = np.ones((b, t), bool)
     tau, chain = 1.0, 1.0
     for step in range(k):

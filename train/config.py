@@ -67,7 +67,7 @@ class TrainSection:
     eval_max_new_tokens: int = _setting(64, at_least=1)
     # held-out shard directories (python -m train.data generate, e.g. the target's responses to MT-Bench) scored
     # teacher-forced at each evaluation (train/heldout.py): every response position, a few seconds per 1k tokens
-    eval_data: tuple[str, ...] = ()
+    eval_data: tuple[str, ...] | None = None  # null: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +142,10 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
             f"{where}: train.eval_every = {t.eval_every} needs train.eval_prompts (mt_bench, gsm8k or a prompts file) "
             "or train.eval_data (held-out shard directories)"
         )
+    names = [Path(d).name for d in t.eval_data or ()]
+    if len(set(names)) < len(names):
+        raise JaxspecError(f"{where}: train.eval_data directories need distinct names (their scores are logged by "
+                           f"name), got {', '.join(names)}")
     if t.trained_positions > t.seq_len:
         raise JaxspecError(
             f"{where}: train.trained_positions = {t.trained_positions} exceeds train.seq_len = {t.seq_len} "

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxspec.errors import JaxspecError
 from train.packing import PackedBatches, layout
-from train.step import target_features, teacher_logits
+from train.step import target_features
 from train.ttt import ttt_hits, ttt_logits
 
 ROWS = 4  # packed rows per evaluated batch
@@ -41,13 +41,17 @@ def _hits(target_graphdef, target_state, head_graphdef, head_state, ids, loss_ma
     launcher evaluating every N steps recompiles nothing."""
     target = nnx.merge(target_graphdef, target_state)
     head = nnx.merge(head_graphdef, head_state)
-    draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
-    features, hidden = target_features(target, ids, positions, segments)
-    teacher = teacher_logits(target, hidden, draft_ids)
+    vd = head.config.draft_vocab_size
+    draft_ids = head.to_target_ids(jnp.arange(vd, dtype=jnp.int32))  # [V_d] target ids
+    to_draft = jnp.full((target.config.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(vd, dtype=jnp.int32))
+    features, _ = target_features(target, ids, positions, segments)
     next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+    # the token the target produced after each position (the data are its greedy output: what the engine verifies),
+    # as a draft id; -1 outside the draft vocabulary, where every draft is rejected
+    best = jnp.take(to_draft, next_ids)  # [B, T]
     logits = ttt_logits(head, target.embed_tokens[...], features.astype(head.dtype), next_ids, num_steps,
                         positions, segments, trained)
-    right, counted = ttt_hits(logits, teacher, loss_mask, segments, trained)  # [K, B, C] each
+    right, counted = ttt_hits(logits, best, loss_mask, segments, trained)  # [K, B, C] each
     chain = jnp.cumprod(right, axis=0).astype(bool)  # steps 0..k all right
     reached = jnp.concatenate([jnp.ones_like(chain[:1]), chain[:-1]], axis=0) & counted
     sums = (jnp.sum(right & counted, axis=(1, 2)), jnp.sum(counted, axis=(1, 2)),
@@ -62,6 +66,8 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
     they imply, and chain_k: greedy chain drafting of k ≤ num_steps tokens replayed. The head and target compute
     in their own dtypes (evaluate as generation would run them)."""
     sequences = [s[:2] for s in sequences]
+    if not sequences:
+        raise JaxspecError("the held-out shards hold no sequences")
     longest = max(len(s[0]) for s in sequences)
     row_len = max(ROW_LEN, 1 << int(np.ceil(np.log2(longest))))  # one row holds the longest: nothing is cut
     batches = PackedBatches(sequences, row_len, ROWS, num_steps, seed=0)
@@ -87,13 +93,15 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
                 runs[i][b.trained[r][inside] - start] = found[r][inside]
     right, counted, chained, reached = totals
     cond = chained / np.maximum(reached, 1)
+    longest_chain = replay_chain(sequences, runs, num_steps)
     return {
         "positions": int(counted[0]),
         "accuracy": [round(float(x), 4) for x in right / np.maximum(counted, 1)],
         "conditional_acceptance": [round(float(x), 4) for x in cond],
         "mean_accepted_length": round(float(1 + np.cumprod(cond).sum()), 4),
-        **{f"chain_{k}": round(replay_chain(sequences, runs, k)[0], 4) for k in range(1, num_steps + 1)},
-        f"chain_{num_steps}_acceptance_per_position": replay_chain(sequences, runs, num_steps)[1],
+        **{f"chain_{k}": round(replay_chain(sequences, runs, k)[0], 4) for k in range(1, num_steps)},
+        f"chain_{num_steps}": round(longest_chain[0], 4),
+        f"chain_{num_steps}_acceptance_per_position": longest_chain[1],
         "sequences": len(sequences),
     }
 
@@ -127,10 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced acceptance of a draft head on held-out shards (python -m train.data generate): "
         "per-step accuracy and the chain's mean accepted length, over every response position.",
     )
-    p.add_argument("--draft", required=True, help="the head's directory (any layout)")
-    p.add_argument("--data", required=True, nargs="+", help="shard directories of held-out sequences")
-    p.add_argument("--target", default=None, help="the head's target; default: the built-in SmolLM2-135M-Instruct")
-    p.add_argument("--num-draft", type=int, default=5, help="draft steps per chain (default 5)")
+    p.add_argument("--draft", required=True, metavar="DIR", help="the head's directory, any layout (required; no default)")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="shard directories of held-out sequences, e.g. data/smollm2-heldout/mt_bench (required; no "
+                   "default)")
+    p.add_argument("--target", default=None, metavar="DIR",
+                   help="the head's target, a Hugging Face directory (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--num-draft", type=int, default=5, metavar="K",
+                   help="draft steps per chain: chain_1 .. chain_K are replayed (default: 5)")
     return p
 
 
@@ -142,17 +154,21 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         from jaxspec.checkpoints.heads import load_head
         from jaxspec.checkpoints.hf import load_target
-        from jaxspec.cli_common import resolve_target
+        from jaxspec.cli_common import head_aux_layer_ids, resolve_target
         from jaxspec.generation import default_dtype
+        from jaxspec.spec.generator import check_head_fits
         from train.data import read_shards, require_shards
 
         if args.num_draft < 1:
             raise JaxspecError(f"--num-draft must be at least 1, got {args.num_draft}")
         for d in args.data:
             require_shards(Path(d), "held-out shards")
-        target = load_target(resolve_target(args.target), dtype=default_dtype())
+        target_dir = resolve_target(args.target)
+        # the target returns the layers this head reads (checked against both configs before any weights load)
+        target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=head_aux_layer_ids(args.draft, target_dir))
         target.numerics = None
         head = load_head(Path(args.draft), target.config, dtype=target.dtype)
+        check_head_fits(target, head)
         for d in args.data:
             result = heldout_acceptance(target, head, read_shards(Path(d)), args.num_draft)
             print(json.dumps({"data": str(d), "draft": str(args.draft), **result}))

@@ -159,7 +159,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         from jaxspec.checkpoints.heads import read_head_config
 
         read_head_config(Path(cfg.head.init_from).expanduser())  # a missing head fails now, not after loading
-    for eval_dir in t.eval_data:
+    eval_dirs = list(t.eval_data or ()) if t.eval_every else []  # scored only at evaluations
+    for eval_dir in eval_dirs:
         require_shards(Path(eval_dir).expanduser(), "held-out shards (train.eval_data)")
     if t.eval_every and t.eval_prompts:
         from jaxspec.prompts import prompt_set_path, read_prompts_file
@@ -176,7 +177,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     # held in float32 beside its bfloat16 copy was 48 GB)
     target = load_target(target_dir, dtype=default_dtype())
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
-    heldout = {d: read_shards(Path(d).expanduser()) for d in t.eval_data}
+    heldout = {d: read_shards(Path(d).expanduser()) for d in eval_dirs}
+    for eval_dir, found in heldout.items():
+        if not found:
+            raise JaxspecError(f"the held-out shards in {eval_dir!r} (train.eval_data) hold no sequences")
     sequences = []
     for data_dir in data_dirs:  # several datasets are one mix: the packing shuffles them together
         found = read_shards(data_dir, with_features=t.features == "offline")
@@ -269,7 +273,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         if evaluating:
             # evaluated as generation runs it: in the target's dtype (the master weights themselves when they are)
             merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
-            for eval_dir in t.eval_data:
+            for eval_dir in eval_dirs:
                 from train.heldout import heldout_acceptance
 
                 scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
@@ -287,8 +291,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             metrics_file.flush()
             if board is not None:
                 for name, value in record.items():
-                    if isinstance(value, dict):  # a held-out score: its mean accepted length
-                        board.add_scalar(f"train/{name}_tau", value["mean_accepted_length"], step)
+                    if isinstance(value, dict):  # a held-out score: the replayed chain's tokens per verify
+                        k = t.num_draft_steps
+                        board.add_scalar(f"train/{name}_chain_{k}", value[f"chain_{k}"], step)
                     elif name != "step" and not isinstance(value, list):  # per-position lists stay in the JSONL
                         board.add_scalar(f"train/{name}", value, step)
                 board.flush()

@@ -183,23 +183,24 @@ def _taught_at(k: int, trained, loss_mask, segments, row_seg):
 
 def ttt_hits(
     step_logits: list[jax.Array],  # K × [B, C, V_d] draft logits at `trained`
-    teacher_logits: jax.Array,  # [B, T, V_d] the target's logits at each position, draft-vocabulary columns only
+    best: jax.Array,  # [B, T] the draft id each position's teacher picks (-1: a token no draft can be)
     loss_mask: jax.Array,  # [B, T]
     segments: jax.Array | None = None,  # [B, T]
     trained: jax.Array | None = None,  # [B, C]
 ) -> tuple[jax.Array, jax.Array]:
-    """(right [K, B, C]: step k's greedy draft is the teacher's greedy token, counted [K, B, C]: step k is taught
-    there), as `ttt_loss` counts them: sums over many batches give exact held-out accuracies, where the loss's
-    per-batch means would weigh batches equally."""
+    """(right [K, B, C]: step k's greedy draft is the teacher's token, counted [K, B, C]: step k is taught there),
+    counted as `ttt_loss` counts them: sums over many batches give exact held-out rates, where the loss's per-batch
+    means would weigh batches equally. `best` is the teacher's choice at each position: `ttt_loss` takes the
+    target's greedy token among the draft vocabulary; held-out scoring (train.heldout) takes the token the target
+    really produced, -1 where it lies outside the draft vocabulary, since the engine can never accept a draft there."""
     _, segments, trained = _packing(loss_mask, None, segments, trained)
-    teacher_best = jax.lax.top_k(teacher_logits, 1)[1][..., 0]  # [B, T], argmax's tie rule
     row_seg = _take(segments, trained)
     right, counted = [], []
     for k, logits in enumerate(step_logits):
         at, m = _taught_at(k, trained, loss_mask, segments, row_seg)
-        best = _take(teacher_best, at)
-        right.append(jnp.take_along_axis(logits, best[..., None], axis=-1, mode="clip")[..., 0]
-                     >= jnp.max(logits, axis=-1))
+        want = _take(best, at)  # [B, C]
+        hit = jnp.take_along_axis(logits, jnp.maximum(want, 0)[..., None], axis=-1, mode="clip")[..., 0]
+        right.append((want >= 0) & (hit >= jnp.max(logits, axis=-1)))
         counted.append(m)
     return jnp.stack(right), jnp.stack(counted)
 
