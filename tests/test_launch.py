@@ -321,7 +321,7 @@ def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
     assert whole["positions"] == sum(len(s[0]) - 5 for s in sequences)  # every response token (prompts: 5)
     for other in (split, wrapped):
         assert other["positions"] == whole["positions"]
-        for key in ("accuracy", "conditional_acceptance", "mean_accepted_length", "chain_1", "chain_3"):
+        for key in ("accuracy", "conditional_acceptance", "tau", "chain_1", "chain_3"):
             assert other[key] == pytest.approx(whole[key], abs=1e-4)
     right, counted = _one_row_hits(target, head, sequences, 3)
     assert whole["accuracy"] == pytest.approx(list((right & counted).sum(1) / counted.sum(1)), abs=1e-4)
@@ -372,7 +372,7 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     scored = {r["step"]: r["heldout_data"] for r in records if "heldout_data" in r}
     assert sorted(scored) == [1, 3]
     for s in scored.values():
-        assert s["positions"] > 0 and len(s["accuracy"]) == 3 and s["mean_accepted_length"] >= 1.0
+        assert s["positions"] > 0 and len(s["accuracy"]) == 3 and s["tau"] >= 1.0
     proc = launch(config(setup, "heldout-missing", 2), "train.eval_every=2", "train.eval_data=[nowhere]", wait=False)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "nowhere" in err

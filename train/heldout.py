@@ -43,7 +43,7 @@ def _hits(target_graphdef, target_state, head_graphdef, head_state, ids, loss_ma
     head = nnx.merge(head_graphdef, head_state)
     vd = head.config.draft_vocab_size
     draft_ids = head.to_target_ids(jnp.arange(vd, dtype=jnp.int32))  # [V_d] target ids
-    to_draft = jnp.full((target.config.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(vd, dtype=jnp.int32))
+    to_draft = jnp.full((target.config.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(vd))
     features, _ = target_features(target, ids, positions, segments)
     next_ids = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
     # the token the target produced after each position (the data are its greedy output: what the engine verifies),
@@ -62,8 +62,8 @@ def _hits(target_graphdef, target_state, head_graphdef, head_state, ids, loss_ma
 
 def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
     """Teacher-forced acceptance of `head` drafting `num_steps` tokens on (ids, loss_mask) sequences: per step the
-    accuracy and the conditional acceptance (right given every earlier step was right), the mean accepted length
-    they imply, and chain_k: greedy chain drafting of k ≤ num_steps tokens replayed. The head and target compute
+    accuracy and the conditional acceptance (right given every earlier step was right), the chain length they
+    imply (tau), and chain_k: greedy chain drafting of k ≤ num_steps tokens replayed. The head and target compute
     in their own dtypes (evaluate as generation would run them)."""
     sequences = [s[:2] for s in sequences]
     if not sequences:
@@ -98,7 +98,8 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
         "positions": int(counted[0]),
         "accuracy": [round(float(x), 4) for x in right / np.maximum(counted, 1)],
         "conditional_acceptance": [round(float(x), 4) for x in cond],
-        "mean_accepted_length": round(float(1 + np.cumprod(cond).sum()), 4),
+        # 1 + Σ_k Π_{i≤k} cond_i, as the training metrics' `tau`: over all positions, above the engine's (chain_K)
+        "tau": round(float(1 + np.cumprod(cond).sum()), 4),
         **{f"chain_{k}": round(replay_chain(sequences, runs, k)[0], 4) for k in range(1, num_steps)},
         f"chain_{num_steps}": round(longest_chain[0], 4),
         f"chain_{num_steps}_acceptance_per_position": longest_chain[1],
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced acceptance of a draft head on held-out shards (python -m train.data generate): "
         "per-step accuracy and the chain's mean accepted length, over every response position.",
     )
-    p.add_argument("--draft", required=True, metavar="DIR", help="the head's directory, any layout (required; no default)")
+    p.add_argument("--draft", required=True, metavar="DIR",
+                   help="the head's directory, any layout (required; no default)")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="shard directories of held-out sequences, e.g. data/smollm2-heldout/mt_bench (required; no "
                    "default)")
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
             require_shards(Path(d), "held-out shards")
         target_dir = resolve_target(args.target)
         # the target returns the layers this head reads (checked against both configs before any weights load)
-        target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=head_aux_layer_ids(args.draft, target_dir))
+        aux = head_aux_layer_ids(args.draft, target_dir)
+        target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=aux)
         target.numerics = None
         head = load_head(Path(args.draft), target.config, dtype=target.dtype)
         check_head_fits(target, head)

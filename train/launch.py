@@ -177,6 +177,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     # held in float32 beside its bfloat16 copy was 48 GB)
     target = load_target(target_dir, dtype=default_dtype())
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
+    from train.heldout import heldout_acceptance
+
     heldout = {d: read_shards(Path(d).expanduser()) for d in eval_dirs}
     for eval_dir, found in heldout.items():
         if not found:
@@ -274,8 +276,6 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             # evaluated as generation runs it: in the target's dtype (the master weights themselves when they are)
             merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
             for eval_dir in eval_dirs:
-                from train.heldout import heldout_acceptance
-
                 scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
                 record[f"heldout_{Path(eval_dir).name}"] = scored
                 last_heldout[eval_dir] = (step + 1, scored)

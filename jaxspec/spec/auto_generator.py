@@ -45,7 +45,8 @@ FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
 PROBE_EVERY = 16  # while target-only is chosen, its 16th, 32nd, 64th, .. batch drafts one token to keep measuring,
 # unless the counts so far rule drafting out (`auto_config.drafting_could_win`). A probe costs up to 1/PROBE_EVERY
-# of the run so far where target-only is right (at 8, the probe batch took 1.24x a target-only one: ~3% of a grounded 8-prompt bench)
+# of the run so far where target-only is right (at 8, the probe batch took 1.24x a target-only one: ~3% of the
+# grounded 8-prompt bench)
 
 
 class AutoSpeculativeGenerator(Generator):
