@@ -161,7 +161,7 @@ def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> d
     """Milliseconds of one target forward over 1 and K+1 tokens, and of one head step, at a half-full cache."""
     from jaxspec.spec.step_costs import time_forwards
 
-    seconds, draft = time_forwards(model, head, batch, capacity, [1, k + 1], repeats=10)
+    seconds, draft, _ = time_forwards(model, head, batch, capacity, [1, k + 1], repeats=10)
     decode, verify = seconds[1], seconds[k + 1]
     return {
         "verified_tokens": k + 1,

@@ -93,28 +93,34 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
 
 
 def _auto_summary(out: Sequence[Completion]) -> dict:
-    """Automatic speculation (`stats["auto"]` of each batch): {chain length: batches that ran it} and the last
-    batch's record (its choice, the costs and the running acceptance); {} for fixed methods."""
+    """Automatic speculation (`stats["auto"]` of each batch): {method ("0" target-only, "K", "tree T,D,k"): batches
+    that ran it} and the last batch's record (its choice, the costs and the running acceptance); {} for fixed
+    methods."""
     records = [c.stats["auto"] for c in out if "auto" in c.stats]
     if not records:
         return {}
+    from jaxspec.spec.auto_config import method_key
     from jaxspec.spec.auto_generator import chosen
 
     batch = out[0].batch_size
-    return {"auto_choices": {str(k): n for k, n in chosen(out, batch).items()}, "auto_last": records[-1]}
+    return {"auto_choices": {method_key(k): n for k, n in chosen(out, batch).items()}, "auto_last": records[-1]}
 
 
 def auto_line(run: dict) -> str:
     """What automatic speculation chose, on what it rested (a bench row with `auto_choices`)."""
+    from jaxspec.spec.auto_config import method_label, parse_method_key
+
     last = run["auto_last"]
-    ran = ", ".join(("target-only" if k == "0" else f"K={k}") + f" × {n}" for k, n in run["auto_choices"].items())
+    ran = ", ".join(f"{method_label(parse_method_key(k))} × {n}" for k, n in run["auto_choices"].items())
     costs = last["step_costs_ms"] or {}
+    trees = "".join(f", {k} expected {v} tokens per verify" for k, v in last.get("tree_tokens_per_step", {}).items())
     return (
-        f"auto ran {ran} (batches); last choice K={last['num_speculative_tokens']} from {last['basis']} "
+        f"auto ran {ran} (batches); last choice {last['method']} "
+        f"from {last['basis']} "
         f"acceptance {last['acceptance_per_position']}, expected {last['expected_tokens_per_second']} tokens/s per "
         f"row; step costs decode {costs.get('decode')} ms, verify of 2.. tokens {costs.get('verify')} ms, head step "
         f"{costs.get('draft')} ms; running acceptance {last['running_acceptance_per_position']} over "
-        f"{last['running_verify_steps']} verify steps"
+        f"{last['running_verify_steps']} verify steps{trees}"
     )
 
 

@@ -158,9 +158,9 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-speculative-tokens", type=speculative_tokens, metavar="K|auto",
         help=f"drafts per verify step, 1..{MAX_DRAFT_DEPTH}, or auto (default with an EAGLE-3 head): before each "
-        "batch, the chain length or target-only with the most expected tokens/s, from this machine's timed step "
-        "costs and the head's acceptance (its recorded profile, refined by the counts so far); --tree names a tree "
-        f"instead (--proposer ngram: default {DEFAULT_SPECULATIVE_TOKENS})",
+        "batch, the chain length, a tree the head's record measured, or target-only with the most expected "
+        "tokens/s, from this machine's timed step costs and the head's acceptance (its recorded profile, refined by "
+        f"the counts so far); --tree names a tree instead (--proposer ngram: default {DEFAULT_SPECULATIVE_TOKENS})",
     )
     parser.add_argument(
         "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
@@ -230,21 +230,21 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
 
 def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
                           kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
-    """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length
-    chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any), with step costs
-    from `store` (`step_cost_store`; None: timed in this process)."""
+    """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length or
+    recorded tree chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any),
+    with step costs from `store` (`step_cost_store`; None: timed in this process)."""
     from jaxspec.spec.generator import SpeculativeGenerator
 
     if tree is None and num_draft == AUTO:
         from jaxspec.checkpoints.heads import read_head_config
         from jaxspec.checkpoints.verifier import check_acceptance, head_record
-        from jaxspec.spec.auto_config import profile_from_record
+        from jaxspec.spec.auto_config import profile_from_record, trees_from_record
         from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
 
         record = head_record(read_head_config(draft))[1]
-        prior = profile_from_record(check_acceptance(record) if record else None)  # a bad record: one-line error
-        return AutoSpeculativeGenerator(model, head, prior=prior, batch_size=batch_size, mesh=mesh, kernels=kernels,
-                                        store=store)
+        record = check_acceptance(record) if record else None  # a bad record: one-line error
+        return AutoSpeculativeGenerator(model, head, prior=profile_from_record(record), trees=trees_from_record(record),
+                                        batch_size=batch_size, mesh=mesh, kernels=kernels, store=store)
     return SpeculativeGenerator(
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
         kernels=kernels, forced_accept_prob=forced_accept_prob,
@@ -317,7 +317,7 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
             raise JaxspecError(
                 f"--ngram-min and --ngram-max need 1 <= min <= max, got {args.ngram_min} and {args.ngram_max}"
             )
-    if tree_sets_depth and args.tree and k is not None:  # auto included: a tree is not chosen automatically
+    if tree_sets_depth and args.tree and k is not None:  # auto included: --tree fixes every batch's method
         raise JaxspecError(
             f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
         )

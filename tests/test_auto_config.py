@@ -1,5 +1,5 @@
-"""The automatic speculative configuration's arithmetic: expected tokens, the chain-length choice, and the
-acceptance profile pooled with running counts."""
+"""The automatic speculative configuration's arithmetic: expected tokens, the choice among target-only, chains and
+trees, and the acceptance profile pooled with running counts."""
 
 import numpy as np
 import pytest
@@ -9,11 +9,12 @@ from jaxspec.spec.auto_config import (
     AcceptanceProfile,
     StepCalibration,
     StepCosts,
-    choose_chain,
+    choose,
     drafting_could_win,
     expected_tokens,
     step_seconds,
 )
+from jaxspec.spec.tree import TreeConfig
 
 # This CPU's measured costs for SmolLM2 at batch 1 (BENCHMARKS.md): decode 26.2 ms, verify of 6 tokens 53.4 ms,
 # head step 1.56 ms; verify of k+1 tokens interpolated linearly between them.
@@ -21,6 +22,15 @@ CPU = StepCosts(decode=0.0262, verify=(0.0,) + tuple(0.0262 + (0.0534 - 0.0262) 
                 draft=0.00156)
 # an accelerator's: a verify of a few tokens costs about one decode step
 GPU = StepCosts(decode=0.008, verify=(0.0,) + tuple(0.008 * (1 + 0.02 * k) for k in range(1, 8)), draft=0.0006)
+TREE = TreeConfig(12, 5, 3)
+
+
+def _with_tree(costs: StepCosts, tree: TreeConfig, expansion: float) -> StepCosts:
+    """`costs` with the verify extended to the tree's TOTAL tokens along the last slope, and its expansion timed."""
+    v = list(costs.verify)
+    while len(v) < tree.total_tokens:
+        v.append(v[-1] + (v[-1] - v[-2]))
+    return StepCosts(costs.decode, tuple(v), costs.draft, ((tree, expansion),))
 
 
 def test_expected_tokens_is_the_bonus_plus_accepted_drafts():
@@ -35,7 +45,7 @@ def test_choice_maximizes_expected_tokens_per_second_by_brute_force():
         rates = tuple(np.sort(rng.uniform(0, 1, 7))[::-1])
         costs = StepCosts(rng.uniform(0.005, 0.05), (0.0,) + tuple(np.cumsum(rng.uniform(0.001, 0.02, 7)) + 0.01),
                           rng.uniform(0, 0.005))
-        choice = choose_chain(costs, AcceptanceProfile(rates, 100))
+        choice = choose(costs, AcceptanceProfile(rates, 100))
         speeds = [1 / costs.decode] + [(1 + sum(rates[:k])) / (costs.verify[k] + k * costs.draft) for k in range(1, 8)]
         assert choice.num_draft == int(np.argmax(speeds))
         assert choice.tokens_per_second == pytest.approx(max(speeds))
@@ -44,12 +54,12 @@ def test_choice_maximizes_expected_tokens_per_second_by_brute_force():
 def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_speculates():
     # the shipped head on MT-Bench (tokens per verify 1.32): a verify costs more than it yields here
     weak = AcceptanceProfile((0.24, 0.06, 0.015, 0.004, 0.001), 1000)
-    assert choose_chain(CPU, weak).num_draft == 0
+    assert choose(CPU, weak).num_draft == 0
     # the same head on a GPU, where verifying 2 tokens costs about a decode: one draft pays
-    assert choose_chain(GPU, weak).num_draft >= 1
+    assert choose(GPU, weak).num_draft >= 1
     strong = AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), 1000)
-    assert choose_chain(CPU, strong).num_draft >= 3
-    assert choose_chain(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
+    assert choose(CPU, strong).num_draft >= 3
+    assert choose(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
 
 
 def test_a_probe_is_worth_running_only_while_the_counts_leave_drafting_a_chance():
@@ -68,35 +78,36 @@ def test_a_probe_is_worth_running_only_while_the_counts_leave_drafting_a_chance(
 def test_calibration_scales_each_choice_by_what_its_steps_took():
     cal = StepCalibration()
     for k in range(CPU.max_draft + 1):  # nothing ran yet: the timed costs
-        assert step_seconds(cal.calibrated(CPU), k) == pytest.approx(step_seconds(CPU, k))
+        assert cal.seconds(CPU, k) == pytest.approx(step_seconds(CPU, k))
     cal.add(0, 0.9, 1.0)  # target-only ran at 0.9x its timed decode
     cal.add(1, 2.0, 1.6)  # K=1 at 1.25x, in two batches
     cal.add(1, 0.5, 0.4)
-    got = cal.calibrated(CPU)
-    assert got.decode == pytest.approx(0.9 * CPU.decode)
-    assert step_seconds(got, 1) == pytest.approx(1.25 * step_seconds(CPU, 1))
-    assert step_seconds(got, 4) == pytest.approx(3.4 / 3.0 * step_seconds(CPU, 4))  # did not run: all pooled
-    assert got.draft == 0.0 and cal.as_dict() == {0: 0.9, 1: 1.25}  # head steps folded into each chain's cost
+    assert cal.seconds(CPU, 0) == pytest.approx(0.9 * CPU.decode)
+    assert cal.seconds(CPU, 1) == pytest.approx(1.25 * step_seconds(CPU, 1))
+    assert cal.seconds(CPU, 4) == pytest.approx(3.4 / 3.0 * step_seconds(CPU, 4))  # did not run: all pooled
+    assert cal.as_dict() == {"0": 0.9, "1": 1.25}
     cal.add(4, 1.0, 1.0)
     assert cal.ratio(4) == 1.0 and cal.ratio(2) == pytest.approx(4.4 / 4.0)
+    cal.add(TREE, 3.0, 2.0)  # a tree's steps are a method of their own
+    assert cal.ratio(TREE) == 1.5 and cal.as_dict()["tree 12,5,3"] == 1.5 and list(cal.as_dict())[-1] == "tree 12,5,3"
     only_chains = StepCalibration()  # target-only never ran (a speculating head): it takes the chains' ratio
     only_chains.add(1, 0.9, 1.0)
-    assert only_chains.calibrated(CPU).decode == pytest.approx(0.9 * CPU.decode)
+    assert only_chains.seconds(CPU, 0) == pytest.approx(0.9 * CPU.decode)
 
 
 def test_a_close_call_flips_when_the_measured_steps_disagree_with_the_timed_ones():
     # grounded prompts (BENCHMARKS.md): timed costs, and the head's recorded a_1 of 0.35, choose one draft...
     costs = StepCosts(decode=0.0417, verify=(0.0, 0.0523), draft=0.0023)
-    assert choose_chain(costs, AcceptanceProfile((0.35,), 100)).num_draft == 1
+    assert choose(costs, AcceptanceProfile((0.35,), 100)).num_draft == 1
     # ...which measures a_1 = 0.262 and steps at 0.9x of their timing; alone, that calibration keeps the draft
     # (25.6 expected tokens/s vs 24.0), but the same machine would decode at 0.9x too: target-only wins (26.6)
     measured = AcceptanceProfile((0.262,), 100)
     cal = StepCalibration()
     cal.add(1, 0.9, 1.0)
-    assert choose_chain(cal.calibrated(costs), measured).num_draft == 0
+    assert choose(costs, measured, calibration=cal).num_draft == 0
     # once target-only ran, its own ratio decides: a slower decode than timed brings the draft back
     cal.add(0, 1.2, 1.0)
-    assert choose_chain(cal.calibrated(costs), measured).num_draft == 1
+    assert choose(costs, measured, calibration=cal).num_draft == 1
 
 
 def test_running_counts_pool_with_the_prior_position_by_position():
@@ -137,6 +148,7 @@ def test_verify_lengths_time_decode_the_shortest_and_the_longest_verify():
     assert verify_lengths(1) == [1, 2]
     assert verify_lengths(5) == [1, 2, 6]
     assert verify_lengths(7) == [1, 2, 8]
+    assert verify_lengths(5, (TREE, TreeConfig(4, 2, 2))) == [1, 2, 4, 6, 12]  # and each tree's TOTAL
 
 
 def test_measured_costs_of_a_tiny_target_feed_the_choice():
@@ -148,10 +160,14 @@ def test_measured_costs_of_a_tiny_target_feed_the_choice():
     costs = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=2)
     assert costs.max_draft == 5 and costs.decode > 0 and costs.draft > 0
     assert all(v > 0 for v in costs.verify[1:])
-    choice = choose_chain(costs, AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5), 100))
+    choice = choose(costs, AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5), 100))
     assert 0 <= choice.num_draft <= 5 and dict(choice.candidates)[choice.num_draft] == choice.tokens_per_second
     alone = measure_step_costs(tiny_target(), None, batch=1, capacity=64, max_draft=1, repeats=1)
     assert alone.draft == 0.0 and alone.max_draft == 1
+    tree = TreeConfig(8, 3, 2)  # its verify of 8 tokens extends the costs past the chains' 6
+    both = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=1, trees=(tree,))
+    assert both.max_draft == 7 and both.trees == (tree,) and both.tree_draft(tree) > 0
+    assert step_seconds(both, tree) > both.verify[7]
 
 
 def test_the_prior_comes_from_the_heads_chain_measurements():
@@ -180,4 +196,109 @@ def test_the_shipped_heads_profile_gives_a_prior():
     config = json.loads((builtin.default_head_dir() / "config.json").read_text())
     prior = profile_from_record(config["jaxspec"]["acceptance"])
     assert prior is not None and 0.2 < prior.rates[0] < 0.5
-    assert choose_chain(CPU, prior).num_draft in (0, 1)  # the shipped head on this CPU: little or no speculation
+    assert choose(CPU, prior).num_draft in (0, 1)  # the shipped head on this CPU: little or no speculation
+    from jaxspec.spec.auto_config import trees_from_record
+
+    trees = trees_from_record(config["jaxspec"]["acceptance"])  # its tree measurements: candidates on a GPU
+    assert trees and all(n > prior.rates[0] + 1 for n in trees.values())
+    from jaxspec.spec.auto_config import tree_worth_timing
+
+    # on this CPU none is worth timing (no compilation spent on them); where a verify costs about a decode, all are
+    assert not any(tree_worth_timing(CPU, t, n, 1 / CPU.decode) for t, n in trees.items())
+    assert all(tree_worth_timing(GPU, t, n, 1 / GPU.decode) for t, n in trees.items())
+
+
+def test_a_tree_is_chosen_where_it_yields_more_per_second_than_any_chain():
+    # the chat-mix head on GSM8K (BENCHMARKS.md, the suite): chain K=5 rates, and 2.58 tokens per verify for the tree
+    profile = AcceptanceProfile((0.545, 0.297, 0.153, 0.078, 0.048), 1000)
+    gpu = _with_tree(GPU, TREE, expansion=4 * GPU.draft)
+    choice = choose(gpu, profile, trees={TREE: 2.58})
+    assert choice.method == TREE and choice.tree == TREE and choice.num_draft == TREE.depth
+    assert choice.tokens_per_step == 2.58
+    seconds = gpu.verify[11] + gpu.draft + 4 * GPU.draft  # its verify, the head's step after the root, expansion
+    assert choice.tokens_per_second == pytest.approx(2.58 / seconds)
+    assert max(v for m, v in choice.candidates if m != TREE) < 0.97 * choice.tokens_per_second
+    assert choice.as_dict()["method"] == "tree 12,5,3" and choice.as_dict()["tree"] == "12,5,3"
+    assert set(choice.as_dict()["candidates"]) == {"0", "1", "2", "3", "4", "5", "tree 12,5,3"}
+    # on this CPU a 12-token verify costs ~3.3 decodes: the tree loses even to target-only
+    cpu = _with_tree(CPU, TREE, expansion=4 * CPU.draft)
+    assert choose(cpu, profile, trees={TREE: 2.58}).method != TREE  # 27.5 tokens/s against target-only's 38
+    # a tree whose expansion was not timed is no candidate; nor one whose verify is not costed
+    assert choose(GPU, profile, trees={TREE: 2.58}).method != TREE
+    short = StepCosts(GPU.decode, GPU.verify, GPU.draft, ((TREE, 0.001),))  # verify up to 8 tokens only
+    assert short.trees == () and choose(short, profile, trees={TREE: 2.58}).method != TREE
+    # its measured steps' ratio prices it like any method's
+    cal = StepCalibration()
+    cal.add(0, 1.0, 1.0)  # target-only as timed, the tree's steps 15% dearer: K=3 wins
+    cal.add(TREE, 1.15, 1.0)
+    assert choose(gpu, profile, trees={TREE: 2.58}, calibration=cal).method != TREE
+
+
+def test_a_trees_record_scales_with_how_the_head_drafts_here_and_pools_with_its_counts():
+    from jaxspec.spec.auto_config import RunningTrees, tree_tokens
+
+    prior = AcceptanceProfile((0.4, 0.2, 0.1), 200)
+    assert tree_tokens(2.0, prior, prior) == pytest.approx(2.0)
+    half = AcceptanceProfile((0.2, 0.1, 0.05), 300)  # the chain gains half its record here: so does the tree
+    assert tree_tokens(2.0, prior, half) == pytest.approx(1.5)
+    assert tree_tokens(2.0, AcceptanceProfile((0.0, 0.0, 0.0), 200), half) == 2.0  # no chain gain recorded: as is
+    running = RunningTrees()
+    assert running.pooled(TREE, 1.5, 200) == 1.5
+    running.add(TREE, 250, 100)  # one row: 250 tokens in 100 verify steps
+    running.add(TREE, 0, 0)  # a row that never verified adds nothing
+    assert running.pooled(TREE, 1.5, 200) == pytest.approx((300 + 250) / 300)
+    assert running.as_dict() == {"tree 12,5,3": {"tokens_per_verify": 2.5, "verify_steps": 100}}
+
+
+def test_trees_come_from_the_heads_tree_measurements():
+    from jaxspec.spec.auto_config import trees_from_record
+
+    record = [
+        {"prompts": "mt_bench", "method": "chain K=5", "mean_accepted_length": 1.3, "num_prompts": 80},
+        {"prompts": "mt_bench", "method": "tree 12,5,3", "mean_accepted_length": 1.6, "num_prompts": 20},
+        {"prompts": "gsm8k", "method": "tree 12,5,3", "mean_accepted_length": 2.6, "num_prompts": 10},
+        {"prompts": "gsm8k", "method": "tree 32,6,8", "mean_accepted_length": 3.0},
+    ]
+    trees = trees_from_record(record)
+    assert trees == {TREE: pytest.approx((20 * 1.6 + 10 * 2.6) / 30), TreeConfig(32, 6, 8): 3.0}
+    assert trees_from_record(record[:1]) == {} and trees_from_record(None) == {}
+
+
+def test_a_tree_is_timed_only_where_an_estimate_from_the_chain_costs_says_it_could_win():
+    from jaxspec.spec.auto_config import tree_worth_timing
+
+    best_gpu = 1 / GPU.decode  # target-only's tokens/s: the least a tree must beat
+    assert tree_worth_timing(GPU, TREE, 1.6, best_gpu)  # verify of 12 ~ a decode: worth it
+    assert not tree_worth_timing(CPU, TREE, 1.6, 1 / CPU.decode)  # ~5 decodes for 1.6 tokens: not even at 1.5x
+    assert not tree_worth_timing(CPU, TreeConfig(32, 6, 8), 3.0, 1 / CPU.decode)
+
+
+def test_methods_have_names_that_read_back():
+    from jaxspec.spec.auto_config import method_key, method_label, parse_method_key
+
+    for m in (0, 1, 7, TREE):
+        assert parse_method_key(method_key(m)) == m
+    assert [method_label(m) for m in (0, 3, TREE)] == ["target-only", "K=3", "tree 12,5,3"]
+    for bad in ("x", "-1", "tree 1,2"):
+        with pytest.raises(JaxspecError):
+            parse_method_key(bad)
+
+
+def test_trees_timed_after_the_chains_join_their_costs_at_one_machine_speed(monkeypatch):
+    from jaxspec.spec import step_costs
+
+    chains = StepCosts(decode=0.010, verify=(0.0, 0.012, 0.014, 0.016), draft=0.001)  # timed for K <= 3
+    small, big = TreeConfig(4, 2, 2), TreeConfig(8, 3, 2)
+    asked = []
+
+    def timed(model, head, batch, capacity, lengths, repeats, trees):  # the second timing ran 20% slower
+        asked.append((lengths, trees))
+        return {1: 0.012, 8: 0.024}, 0.0012, {small: 0.0024, big: 0.0036}
+
+    monkeypatch.setattr(step_costs, "time_forwards", timed)
+    got = step_costs.add_tree_costs(chains, None, None, 1, 64, (small, big))
+    assert asked == [([1, 8], (small, big))]  # the chains' lengths (a 4-token verify among them) are not timed again
+    assert got.verify[:4] == chains.verify and got.decode == chains.decode and got.draft == chains.draft
+    assert got.verify[7] == pytest.approx(0.020)  # 24 ms at the slower speed: 20 ms at the chains'
+    assert got.verify[5] == pytest.approx(0.016 + (0.020 - 0.016) * 2 / 4)  # between: interpolated
+    assert got.trees == (small, big) and got.tree_draft(big) == pytest.approx(0.003)

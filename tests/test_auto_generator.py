@@ -10,6 +10,8 @@ from spec_fixtures import PROMPTS, fitted_head, tiny_target
 from jaxspec.generation import Generator
 from jaxspec.spec.auto_config import AcceptanceProfile, RunningAcceptance, StepCosts
 from jaxspec.spec.auto_generator import FIRST_CHAIN, AutoSpeculativeGenerator, chosen, describe_choices
+from jaxspec.spec.generator import SpeculativeGenerator
+from jaxspec.spec.tree import TreeConfig
 
 MAX_NEW = 12
 CHEAP_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + (0.0101,) * 4, draft=0.0001)  # any acceptance pays
@@ -18,11 +20,16 @@ DEAR_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + tuple(0.01 * (1 + k) for k 
 MID_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + tuple(0.01 + 0.005 * k for k in range(1, 5)), draft=0.001)
 
 
-def _auto(prior, costs: StepCosts | None, batch_size: int = 1) -> AutoSpeculativeGenerator:
-    gen = AutoSpeculativeGenerator(tiny_target(), fitted_head(), prior=prior, batch_size=batch_size)
+TREE = TreeConfig(6, 3, 2)
+# a verify of 6 tokens costs a decode step and the expansion little: the tree (its record: 3.5 tokens) beats K=4
+WITH_TREE = StepCosts(decode=0.01, verify=(0.0,) + (0.0101,) * 5, draft=0.0001, tree_drafts=((TREE, 0.0002),))
+
+
+def _auto(prior, costs: StepCosts | None, batch_size: int = 1, trees=None) -> AutoSpeculativeGenerator:
+    gen = AutoSpeculativeGenerator(tiny_target(), fitted_head(), prior=prior, batch_size=batch_size, trees=trees)
     if costs is not None:  # the timing's result, fixed so that the choice is the test's
         for prompts in (PROMPTS[i : i + batch_size] for i in range(0, len(PROMPTS), batch_size)):
-            gen.step_costs[gen.batch_capacity(prompts, MAX_NEW)] = costs
+            gen.step_costs[gen.cost_capacity(prompts, MAX_NEW)] = costs
     return gen
 
 
@@ -73,7 +80,8 @@ def test_without_a_prior_the_first_batch_measures_and_the_counts_decide(target_o
 
 def test_batches_of_several_rows_and_the_extra_cache_fit_every_choice(target_only):
     gen = _auto(AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), CHEAP_VERIFY, batch_size=2)
-    assert gen.extra_capacity == 5  # the longest chain's verify block
+    chain = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=4, batch_size=2)
+    assert gen.cost_capacity(PROMPTS[:2], MAX_NEW) == chain.batch_capacity(PROMPTS[:2], MAX_NEW)  # priced as run
     out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
     assert [c.token_ids for c in out] == target_only
     assert chosen(out, 2) == {4: 2}
@@ -96,9 +104,9 @@ def test_each_batch_calibrates_the_timed_costs_with_its_own_step_time():
     seconds = sum(c.seconds - c.prefill_seconds for c in out)
     steps = sum(c.num_generated - 1 for c in out)
     (ratio,) = out[-1].stats["auto"]["step_calibration"].values()
-    assert list(out[-1].stats["auto"]["step_calibration"]) == [0]
+    assert list(out[-1].stats["auto"]["step_calibration"]) == ["0"]
     assert ratio == pytest.approx(seconds / (steps * DEAR_VERIFY.decode), abs=1e-4)
-    assert gen.calibration.calibrated(DEAR_VERIFY).decode == pytest.approx(seconds / steps)  # what the next uses
+    assert gen.calibration.seconds(DEAR_VERIFY, 0) == pytest.approx(seconds / steps)  # what the next uses
 
 
 def test_running_acceptance_pools_chains_of_different_lengths():
@@ -157,3 +165,39 @@ def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_
     assert len(gen.step_costs) >= 1 and sum(chosen(out, 2).values()) == 2
     leaves = jax.tree.leaves(nnx.state(gen.head))
     assert all(isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh for x in leaves)
+
+
+def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(target_only):
+    prior = AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100)  # a chain of 4 expects 4.0 tokens per verify
+    gen = _auto(prior, WITH_TREE, trees={TREE: 4.5})
+    assert gen.num_draft == 4 and gen.methods == [0, 1, 2, 3, 4, TREE]
+    out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == target_only
+    first = out[0].stats["auto"]
+    assert first["method"] == "tree 6,3,2" and first["tree"] == "6,3,2" and first["num_speculative_tokens"] == 3
+    assert first["tree_tokens_per_step"] == {"tree 6,3,2": 4.5} and first["basis"] == "prior"
+    assert chosen(out, 1) == {TREE: len(PROMPTS)} and describe_choices(out, 1) == f"tree 6,3,2 for {len(PROMPTS)} batches"
+    # the tree's counts are kept apart from the chain's: its tokens per verify, pooled with its record
+    tokens = sum(c.num_generated - 1 for c in out)
+    steps = sum(c.stats["verify_calls"] for c in out)
+    assert out[-1].stats["auto"]["running_trees"] == {
+        "tree 6,3,2": {"tokens_per_verify": round(tokens / steps, 4), "verify_steps": steps}}
+    assert gen.running.profile().verify_steps == 0
+    assert gen.tree_tokens()[TREE] == pytest.approx((100 * 4.5 + tokens) / (100 + steps))
+    assert list(out[-1].stats["auto"]["step_calibration"]) == ["tree 6,3,2"]
+    # a tree the record does not name is never run, however cheap: its acceptance is unknown
+    plain = _auto(prior, WITH_TREE)
+    assert chosen(plain.generate(PROMPTS[:1], max_new_tokens=MAX_NEW), 1) == {4: 1}
+
+
+@pytest.mark.parametrize("worth", [True, False])
+def test_trees_are_timed_only_where_the_chain_costs_say_they_could_win(worth, monkeypatch):
+    from jaxspec.spec import auto_generator
+
+    monkeypatch.setattr(auto_generator, "tree_worth_timing", lambda *a: worth)
+    gen = _auto(AcceptanceProfile((0.9, 0.8), 100), None, trees={TREE: 2.5})
+    gen.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    (costs,) = gen.step_costs.values()
+    assert costs.trees == ((TREE,) if worth else ())
+    if worth:
+        assert costs.tree_draft(TREE) > 0 and costs.max_draft >= TREE.total_tokens - 1

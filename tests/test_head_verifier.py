@@ -198,6 +198,7 @@ def test_the_shipped_head_names_the_built_in_target():
     ([{"mean_accepted_length": 2.0}], "lacks 'prompts'"),
     ([{"prompts": "x", "mean_accepted_length": 0.5}], "mean_accepted_length must be a number >= 1"),
     ([{"prompts": "x", "mean_accepted_length": 2, "acceptance_per_position": [1.5]}], r"rates in \[0, 1\]"),
+    ([{"prompts": "x", "mean_accepted_length": 2, "method": "tree 12,5"}], r"entry 0: method 'tree 12,5'"),
     ([{"prompts": "x", "mean_accepted_length": 2, "num_speculative_tokens": 0}], "positive integer"),
 ])
 def test_bad_acceptance_profiles_are_refused(profile, message, tmp_path):

@@ -268,6 +268,18 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     record = _acceptance(t, (1, mean, rates))
     check_acceptance(record)
     assert profile_from_record(record).rates == pytest.approx(rates)
+    # a tree on the same prompts (train.eval_trees): recorded beside the chain, a candidate of automatic speculation
+    from jaxspec.spec.auto_config import trees_from_record
+    from jaxspec.spec.tree import TreeConfig
+
+    tree = TreeConfig(6, 3, 2)
+    tree_mean, tree_rates = evaluate(target, head, ChatBytes(), setup / "target", t, tree)
+    assert len(tree_rates) == 3 and tree_mean >= 1.0
+    record = _acceptance(t, (1, mean, rates), None, {"6,3,2": (1, tree_mean, tree_rates)})
+    check_acceptance(record)
+    assert [m["method"] for m in record] == ["chain K=3", "tree 6,3,2"]
+    assert trees_from_record(record) == {tree: pytest.approx(max(1.0, tree_mean))}
+    assert profile_from_record(record).rates == pytest.approx(rates)  # the chain's prior is the chain's alone
 
 
 def _one_row_hits(target, head, sequences, num_steps):

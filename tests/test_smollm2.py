@@ -196,8 +196,10 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     prior = profile_from_record(config["jaxspec"]["acceptance"])
     assert auto["basis"] == "prior" and auto["acceptance_per_position"] == [round(r, 4) for r in prior.rates]
     assert auto["step_costs_ms"]["decode"] > 0 and 0 <= auto["num_speculative_tokens"] <= len(prior.rates)
-    candidates = {int(k): v for k, v in auto["candidates"].items()}
-    assert candidates[auto["num_speculative_tokens"]] == max(candidates.values())
+    from jaxspec.spec.auto_config import method_key, parse_method_key
+
+    chosen = parse_method_key(auto["tree"] and f"tree {auto['tree']}" or str(auto["num_speculative_tokens"]))
+    assert auto["candidates"][method_key(chosen)] == max(auto["candidates"].values())
 
 
 @pytest.mark.slow  # ~2 min; in CI the shipped head's chain and tree run on SmolLM2 in bfloat16 (below)

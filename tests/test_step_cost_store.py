@@ -13,6 +13,7 @@ from jaxspec.spec import auto_generator
 from jaxspec.spec.auto_config import AcceptanceProfile, StepCalibration, StepCosts
 from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
 from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, STORE_ENV, StepCostStore, cost_key, default_store
+from jaxspec.spec.tree import TreeConfig
 
 COSTS = StepCosts(decode=0.03, verify=(0.0, 0.04, 0.05), draft=0.002)
 PRIOR = AcceptanceProfile((0.5, 0.3), 100)
@@ -28,6 +29,10 @@ def test_put_then_get_round_trips_and_other_keys_miss(tmp_path):
     entry = json.loads(store.path.read_text())["a"]
     assert entry["what"] == {"batch": 1} and entry["timed"]
     assert not list(store.path.parent.glob("*.tmp"))  # written through a renamed temporary file
+    tree = TreeConfig(4, 2, 2)
+    timed = StepCosts(0.03, (0.0, 0.04, 0.05, 0.06), 0.002, ((tree, 0.004),))
+    store.put("t", timed, {})
+    assert store.get("t") == timed and json.loads(store.path.read_text())["t"]["tree_drafts"] == {"4,2,2": 0.004}
 
 
 NEGATIVE = '{"a": {"decode": -1.0, "verify": [0.0, 1.0], "draft": 0.0}}'
@@ -49,6 +54,9 @@ def test_the_key_changes_with_shape_and_model_only():
     others = {cost_key(model, head, 2, 256, 4, None)[0], cost_key(model, head, 1, 512, 4, None)[0],
               cost_key(model, head, 1, 256, 3, None)[0], cost_key(tiny_target(context=1024), head, 1, 256, 4, None)[0]}
     assert key not in others and len(others) == 4
+    # candidate trees are part of the key; without any, the key is the one stored before trees were candidates
+    assert cost_key(model, head, 1, 256, 4, None, ())[0] == key
+    assert cost_key(model, head, 1, 256, 4, None, (TreeConfig(12, 5, 3),))[0] not in others | {key}
 
 
 def test_default_store_follows_the_environment(tmp_path, monkeypatch):
@@ -90,6 +98,10 @@ def test_calibration_round_trips_and_a_bad_entry_is_a_miss(tmp_path):
     assert store.get_calibration("c") == cal and store.get_calibration("d") is None
     store.put("a", COSTS, {})  # another entry beside it
     assert store.get_calibration("c") == cal and store.get("a") == COSTS
+    with_tree = StepCalibration({0: 3.0, TreeConfig(12, 5, 3): 2.0}, {0: 4.0, TreeConfig(12, 5, 3): 1.0})
+    store.put_calibration("t", with_tree, {})
+    assert store.get_calibration("t") == with_tree
+    assert json.loads(store.path.read_text())["t"]["measured"] == {"0": 3.0, "tree 12,5,3": 2.0}
     for bad in ({"measured": {"0": 1.0}}, {"measured": {"0": 1.0}, "predicted": {"1": 1.0}},
                 {"measured": {"0": 0.0}, "predicted": {"0": 1.0}}, {"measured": [1.0], "predicted": [1.0]}):
         store.path.write_text(json.dumps({"bad": bad}))

@@ -116,6 +116,18 @@ def test_held_out_sets_need_distinct_names(tmp_path, capsys):
     assert parse_config({**MINIMAL, "train": {**MINIMAL["train"], "eval_data": None}}).train.eval_data is None
 
 
+def test_evaluated_trees_need_prompts_and_parse(tmp_path, capsys):
+    """train.eval_trees: trees the engine also runs on eval_prompts (recorded for automatic speculation)."""
+    train = {**MINIMAL["train"], "eval_every": 5, "eval_data": ["a/mt_bench"]}
+    err = launch_fails(capsys, tmp_path, {**MINIMAL, "train": {**train, "eval_trees": ["12,5,3"]}})
+    assert "train.eval_trees are run on train.eval_prompts" in err
+    err = launch_fails(capsys, tmp_path, {**MINIMAL, "train": {**train, "eval_prompts": "mt_bench",
+                                                                "eval_trees": ["12,5"]}})
+    assert "train.eval_trees: --tree wants TOTAL,DEPTH,TOPK" in err
+    cfg = parse_config({**MINIMAL, "train": {**train, "eval_prompts": "mt_bench", "eval_trees": ["12,5,3", "32,6,8"]}})
+    assert cfg.train.eval_trees == ("12,5,3", "32,6,8")
+
+
 def test_wrong_types_name_key_type_and_value(tmp_path, capsys):
     cfg = {**MINIMAL, "optim": {"learning_rate": "fast"}}
     err = launch_fails(capsys, tmp_path, cfg)

@@ -68,6 +68,10 @@ class TrainSection:
     # held-out shard directories (python -m train.data generate, e.g. the target's responses to MT-Bench) scored
     # teacher-forced at each evaluation (train/heldout.py): every response position, a few seconds per 1k tokens
     eval_data: tuple[str, ...] | None = None  # null: none
+    # trees ("TOTAL,DEPTH,TOPK") the engine also runs on eval_prompts at each evaluation: the exported head records
+    # them, and `--num-speculative-tokens auto` weighs the trees its head records (a tree's acceptance is not a
+    # chain's, so it is measured, not derived)
+    eval_trees: tuple[str, ...] | None = None  # null: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +146,16 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
             f"{where}: train.eval_every = {t.eval_every} needs train.eval_prompts (mt_bench, gsm8k or a prompts file) "
             "or train.eval_data (held-out shard directories)"
         )
+    if t.eval_trees and not t.eval_prompts:
+        raise JaxspecError(f"{where}: train.eval_trees are run on train.eval_prompts: set it (mt_bench, gsm8k or a "
+                           "prompts file)")
+    for spec in t.eval_trees or ():
+        from jaxspec.spec.tree import TreeConfig
+
+        try:
+            TreeConfig.parse(spec)
+        except JaxspecError as e:
+            raise JaxspecError(f"{where}: train.eval_trees: {e}") from None
     names = [Path(d).name for d in t.eval_data or ()]
     if len(set(names)) < len(names):
         raise JaxspecError(f"{where}: train.eval_data directories need distinct names (their scores are logged by "

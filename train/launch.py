@@ -18,12 +18,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxspec.errors import JaxspecError
 from train.config import HeadSection, RunConfig, TrainSection, load_config
 from train.packing import PackedBatches
+
+if TYPE_CHECKING:
+    from jaxspec.spec.tree import TreeConfig
 
 MASTER_DTYPE = np.dtype("float32")  # the head's trained weights and optimizer state, whatever the step computes in
 
@@ -71,10 +75,12 @@ def _warm_start(target, hcfg: HeadSection):
     return head
 
 
-def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> tuple[float, list[float]]:
+def evaluate(target, head, tokenizer, target_dir, t: TrainSection, tree: TreeConfig | None = None
+             ) -> tuple[float, list[float]]:
     """(mean accepted length — tokens per verify, bonus included —, the share of verify steps that accepted each
-    draft position) on the first prompts of the eval file: the held-out curve, and the profile an exported head
-    records for automatic speculation (`jaxspec.spec.auto_config.profile_from_record`)."""
+    draft position, or each tree depth) on the first prompts of the eval file, with a chain of `num_draft_steps`
+    or `tree` (a TreeConfig): the held-out curve, and the profile an exported head records for automatic
+    speculation (`jaxspec.spec.auto_config.profile_from_record`, `trees_from_record`)."""
     from jaxspec.generation import tokens_per_verify
     from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
     from jaxspec.spec.generator import SpeculativeGenerator
@@ -82,7 +88,7 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> tuple[floa
     prompts = read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))[: t.eval_num_prompts]
     encoded = [encode_prompt(tokenizer, text, raw=False) for _, text in prompts]
     stops = stop_token_ids(tokenizer, target_dir, target.config.eos_token_ids)
-    gen = SpeculativeGenerator(target, head, num_draft=t.num_draft_steps, batch_size=len(encoded))
+    gen = SpeculativeGenerator(target, head, num_draft=t.num_draft_steps, tree=tree, batch_size=len(encoded))
     out = gen.generate(encoded, max_new_tokens=t.eval_max_new_tokens, stop_ids=stops)
     calls = sum(c.stats["verify_calls"] for c in out)
     accepted = np.sum([c.stats["accepted_per_position"] for c in out], axis=0)
@@ -90,15 +96,20 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection) -> tuple[floa
 
 
 def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | None,
-                last_heldout: dict[str, tuple[int, dict]] | None = None) -> list[dict] | None:
+                last_heldout: dict[str, tuple[int, dict]] | None = None,
+                last_trees: dict[str, tuple[int, float, list[float]]] | None = None) -> list[dict] | None:
     """The exported head's acceptance profile: the run's last evaluations (`eval_every`), if it made any — the
-    engine's on `eval_prompts`, and the chain replayed on each `eval_data` set (train/heldout.py)."""
+    engine's on `eval_prompts` (the chain, and each of `eval_trees`), and the chain replayed on each `eval_data`
+    set (train/heldout.py)."""
+    from jaxspec.spec.tree import TreeConfig
+
     records = []
-    if last_eval is not None:
-        step, mean, rates = last_eval
+    engine = [(f"chain K={t.num_draft_steps}", t.num_draft_steps, last_eval)] if last_eval is not None else []
+    engine += [(f"tree {spec}", TreeConfig.parse(spec).depth, e) for spec, e in (last_trees or {}).items()]
+    for method, depth, (step, mean, rates) in engine:
         records.append({
             "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts,
-            "method": f"chain K={t.num_draft_steps}", "num_speculative_tokens": t.num_draft_steps,
+            "method": method, "num_speculative_tokens": depth,
             "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
             "mean_accepted_length": max(1.0, mean), "acceptance_per_position": rates,
             "measured_by": f"train.launch evaluation after step {step}",
@@ -134,6 +145,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli_common import resolve_target
     from jaxspec.generation import default_dtype
+    from jaxspec.spec.tree import TreeConfig
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
     from train.precision import computing_in, resolve_compute_dtype
@@ -195,6 +207,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     counts, held_out, every_token = training_counts(sequences, target.config.vocab_size)
     vocab = target.config.vocab_size
     head = build_head(target, cfg.head, counts, t.seed, prior=every_token)
+    for spec in t.eval_trees or ():  # checked before training, not at the first evaluation
+        if TreeConfig.parse(spec).top_k > head.config.draft_vocab_size:
+            raise JaxspecError(f"train.eval_trees {spec}: TOPK exceeds the head's draft vocabulary "
+                               f"({head.config.draft_vocab_size})")
     draft_mask = np.zeros(vocab, bool)
     draft_mask[np.asarray(head.to_target_ids(np.arange(head.config.draft_vocab_size)))] = True
     print(
@@ -251,7 +267,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     metrics_file = (out / "metrics.jsonl").open("a")
     board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
-    last, interrupted, last_eval, last_heldout = {}, False, None, {}
+    last, interrupted, last_eval, last_heldout, last_trees = {}, False, None, {}, {}
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         packed = batches(step)
         batch = jax.device_put(
@@ -282,10 +298,16 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         if evaluating and t.eval_prompts:
             from jaxspec.prompts import load_tokenizer
 
-            mean, rates = evaluate(target, merged, load_tokenizer(target_dir), target_dir, t)
+            tokenizer = load_tokenizer(target_dir)
+            mean, rates = evaluate(target, merged, tokenizer, target_dir, t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
+            for spec in t.eval_trees or ():
+                mean, rates = evaluate(target, merged, tokenizer, target_dir, t, TreeConfig.parse(spec))
+                record[f"eval_tree_{spec}_mean_accepted_length"] = round(mean, 4)
+                record[f"eval_tree_{spec}_acceptance_per_position"] = rates
+                last_trees[spec] = (step + 1, round(mean, 4), rates)
         if step % t.log_every == 0 or evaluating or step == t.steps - 1:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -315,7 +337,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     for layout in ("speculators", "sglang"):
         head_dir = out / f"head-{layout}"
         export_head(head, head_dir, layout=layout, target=target.config, dtype="bfloat16",
-                    verifier=verifier_name(cfg.target, head_dir), acceptance=_acceptance(t, last_eval, last_heldout))
+                    verifier=verifier_name(cfg.target, head_dir),
+                    acceptance=_acceptance(t, last_eval, last_heldout, last_trees))
     return last
 
 

@@ -169,6 +169,14 @@ def check_acceptance(profile: Any) -> list[dict[str, Any]]:
         if rates is not None and (not isinstance(rates, list) or not all(
                 isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 for r in rates)):
             raise JaxspecError(f"{where} entry {i}: acceptance_per_position must be a list of rates in [0, 1]")
+        method = m.get("method")
+        if isinstance(method, str) and method.startswith("tree "):  # a candidate of automatic speculation
+            from jaxspec.spec.tree import TreeConfig
+
+            try:
+                TreeConfig.parse(method[len("tree "):])
+            except JaxspecError as e:
+                raise JaxspecError(f"{where} entry {i}: method {method!r}: {e}") from None
         for key in ("num_speculative_tokens", "num_prompts", "max_new_tokens"):
             value = m.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

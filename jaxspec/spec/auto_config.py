@@ -1,4 +1,5 @@
-"""Automatic speculative configuration: the chain length — or target-only — with the most expected tokens per second.
+"""Automatic speculative configuration: the chain length or tree budget — or target-only — with the most expected
+tokens per second.
 
 A fixed K loses where acceptance is low or verifying is dear (a large batch, a CPU whose verify of K+1 tokens costs
 twice a decode step). The choice needs two measurements, both cheap:
@@ -12,6 +13,13 @@ from the head's exported profile (measured at training time) and are refined by 
 pooled with the prior as if it were `verify_steps` verify steps (`RunningAcceptance.pooled_with`); the timed costs
 are scaled by what the generation loop's own steps took against them (`StepCalibration`).
 
+Trees (EAGLE-2 dynamic trees, `tree.TreeConfig`) are candidates where the head's record measured them: a tree's
+accepted path is not a chain's (a sibling catches a first token the chain's one draft misses), so its tokens per
+verify cannot be derived from the chain rates and come from its own measurement — scaled by how the head drafts on
+the prompts at hand against its record (`tree_tokens`), and pooled with the counts of the batches that ran it. A
+tree step costs a verify of its TOTAL tokens, the head's step after the root and the tree's expansion
+(`tree.draft_tree`: DEPTH - 1 head steps over TOPK nodes and the selection), all timed.
+
 This module is the arithmetic only: pure functions of measured numbers, so that the decision can be tested and
 logged exactly. Output never depends on the choice: every K, and target-only, give the target's tokens.
 """
@@ -20,9 +28,44 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxspec.errors import JaxspecError
+from jaxspec.spec.tree import TreeConfig
+
+Method = int | TreeConfig  # 0: target-only; K >= 1: a chain of K drafts; a TreeConfig: that tree
+
+
+def method_key(method: Method) -> str:
+    """A method's name in JSON (stats, stored calibrations): "0" (target-only), "3" (a chain), "tree 12,5,3"."""
+    return f"tree {method.spec}" if isinstance(method, TreeConfig) else str(method)
+
+
+def parse_method_key(key: str) -> Method:
+    """The inverse of `method_key` (a JaxspecError for anything else)."""
+    if key.startswith("tree "):
+        return TreeConfig.parse(key[len("tree "):])
+    try:
+        value = int(key)
+    except ValueError:
+        raise JaxspecError(f"not a speculative method: {key!r}") from None
+    if value < 0:
+        raise JaxspecError(f"not a speculative method: {key!r}")
+    return value
+
+
+def method_label(method: Method) -> str:
+    """How reports name a method: target-only, K=3, tree 12,5,3."""
+    if isinstance(method, TreeConfig):
+        return f"tree {method.spec}"
+    return "target-only" if method == 0 else f"K={method}"
+
+
+def method_order(method: Method) -> tuple[int, ...]:
+    """Reports and ties: target-only, then chains by length, then trees by verified tokens."""
+    if isinstance(method, TreeConfig):
+        return (2, method.total_tokens, method.depth, method.top_k)
+    return (0 if method == 0 else 1, method)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +75,29 @@ class StepCosts:
     decode: float  # target forward of 1 token per row (target-only step)
     verify: tuple[float, ...]  # verify[k]: target forward of k+1 tokens per row (a chain of k drafts); [0] unused
     draft: float  # one head step (EAGLE-3: its forward over one new token per row)
+    tree_drafts: tuple[tuple[TreeConfig, float], ...] = ()  # per timed tree: its expansion (`tree.draft_tree`)
 
     def __post_init__(self):
-        if self.decode <= 0 or self.draft < 0 or any(v <= 0 for v in self.verify[1:]):
+        if (self.decode <= 0 or self.draft < 0 or any(v <= 0 for v in self.verify[1:])
+                or any(v <= 0 for _, v in self.tree_drafts)):
             raise JaxspecError(f"step costs must be positive seconds, got {self}")
 
     @property
     def max_draft(self) -> int:
+        """The longest chain whose verify is costed (a tree of TOTAL tokens needs max_draft >= TOTAL - 1)."""
         return len(self.verify) - 1
+
+    @property
+    def trees(self) -> tuple[TreeConfig, ...]:
+        """The trees these costs can price: their expansion was timed and their verify is costed."""
+        return tuple(t for t, _ in self.tree_drafts if t.total_tokens - 1 <= self.max_draft)
+
+    def tree_draft(self, tree: TreeConfig) -> float:
+        """Seconds of this tree's expansion (a JaxspecError if it was not timed: it cannot be priced)."""
+        for t, seconds in self.tree_drafts:
+            if t == tree:
+                return seconds
+        raise JaxspecError(f"tree {tree.spec} was not timed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +142,27 @@ def profile_from_record(acceptance: Sequence[dict] | None, weight: float = 200.0
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    num_draft: int  # 0: target-only
+    method: Method  # 0: target-only; K: a chain; a TreeConfig: a tree
     tokens_per_step: float  # expected tokens per target call
     tokens_per_second: float  # expected, per row
-    candidates: tuple[tuple[int, float], ...]  # (K, expected tokens per second) for every K considered
+    candidates: tuple[tuple[Method, float], ...]  # (method, expected tokens per second) for every one considered
+
+    @property
+    def num_draft(self) -> int:
+        """Drafts per step: 0 for target-only, a chain's K, a tree's DEPTH (its longest acceptable run)."""
+        return self.method.depth if isinstance(self.method, TreeConfig) else self.method
+
+    @property
+    def tree(self) -> TreeConfig | None:
+        """The tree chosen, or None (target-only or a chain)."""
+        return self.method if isinstance(self.method, TreeConfig) else None
 
     def as_dict(self) -> dict:
-        return {"num_speculative_tokens": self.num_draft, "expected_tokens_per_step": round(self.tokens_per_step, 4),
+        return {"method": method_label(self.method), "num_speculative_tokens": self.num_draft,
+                "tree": self.tree.spec if self.tree else None,
+                "expected_tokens_per_step": round(self.tokens_per_step, 4),
                 "expected_tokens_per_second": round(self.tokens_per_second, 2),
-                "candidates": {k: round(v, 2) for k, v in self.candidates}}
+                "candidates": {method_key(k): round(v, 2) for k, v in self.candidates}}
 
 
 def expected_tokens(rates: Sequence[float], num_draft: int) -> float:
@@ -100,9 +170,12 @@ def expected_tokens(rates: Sequence[float], num_draft: int) -> float:
     return 1.0 + float(sum(rates[:num_draft]))
 
 
-def step_seconds(costs: StepCosts, num_draft: int) -> float:
-    """Seconds of one step: a target-only decode (0 drafts) or a chain's draft steps and its verify."""
-    return costs.decode if num_draft == 0 else costs.verify[num_draft] + num_draft * costs.draft
+def step_seconds(costs: StepCosts, method: Method) -> float:
+    """Seconds of one step: a target-only decode (0), a chain's K head steps and its verify of K+1 tokens, or a
+    tree's head step after the root, its expansion and its verify of TOTAL tokens."""
+    if isinstance(method, TreeConfig):
+        return costs.verify[method.total_tokens - 1] + costs.draft + costs.tree_draft(method)
+    return costs.decode if method == 0 else costs.verify[method] + method * costs.draft
 
 
 @dataclasses.dataclass
@@ -117,30 +190,28 @@ class StepCalibration:
     ran is then costed at its own measured/predicted ratio, one that has not at the ratio pooled over all that ran:
     the common part of the error, the machine's speed against the timing's, moves every choice alike."""
 
-    measured: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds its steps took
-    predicted: dict[int, float] = dataclasses.field(default_factory=dict)  # chain length → seconds predicted
+    measured: dict[Method, float] = dataclasses.field(default_factory=dict)  # method → seconds its steps took
+    predicted: dict[Method, float] = dataclasses.field(default_factory=dict)  # method → seconds predicted
 
-    def add(self, num_draft: int, seconds: float, predicted_seconds: float) -> None:
+    def add(self, method: Method, seconds: float, predicted_seconds: float) -> None:
         if seconds > 0 and predicted_seconds > 0:
-            self.measured[num_draft] = self.measured.get(num_draft, 0.0) + seconds
-            self.predicted[num_draft] = self.predicted.get(num_draft, 0.0) + predicted_seconds
+            self.measured[method] = self.measured.get(method, 0.0) + seconds
+            self.predicted[method] = self.predicted.get(method, 0.0) + predicted_seconds
 
-    def ratio(self, num_draft: int) -> float:
-        """measured / predicted for this chain length (1.0 where nothing comparable ran)."""
-        if num_draft in self.measured:
-            return self.measured[num_draft] / self.predicted[num_draft]
+    def ratio(self, method: Method) -> float:
+        """measured / predicted for this method (the pooled ratio where it has not run; 1.0 where nothing ran)."""
+        if method in self.measured:
+            return self.measured[method] / self.predicted[method]
         if self.measured:
             return sum(self.measured.values()) / sum(self.predicted.values())
         return 1.0
 
-    def calibrated(self, costs: StepCosts) -> StepCosts:
-        """`costs` with every choice's whole step scaled by its ratio; the head steps are folded into each chain's
-        verify (draft 0), since chains of different lengths may scale by different ratios."""
-        verify = [0.0] + [self.ratio(k) * step_seconds(costs, k) for k in range(1, costs.max_draft + 1)]
-        return StepCosts(decode=costs.decode * self.ratio(0), verify=tuple(verify), draft=0.0)
+    def seconds(self, costs: StepCosts, method: Method) -> float:
+        """One step of `method`, its timed cost scaled by its ratio."""
+        return self.ratio(method) * step_seconds(costs, method)
 
-    def as_dict(self) -> dict[int, float]:
-        return {k: round(self.ratio(k), 4) for k in sorted(self.measured)}
+    def as_dict(self) -> dict[str, float]:
+        return {method_key(k): round(self.ratio(k), 4) for k in sorted(self.measured, key=method_order)}
 
     def weighing_at_most(self, seconds: float) -> StepCalibration:
         """A copy with every sum scaled by one factor (the ratios unchanged) so that the measured steps weigh at most
@@ -152,19 +223,102 @@ class StepCalibration:
                                {k: v * scale for k, v in self.predicted.items()})
 
 
-def choose_chain(costs: StepCosts, profile: AcceptanceProfile, max_draft: int | None = None) -> Choice:
-    """The chain length in 0..max_draft (0: target-only) with the most expected tokens per second; ties go to the
-    shorter chain (less work for the same speed)."""
+def choose(
+    costs: StepCosts,
+    profile: AcceptanceProfile,
+    max_draft: int | None = None,
+    trees: Mapping[TreeConfig, float] | None = None,
+    calibration: StepCalibration | None = None,
+) -> Choice:
+    """The method with the most expected tokens per second: target-only, a chain of 1..max_draft drafts (as far
+    as `profile` and the costs reach), or one of `trees` ({tree: expected tokens per verify}) whose costs were
+    timed; each step's seconds scaled by `calibration`. Ties go to the cheaper method (target-only, then the
+    shorter chain, then the smaller tree): less work for the same speed."""
     limit = min(costs.max_draft, len(profile.rates), costs.max_draft if max_draft is None else max_draft)
-    candidates = [(0, 1.0 / costs.decode)]
-    for k in range(1, limit + 1):
-        candidates.append((k, expected_tokens(profile.rates, k) / step_seconds(costs, k)))
-    best_k, best = max(candidates, key=lambda c: (c[1], -c[0]))
-    per_step = 1.0 if best_k == 0 else expected_tokens(profile.rates, best_k)
-    return Choice(best_k, per_step, best, tuple(candidates))
+    tokens: dict[Method, float] = {0: 1.0}
+    tokens.update({k: expected_tokens(profile.rates, k) for k in range(1, limit + 1)})
+    tokens.update({t: n for t, n in (trees or {}).items() if t in costs.trees})
+    cal = calibration or StepCalibration()
+    candidates = [(m, tokens[m] / cal.seconds(costs, m)) for m in sorted(tokens, key=method_order)]
+    rank = {m: i for i, (m, _) in enumerate(candidates)}
+    best, best_tps = max(candidates, key=lambda c: (c[1], -rank[c[0]]))
+    return Choice(best, tokens[best], best_tps, tuple(candidates))
 
 
-def drafting_could_win(costs: StepCosts, observed: AcceptanceProfile, z: float = 2.0) -> bool:
+def tree_tokens(recorded: float, prior: AcceptanceProfile, now: AcceptanceProfile) -> float:
+    """A tree's expected tokens per verify on the prompts at hand, before it has run on them: its recorded mean
+    accepted length with the part above the bonus token scaled as the chain's is (the chain's expected tokens
+    past the bonus under the current profile `now`, against the recorded `prior`'s, over the positions both
+    reach). Why: a tree's acceptance is measured on the record's prompts; where the running counts say the head
+    drafts worse (or better) here, its tree does too (the shipped SmolLM2 head: the tree gains 1.4-1.7x what a
+    K=5 chain gains over the bonus, on MT-Bench, GSM8K and HumanEval alike)."""
+    depth = min(len(prior.rates), len(now.rates))
+    base = expected_tokens(prior.rates, depth) - 1.0
+    if depth == 0 or base <= 0:
+        return recorded
+    return 1.0 + (recorded - 1.0) * (expected_tokens(now.rates, depth) - 1.0) / base
+
+
+@dataclasses.dataclass
+class RunningTrees:
+    """Tokens per verify of each tree, counted over the batches that ran it."""
+
+    tokens: dict[TreeConfig, int] = dataclasses.field(default_factory=dict)  # emitted by verify steps (bonus included)
+    steps: dict[TreeConfig, int] = dataclasses.field(default_factory=dict)  # verify steps
+
+    def add(self, tree: TreeConfig, tokens: int, verify_calls: int) -> None:
+        """One row's counts: the tokens its verify steps emitted (its generated tokens but the prefill's) and
+        how many there were."""
+        if verify_calls > 0:
+            self.tokens[tree] = self.tokens.get(tree, 0) + int(tokens)
+            self.steps[tree] = self.steps.get(tree, 0) + int(verify_calls)
+
+    def pooled(self, tree: TreeConfig, prior_tokens: float, weight: float) -> float:
+        """The prior's tokens per verify (weighing as `weight` verify steps) pooled with this tree's counts."""
+        steps = self.steps.get(tree, 0)
+        return (weight * prior_tokens + self.tokens.get(tree, 0)) / (weight + steps) if weight + steps else prior_tokens
+
+    def as_dict(self) -> dict[str, dict]:
+        return {method_key(t): {"tokens_per_verify": round(self.tokens[t] / self.steps[t], 4),
+                                "verify_steps": self.steps[t]} for t in sorted(self.steps, key=method_order)}
+
+
+def trees_from_record(acceptance: Sequence[dict] | None) -> dict[TreeConfig, float]:
+    """{tree: mean accepted length} from a head's exported acceptance profile: its measurements of method "tree
+    TOTAL,DEPTH,TOPK", averaged over their prompt sets (weighted by prompt count)."""
+    sums: dict[TreeConfig, list[float]] = {}
+    for m in acceptance or ():
+        method = str(m.get("method", ""))
+        if not method.startswith("tree "):
+            continue
+        tree = TreeConfig.parse(method[len("tree "):])
+        w = float(m.get("num_prompts") or 1)
+        total = sums.setdefault(tree, [0.0, 0.0])
+        total[0] += w * float(m["mean_accepted_length"])
+        total[1] += w
+    return {t: s / w for t, (s, w) in sums.items()}
+
+
+def tree_worth_timing(costs: StepCosts, tree: TreeConfig, tokens: float, best: float, margin: float = 1.5) -> bool:
+    """Whether a tree could beat the best timed method (`best` tokens per second) at `margin` times its expected
+    tokens per verify, with its verify costed by extending the timed chain verifies linearly (the last two timed
+    lengths' slope, never below the longest's cost) and its head work as DEPTH one-token head steps (the step after
+    the root and the DEPTH - 1 levels of its expansion).
+
+    Why: timing a tree compiles its verify and its expansion (~20 s each with invariant numerics on a 2-core CPU),
+    and where a verify costs a weight pass per token (a CPU), a 12-token tree at any acceptance its head reaches is
+    far behind target-only; on an accelerator a verify costs about a decode step up to dozens of tokens, the
+    estimate says so, and the tree is timed."""
+    top = costs.max_draft
+    slope = costs.verify[top] - costs.verify[top - 1] if top >= 2 else costs.verify[top] - costs.decode
+    verify = costs.verify[top] + max(0.0, slope) * max(0, tree.total_tokens - 1 - top)
+    seconds = verify + tree.depth * costs.draft
+    return margin * tokens / seconds > best
+
+
+def drafting_could_win(
+    costs: StepCosts, observed: AcceptanceProfile, z: float = 2.0, calibration: StepCalibration | None = None
+) -> bool:
     """Whether one draft per step could beat target-only at the optimistic end of what the observed first-draft
     rate allows: its count plus `z` standard errors of a rate over that many verify steps (at their widest, 0.5),
     or 1.0 with nothing observed.
@@ -177,7 +331,7 @@ def drafting_could_win(costs: StepCosts, observed: AcceptanceProfile, z: float =
         rate = min(1.0, observed.rates[0] + z * math.sqrt(0.25 / observed.verify_steps))
     else:
         rate = 1.0
-    return choose_chain(costs, AcceptanceProfile((rate,), observed.verify_steps), 1).num_draft == 1
+    return choose(costs, AcceptanceProfile((rate,), observed.verify_steps), 1, calibration=calibration).method == 1
 
 
 @dataclasses.dataclass

@@ -1,20 +1,23 @@
-"""Speculation configured per batch (`--num-speculative-tokens auto`): before each batch, the chain length — or
-target-only — with the most expected tokens per second on this machine (`auto_config.choose_chain`).
+"""Speculation configured per batch (`--num-speculative-tokens auto`): before each batch, the chain length or tree
+— or target-only — with the most expected tokens per second on this machine (`auto_config.choose`).
 
 The inputs are measured, not guessed: the step costs are timed once per machine and cache bucket on the real
 forwards (`step_costs.measure_step_costs`; kept on disk for later processes by `step_cost_store`, with the
 calibration) and then scaled by what each batch's steps really took (`auto_config.StepCalibration`), and the
 acceptance profile is the head's recorded one (`auto_config.profile_from_record`) refined with the counts of every
-batch generated so far. A head without a record drafts the default chain on its first batch, so that the next choice rests on measured counts. Trees are not
-chosen automatically: `--tree` names one. Output never depends on the choice: every chain length, and target-only,
-give the target's tokens (greedy) or its distribution (sampling).
+batch generated so far. A head without a record drafts the default chain on its first batch, so that the next
+choice rests on measured counts. The trees the head's record measured (`auto_config.trees_from_record`) are
+candidates too, timed where an estimate from the chain costs says they could win (`auto_config.tree_worth_timing`:
+on an accelerator, not on a CPU, whose verify pays a weight pass per token); `--tree` names one for every batch.
+Output never depends on the choice: every chain length, tree, and target-only give the target's tokens (greedy) or
+its distribution (sampling).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -23,23 +26,31 @@ from jax.experimental import multihost_utils
 
 from jaxspec import sharding
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Completion, Generator
+from jaxspec.generation import Completion, Generator, capacity_bucket
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import (
     AcceptanceProfile,
     Choice,
+    Method,
     RunningAcceptance,
+    RunningTrees,
     StepCalibration,
     StepCosts,
-    choose_chain,
+    choose,
     drafting_could_win,
     expected_tokens,
+    method_key,
+    method_label,
+    method_order,
     step_seconds,
+    tree_tokens,
+    tree_worth_timing,
 )
 from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
-from jaxspec.spec.step_costs import measure_step_costs
+from jaxspec.spec.step_costs import add_tree_costs, measure_step_costs
+from jaxspec.spec.tree import TreeConfig
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
@@ -50,14 +61,16 @@ PROBE_EVERY = 16  # while target-only is chosen, its 16th, 32nd, 64th, .. batch 
 
 
 class AutoSpeculativeGenerator(Generator):
-    """`Generator` that picks, before each batch, the chain length (0 = target-only) with the most expected tokens
-    per second, from this machine's step costs at the batch's shape and the acceptance profile: `prior` (the head's
-    record, or None) pooled with the counts observed so far. The choice made for each batch is in its completions'
-    `stats["auto"]`, with the running acceptance after it. While target-only is the choice nothing is observed, so
-    its PROBE_EVERY-th batch, then the 2×, 4×, .. PROBE_EVERY-th, drafts one token (basis "probe"): a head that does
-    better on these prompts than its record says gets chosen, and one that does not costs less and less. A probe is
-    skipped where it cannot change the choice: when one draft could not beat target-only even at a first-draft rate
-    of 1.0, or at the optimistic end of the rate the probes so far observed (`auto_config.drafting_could_win`)."""
+    """`Generator` that picks, before each batch, the chain length (0 = target-only) or one of `trees` with the most
+    expected tokens per second, from this machine's step costs at the batch's shape and the acceptance profile:
+    `prior` (the head's record, or None) pooled with the counts observed so far; `trees` maps each candidate tree
+    to its recorded tokens per verify, which counts as `prior.verify_steps` steps when pooled with the tree's own.
+    The choice made for each batch is in its completions' `stats["auto"]`, with the running acceptance after it.
+    While target-only is the choice nothing is observed, so its PROBE_EVERY-th batch, then the 2×, 4×, ..
+    PROBE_EVERY-th, drafts one token (basis "probe"): a head that does better on these prompts than its record says
+    gets chosen, and one that does not costs less and less. A probe is skipped where it cannot change the choice:
+    when one draft could not beat target-only even at a first-draft rate of 1.0, or at the optimistic end of the
+    rate the probes so far observed (`auto_config.drafting_could_win`)."""
 
     def __init__(
         self,
@@ -65,6 +78,7 @@ class AutoSpeculativeGenerator(Generator):
         head: Eagle3Head,
         *,
         prior: AcceptanceProfile | None,
+        trees: Mapping[TreeConfig, float] | None = None,
         max_draft: int = MAX_AUTO_DRAFT,
         batch_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
@@ -82,40 +96,79 @@ class AutoSpeculativeGenerator(Generator):
         self.model, self.head = model, head
         self.prior = prior if prior is not None and prior.rates else None
         self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
+        # trees need a chain prior too: a tree's record is scaled by the chain's counts on these prompts
+        self.trees = {t: (trees or {})[t] for t in sorted(trees or {}, key=method_order)} if self.prior else {}
+        for tree in self.trees:
+            if tree.top_k > head.config.draft_vocab_size:
+                raise JaxspecError(f"tree {tree.spec}: TOPK exceeds the head's draft vocabulary")
         self.running = RunningAcceptance()
+        self.running_trees = RunningTrees()
         # Timed costs and calibration of earlier processes (None: time every bucket in this process). Multi-host,
         # every process times (the timed forwards are collectives, and the processes' disks may hold different
         # stores); process 0's timings decide (`choose`).
         self.store = store if jax.process_count() == 1 else None
+        # calibrations are kept per method, so they need not know the candidate trees; the costs do (`costs`)
         self.calibration_key = calibration_key(model, head, batch_size, self.depth, mesh)
         stored = self.store.get_calibration(self.calibration_key[0]) if self.store is not None else None
         self.calibration = stored.weighing_at_most(CALIBRATION_SECONDS) if stored else StepCalibration()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
-        self._generators: dict[int, Generator] = {}  # chain length (0: target-only) → its generator
+        self._generators: dict[Method, Generator] = {}  # chain length (0: target-only) or tree → its generator
         self._target_only_batches = 0
 
     @property
     def num_draft(self) -> int:
-        """The longest chain this generator may choose (the statistics' depth)."""
-        return self.depth
+        """The most drafts per step any choice may accept (the longest chain, the deepest tree): the statistics'
+        depth."""
+        return max([self.depth, *(t.depth for t in self.trees)])
 
     @property
-    def extra_capacity(self) -> int:
-        """The longest chain's verify block: prompts are checked against it, so that every choice accepts them (each
-        chain sizes its own caches; the costs are timed at this capacity's bucket)."""
-        return self.depth + 1
+    def methods(self) -> list[Method]:
+        """Every method this generator may run, in one order on every process: target-only, the chains, the trees."""
+        return [*range(self.depth + 1), *self.trees]
+
+    def cost_capacity(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+        """The cache bucket whose costs price a batch: the longest chain's (each choice sizes its own caches). A
+        tree's step writes more slots ahead (32,6,8: 46), so its own bucket may be the next one up; its costs are
+        timed at this one all the same, so that every method of a batch is priced at one cache size, and its
+        measured steps (`StepCalibration`) absorb the difference."""
+        longest = max(len(p) for p in batch)
+        return capacity_bucket(longest + max_new_tokens + self.depth + 1, self.config.context_length + self.depth + 1)
 
     def acceptance(self) -> AcceptanceProfile:
         """The profile the next choice rests on: the prior pooled with the counts so far (the prior weighs as many
         verify steps as it was given), or the counts alone."""
         return self.running.profile() if self.prior is None else self.running.pooled_with(self.prior)
 
+    def tree_tokens(self) -> dict[TreeConfig, float]:
+        """Each candidate tree's expected tokens per verify: its record scaled as the chain's counts on these prompts
+        scale the chain's (`auto_config.tree_tokens`), pooled with the tree's own counts."""
+        now = self.acceptance()
+        return {t: self.running_trees.pooled(t, tree_tokens(n, self.prior, now), self.prior.verify_steps)
+                for t, n in self.trees.items()}
+
+    def _time(self, capacity: int) -> StepCosts:
+        """Time the chains at this capacity, then the trees that an estimate from those costs says could win
+        (`auto_config.tree_worth_timing`, against the best chain or target-only as timed), if any. Multi-host,
+        process 0's estimate decides which, since the timed forwards are collectives every process must run."""
+        with sharding.mesh_context(self.mesh):
+            costs = measure_step_costs(self.model, self.head, self.batch_size, capacity, self.depth)
+            if self.trees:
+                best = choose(costs, self.acceptance(), self.depth).tokens_per_second
+                worth = [tree_worth_timing(costs, t, n, best) for t, n in self.tree_tokens().items()]
+                if jax.process_count() > 1:
+                    worth = list(multihost_utils.broadcast_one_to_all(np.asarray(worth, np.int32)) > 0)
+                timed = tuple(t for t, w in zip(self.trees, worth) if w)
+                if timed:
+                    costs = add_tree_costs(costs, self.model, self.head, self.batch_size, capacity, timed)
+        return costs
+
     def costs(self, capacity: int) -> StepCosts:
         """Step costs at this batch size and cache capacity: from the store if this machine timed them before,
         else timed now (and stored)."""
         if capacity not in self.step_costs:
-            key, what = cost_key(self.model, self.head, self.batch_size, capacity, self.depth, self.mesh)
+            key, what = cost_key(self.model, self.head, self.batch_size, capacity, self.depth, self.mesh,
+                                 tuple(self.trees))
             stored = self.store.get(key) if self.store is not None else None
             if stored is not None:  # the key holds the chain depth, so the entry has this generator's lengths
                 self.step_costs[capacity] = stored
@@ -124,10 +177,7 @@ class AutoSpeculativeGenerator(Generator):
             if self.on_compile is not None:
                 self.on_compile(f"timing decode, verify and draft steps (batch {self.batch_size}, cache {capacity})...")
             start = time.perf_counter()
-            with sharding.mesh_context(self.mesh):
-                self.step_costs[capacity] = measure_step_costs(
-                    self.model, self.head, self.batch_size, capacity, self.depth
-                )
+            self.step_costs[capacity] = self._time(capacity)
             self.timing_seconds += time.perf_counter() - start
             if self.store is not None:
                 self.store.put(key, self.step_costs[capacity], what)
@@ -137,9 +187,10 @@ class AutoSpeculativeGenerator(Generator):
     def _report(self, capacity: int, how: str) -> None:
         if self.on_compile is not None:
             c = self.step_costs[capacity]
+            trees = "".join(f", tree {t.spec} {step_seconds(c, t) * 1e3:.1f} ms" for t in c.trees)
             self.on_compile(
                 f"{how}: decode {c.decode * 1e3:.1f} ms, verify of {self.depth + 1} tokens "
-                f"{c.verify[-1] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms"
+                f"{c.verify[self.depth] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms{trees}"
             )
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
@@ -149,38 +200,42 @@ class AutoSpeculativeGenerator(Generator):
         if not profile.rates:
             k = min(FIRST_CHAIN, self.depth)
             return Choice(k, 0.0, 0.0, ()), "first batch"
-        observed = self.running.profile().verify_steps > 0
+        observed = self.running.profile().verify_steps > 0 or bool(self.running_trees.steps)
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
-        costs = self.calibration.calibrated(self.costs(capacity))
-        choice = choose_chain(costs, profile, self.depth)
-        if choice.num_draft == 0:
+        costs, trees = self.costs(capacity), self.tree_tokens()
+        choice = choose(costs, profile, self.depth, trees, self.calibration)
+        if choice.method == 0:
             # Counts come only from speculating: the PROBE_EVERY-th target-only batch, then the 2×, 4×, .. one
             # drafts one token, so that the choice follows the prompts; fewer and fewer, since a probe costs where
             # target-only is right, and none once the counts rule drafting out.
             self._target_only_batches += 1
             n = self._target_only_batches
             due = n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0
-            if due and drafting_could_win(costs, self.running.profile()):
-                choice, basis = _with_draft(choice, 1, profile), "probe"
+            if due and drafting_could_win(costs, self.running.profile(), calibration=self.calibration):
+                choice, basis = _running(choice, 1, profile, trees), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
-            k = int(multihost_utils.broadcast_one_to_all(np.int32(choice.num_draft)))
-            choice = _with_draft(choice, k, profile)
+            methods = self.methods
+            i = int(multihost_utils.broadcast_one_to_all(np.int32(methods.index(choice.method))))
+            choice = _running(choice, methods[i], profile, trees)
         return choice, basis
 
     def generate_batch(
         self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
     ) -> list[Completion]:
-        capacity = self.batch_capacity(batch, max_new_tokens)
+        capacity = self.cost_capacity(batch, max_new_tokens)
         choice, basis = self.choose(capacity)
         rates = self.acceptance().rates
         args = (batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values)
-        gen = self._generator(choice.num_draft)
+        trees = self.tree_tokens()
+        gen = self._generator(choice.method)
         completions = gen.generate_batch(*args)
         self.memory = gen.memory
-        if choice.num_draft:
-            for c in completions:
+        for c in completions:  # a tree's path is not a chain's: its counts are kept apart
+            if choice.tree is not None:
+                self.running_trees.add(choice.tree, c.num_generated - 1, c.stats["verify_calls"])
+            elif choice.method:
                 self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
-        self._calibrate(choice.num_draft, capacity, completions)
+        self._calibrate(choice.method, capacity, completions)
         if self.store is not None:
             key, what = self.calibration_key
             self.store.put_calibration(key, self.calibration, what)
@@ -192,73 +247,83 @@ class AutoSpeculativeGenerator(Generator):
             "acceptance_per_position": [round(r, 4) for r in rates],  # what the choice rested on
             "running_acceptance_per_position": [round(r, 4) for r in running.rates],  # observed, this batch included
             "running_verify_steps": int(running.verify_steps),
+            "tree_tokens_per_step": {method_key(t): round(n, 4) for t, n in trees.items()},  # what the choice used
+            "running_trees": self.running_trees.as_dict(),  # observed, this batch included
             "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),  # as timed; the choice used them calibrated
-            "step_calibration": self.calibration.as_dict(),  # chain length → measured / timed step seconds
+            "step_calibration": self.calibration.as_dict(),  # method → measured / timed step seconds
             "timing_seconds": round(self.timing_seconds, 2),
         }
         for c in completions:
             c.stats = {**c.stats, "auto": record}
         return completions
 
-    def _calibrate(self, num_draft: int, capacity: int, completions: Sequence[Completion]) -> None:
+    def _calibrate(self, method: Method, capacity: int, completions: Sequence[Completion]) -> None:
         """Add this batch's step time (its wall time after the prefill) against the timed costs' prediction for as
         many steps: the batch ran until its longest row was done, so its steps are the most any row took."""
         costs = self.step_costs.get(capacity)
-        if costs is None or num_draft > costs.max_draft:
+        if costs is None or (method not in costs.trees if isinstance(method, TreeConfig) else method > costs.max_draft):
             return  # the first batch of a head without a profile runs before anything is timed
-        if num_draft:
+        if method:
             steps = max(c.stats["verify_calls"] for c in completions)
         else:  # the prefill gives each row its first token; every other token is a decode step
             steps = max(c.num_generated for c in completions) - 1
         seconds = completions[0].seconds - completions[0].prefill_seconds
-        self.calibration.add(num_draft, seconds, steps * step_seconds(costs, num_draft))
+        self.calibration.add(method, seconds, steps * step_seconds(costs, method))
 
-    def _generator(self, num_draft: int) -> Generator:
+    def _generator(self, method: Method) -> Generator:
         """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
-        if num_draft not in self._generators:
-            if num_draft == 0:
+        if method not in self._generators:
+            if method == 0:
                 gen = Generator(self.model, batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
             else:
+                tree = method if isinstance(method, TreeConfig) else None
                 gen = SpeculativeGenerator(
-                    self.model, self.head, num_draft=num_draft, batch_size=self.batch_size, mesh=self.mesh,
-                    kernels=self.kernels,
+                    self.model, self.head, num_draft=1 if tree else method, tree=tree, batch_size=self.batch_size,
+                    mesh=self.mesh, kernels=self.kernels,
                 )
             gen.on_compile = self.on_compile
-            self._generators[num_draft] = gen
-        return self._generators[num_draft]
+            self._generators[method] = gen
+        return self._generators[method]
 
 
 
 def _costs_ms(costs: StepCosts | None) -> dict | None:
-    """Milliseconds: decode (T = 1), verify[k - 1] (a chain of k drafts: T = k + 1), one head step."""
+    """Milliseconds: decode (T = 1), verify[k - 1] (a chain of k drafts: T = k + 1), one head step, each timed
+    tree's expansion."""
     if costs is None:
         return None
     return {"decode": round(costs.decode * 1e3, 3), "verify": [round(v * 1e3, 3) for v in costs.verify[1:]],
-            "draft": round(costs.draft * 1e3, 3)}
+            "draft": round(costs.draft * 1e3, 3),
+            "tree_drafts": {t.spec: round(v * 1e3, 3) for t, v in costs.tree_drafts}}
 
 
-def chosen(completions: Sequence[Completion], batch_size: int) -> dict[int, int]:
-    """{chain length: batches that ran it} over completions of an `AutoSpeculativeGenerator` (0: target-only)."""
-    counts: dict[int, int] = {}
+def _method_of(record: dict) -> Method:
+    """The method a batch's `stats["auto"]` record ran."""
+    return TreeConfig.parse(record["tree"]) if record.get("tree") else record["num_speculative_tokens"]
+
+
+def chosen(completions: Sequence[Completion], batch_size: int) -> dict[Method, int]:
+    """{method: batches that ran it} over completions of an `AutoSpeculativeGenerator` (0: target-only, K: a chain,
+    a TreeConfig: a tree), target-only first, then chains by length, then trees."""
+    counts: dict[Method, int] = {}
     for i, c in enumerate(completions):
         if i % batch_size == 0 and "auto" in c.stats:
-            k = c.stats["auto"]["num_speculative_tokens"]
-            counts[k] = counts.get(k, 0) + 1
-    return dict(sorted(counts.items()))
+            m = _method_of(c.stats["auto"])
+            counts[m] = counts.get(m, 0) + 1
+    return {m: counts[m] for m in sorted(counts, key=method_order)}
 
 
 def describe_choices(completions: Sequence[Completion], batch_size: int) -> str:
     """`K=1 for 9 batches, target-only for 1`: what the automatic choice ran."""
-    parts = [("target-only" if k == 0 else f"K={k}") + f" for {n} batch{'es' if n > 1 else ''}"
-             for k, n in chosen(completions, batch_size).items()]
+    parts = [f"{method_label(m)} for {n} batch{'es' if n > 1 else ''}"
+             for m, n in chosen(completions, batch_size).items()]
     return ", ".join(parts) or "no batches"
 
 
-def _with_draft(choice: Choice, num_draft: int, profile: AcceptanceProfile) -> Choice:
-    """`choice` made to run `num_draft` drafts (a probe, or process 0's choice), with that length's expectations."""
-    if num_draft == choice.num_draft:
+def _running(choice: Choice, method: Method, profile: AcceptanceProfile, trees: Mapping[TreeConfig, float]) -> Choice:
+    """`choice` made to run `method` (a probe's one draft, or process 0's choice), with its expectations."""
+    if method == choice.method:
         return choice
-    return dataclasses.replace(
-        choice, num_draft=num_draft, tokens_per_step=expected_tokens(profile.rates, num_draft),
-        tokens_per_second=dict(choice.candidates).get(num_draft, 0.0),
-    )
+    per_step = trees[method] if isinstance(method, TreeConfig) else expected_tokens(profile.rates, method)
+    return dataclasses.replace(choice, method=method, tokens_per_step=per_step,
+                               tokens_per_second=dict(choice.candidates).get(method, 0.0))

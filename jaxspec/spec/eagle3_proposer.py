@@ -116,7 +116,7 @@ class Eagle3Proposer:
         """The verify block, and the head's tree levels above its committed length."""
         if self.tree is None:
             return self.num_draft + 1
-        return max(self.tree.total_tokens, self.tree.depth + 1 + self.tree.window)
+        return self.tree.cache_slots
 
     def init(self, params, target, view: PrefillView, capacity: int) -> Eagle3State:
         head = nnx.merge(self.head_graphdef, params)

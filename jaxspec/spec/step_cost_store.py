@@ -29,8 +29,9 @@ from pathlib import Path
 import jax
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.auto_config import StepCalibration, StepCosts
+from jaxspec.spec.auto_config import StepCalibration, StepCosts, method_key, parse_method_key
 from jaxspec.spec.step_costs import TIMING
+from jaxspec.spec.tree import TreeConfig
 
 STORE_ENV = "JAXSPEC_STEP_COSTS"
 CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many seconds of this process's steps
@@ -38,9 +39,10 @@ CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many s
 
 @dataclasses.dataclass(frozen=True)
 class StepCostStore:
-    """A JSON file {key: entry}: timed costs ({"decode", "verify", "draft": seconds, "timed": date, "what": the
-    key's parts}) per shape, and calibrations ({"measured", "predicted": {chain length: seconds}}) per machine,
-    model and batch size (`calibration_key`)."""
+    """A JSON file {key: entry}: timed costs ({"decode", "verify", "draft": seconds, "tree_drafts": {tree spec:
+    seconds}, "timed": date, "what": the key's parts}) per shape, and calibrations ({"measured", "predicted":
+    {method: seconds}}, methods named by `auto_config.method_key`) per machine, model and batch size
+    (`calibration_key`)."""
 
     path: Path
 
@@ -48,30 +50,34 @@ class StepCostStore:
         """The stored costs under `key`, or None (absent, or an entry or file this version cannot read)."""
         entry = self._read().get(key)
         try:
-            return StepCosts(float(entry["decode"]), tuple(float(v) for v in entry["verify"]), float(entry["draft"]))
-        except (TypeError, KeyError, ValueError, JaxspecError):  # JaxspecError: costs that are not positive
+            trees = tuple((TreeConfig.parse(k), float(v)) for k, v in entry.get("tree_drafts", {}).items())
+            return StepCosts(float(entry["decode"]), tuple(float(v) for v in entry["verify"]), float(entry["draft"]),
+                             trees)
+        except (TypeError, KeyError, ValueError, AttributeError, JaxspecError):  # JaxspecError: not positive
             return None
 
     def put(self, key: str, costs: StepCosts, what: dict) -> None:
         """Store `costs` under `key` (`what`: the key's parts, for a reader of the file)."""
         self._write(key, {"decode": costs.decode, "verify": list(costs.verify), "draft": costs.draft,
+                          "tree_drafts": {t.spec: v for t, v in costs.tree_drafts},
                           "timed": datetime.date.today().isoformat(), "what": what})
 
     def get_calibration(self, key: str) -> StepCalibration | None:
-        """The calibration stored under `key` (per chain length, the seconds the generation loop's steps took and
-        the seconds the stored costs predicted for them), or None."""
+        """The calibration stored under `key` (per method, the seconds the generation loop's steps took and the
+        seconds the stored costs predicted for them), or None."""
         entry = self._read().get(key)
         try:
-            measured = {int(k): float(v) for k, v in entry["measured"].items()}
-            predicted = {int(k): float(v) for k, v in entry["predicted"].items()}
-        except (TypeError, KeyError, ValueError, AttributeError):
+            measured = {parse_method_key(k): float(v) for k, v in entry["measured"].items()}
+            predicted = {parse_method_key(k): float(v) for k, v in entry["predicted"].items()}
+        except (TypeError, KeyError, ValueError, AttributeError, JaxspecError):
             return None
         if measured.keys() != predicted.keys() or any(v <= 0 for v in (*measured.values(), *predicted.values())):
             return None
         return StepCalibration(measured, predicted)
 
     def put_calibration(self, key: str, calibration: StepCalibration, what: dict) -> None:
-        self._write(key, {"measured": calibration.measured, "predicted": calibration.predicted,
+        self._write(key, {"measured": {method_key(k): v for k, v in calibration.measured.items()},
+                          "predicted": {method_key(k): v for k, v in calibration.predicted.items()},
                           "updated": datetime.date.today().isoformat(), "what": what})
 
     def _write(self, key: str, entry: dict) -> None:
@@ -105,18 +111,27 @@ def default_store() -> StepCostStore | None:
     return StepCostStore(cache_root() / "step-costs.json")
 
 
-def calibration_key(model, head, batch: int, max_draft: int, mesh: jax.sharding.Mesh | None) -> tuple[str, dict]:
+def calibration_key(
+    model, head, batch: int, max_draft: int, mesh: jax.sharding.Mesh | None, trees: tuple[TreeConfig, ...] = ()
+) -> tuple[str, dict]:
     """(key, its parts) of the calibration: `cost_key` without the cache capacity (calibrations pool the buckets)."""
-    key, what = cost_key(model, head, batch, None, max_draft, mesh)
+    key, what = cost_key(model, head, batch, None, max_draft, mesh, trees)
     return f"calibration-{key}", what
 
 
 def cost_key(
-    model, head, batch: int, capacity: int | None, max_draft: int, mesh: jax.sharding.Mesh | None
+    model,
+    head,
+    batch: int,
+    capacity: int | None,
+    max_draft: int,
+    mesh: jax.sharding.Mesh | None,
+    trees: tuple[TreeConfig, ...] = (),
 ) -> tuple[str, dict]:
     """(key, its parts): what a step's cost depends on — this machine (backend, device kind and count, CPU model
     and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics), the shape (batch,
-    cache capacity, longest chain, mesh) and how the costs were timed (`step_costs.TIMING`)."""
+    cache capacity, longest chain, the candidate trees, mesh) and how the costs were timed (`step_costs.TIMING`).
+    An entry holds the costs of the candidate trees worth timing there (`auto_config.tree_worth_timing`)."""
     device = jax.devices()[0]
     what = {
         "backend": jax.default_backend(),
@@ -135,6 +150,8 @@ def cost_key(
         "mesh": dict(mesh.shape) if mesh is not None else None,
         "timing": TIMING,
     }
+    if trees:  # absent without trees, so that entries stored before trees were candidates keep their keys
+        what["trees"] = [t.spec for t in trees]
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32], what
 
 

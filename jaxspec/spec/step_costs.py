@@ -1,4 +1,4 @@
-"""This machine's speculative step costs at one batch shape, timed: the input of `auto_config.choose_chain`.
+"""This machine's speculative step costs at one batch shape, timed: the input of `auto_config.choose`.
 
 What is timed is what a step's cost is made of: the target's forward over T tokens per row into a half-full cache
 (T = 1: a target-only decode step; T = K+1: the verify of a K-draft chain) with the model's own numerics, and the
@@ -6,7 +6,8 @@ head's forward over one token per row (one draft step). Accept and commit are th
 for every K and are left out. Verify lengths between the measured ones are interpolated linearly (a CPU's cost
 grows about linearly in T; an accelerator's stays near one decode step until its matmul tiles fill), so any K
 costs three compilations (T = 1, 2, K + 1), not K + 1 (with invariant numerics each takes ~20 s on a 2-core
-CPU). Each shape compiles once per process (and once per machine with the persistent compilation cache).
+CPU). Each shape compiles once per process (and once per machine with the persistent compilation cache). A tree
+adds its verify length (TOTAL tokens) and its expansion (`tree.draft_tree`, timed whole), in the same rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxspec.models import kv_cache as kvc
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.spec.auto_config import StepCosts
+from jaxspec.spec.tree import TreeConfig, draft_tree
 
 ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
 TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
@@ -46,18 +48,25 @@ def best_seconds_interleaved(calls: dict, repeats: int = ROUNDS) -> dict:
     return best
 
 
-def verify_lengths(max_draft: int) -> list[int]:
-    """Token counts T to time: 1 (decode), 2 (the shortest verify) and max_draft + 1 (the longest); each is one more
-    compilation before the first batch, so the lengths between are interpolated rather than timed."""
-    return sorted({1, 2, max_draft + 1})
+def verify_lengths(max_draft: int, trees: tuple[TreeConfig, ...] = ()) -> list[int]:
+    """Token counts T to time: 1 (decode), 2 (the shortest verify), max_draft + 1 (the longest chain's) and each
+    tree's TOTAL; each is one more compilation before the first batch, so the lengths between are interpolated
+    rather than timed."""
+    return sorted({1, 2, max_draft + 1, *(t.total_tokens for t in trees)})
 
 
 def time_forwards(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, lengths: list[int], repeats: int = ROUNDS
-) -> tuple[dict[int, float], float]:
-    """({T: seconds of a target forward over T tokens per row}, seconds of one head step, 0 without a head), at this
-    batch size and cache capacity, the cache half full, with the model's own numerics, timed in interleaved rounds
-    (`best_seconds_interleaved`)."""
+    model: LlamaModel,
+    head: Eagle3Head | None,
+    batch: int,
+    capacity: int,
+    lengths: list[int],
+    repeats: int = ROUNDS,
+    trees: tuple[TreeConfig, ...] = (),
+) -> tuple[dict[int, float], float, dict[TreeConfig, float]]:
+    """({T: seconds of a target forward over T tokens per row}, seconds of one head step (0 without a head),
+    {tree: seconds of its expansion}), at this batch size and cache capacity, the caches half full, with the model's
+    own numerics, timed in interleaved rounds (`best_seconds_interleaved`)."""
     tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
 
     @jax.jit
@@ -81,16 +90,53 @@ def time_forwards(
         hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
         state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
         calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
+        for tree in trees:  # the expansion from the head's distribution after the root, as the proposer runs it
+            def expand(params, logits0, state0, cache, tree=tree):
+                dt = draft_tree(nnx.merge(hg, params), table, logits0, state0, cache, tree)
+                return dt.tokens, dt.mask
+
+            logits0 = jax.random.normal(jax.random.key(0), (batch, head.config.draft_vocab_size), jnp.float32)
+            calls[tree] = (jax.jit(expand), (hp, logits0, state[:, 0], hcache))
     best = best_seconds_interleaved(calls, repeats)
-    return {t: best[t] for t in lengths}, best.get("head", 0.0)
+    return {t: best[t] for t in lengths}, best.get("head", 0.0), {t: best[t] for t in trees}
+
+
+def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float]) -> StepCosts:
+    """StepCosts from forwards timed at some token counts T (1 among them): every T up to the largest, the ones
+    between interpolated."""
+    measured = sorted(seconds)
+    per_t = np.interp(np.arange(1, measured[-1] + 1), measured, [seconds[t] for t in measured])  # [T = 1..]
+    return StepCosts(decode=float(per_t[0]), verify=(0.0, *(float(x) for x in per_t[1:])), draft=draft,
+                     tree_drafts=tuple(expansions.items()))
 
 
 def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = ROUNDS
+    model: LlamaModel,
+    head: Eagle3Head | None,
+    batch: int,
+    capacity: int,
+    max_draft: int,
+    repeats: int = ROUNDS,
+    trees: tuple[TreeConfig, ...] = (),
 ) -> StepCosts:
-    """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
-    lengths between interpolated, and one head step."""
-    seconds, draft = time_forwards(model, head, batch, capacity, verify_lengths(max_draft), repeats)
-    measured = sorted(seconds)
-    per_t = np.interp(np.arange(1, max_draft + 2), measured, [seconds[t] for t in measured])  # [T = 1..K+1]
-    return StepCosts(decode=float(per_t[0]), verify=(0.0, *(float(x) for x in per_t[1:])), draft=draft)
+    """Step costs for chains of up to max_draft drafts and for `trees`: target forwards timed at
+    `verify_lengths(max_draft, trees)`, the lengths between interpolated, one head step and each tree's expansion."""
+    seconds, draft, expansions = time_forwards(model, head, batch, capacity, verify_lengths(max_draft, trees),
+                                               repeats, trees)
+    return _costs(seconds, draft, expansions)
+
+
+def add_tree_costs(
+    costs: StepCosts, model: LlamaModel, head: Eagle3Head, batch: int, capacity: int, trees: tuple[TreeConfig, ...],
+    repeats: int = ROUNDS,
+) -> StepCosts:
+    """`costs` (timed for chains) with `trees` timed too: their verify lengths and expansions, in rounds with a
+    decode, the new lengths scaled by the two decodes' ratio so that both timings speak of one machine speed. Why
+    a second timing rather than one with everything: which trees are worth timing (`auto_config.tree_worth_timing`)
+    is known only from the chains' costs, and the chains' programs need not compile twice."""
+    lengths = sorted({1, *(t.total_tokens for t in trees if t.total_tokens > costs.max_draft + 1)})
+    seconds, _, expansions = time_forwards(model, head, batch, capacity, lengths, repeats, trees)
+    scale = costs.decode / seconds[1]
+    points = {t: costs.verify[t - 1] if t > 1 else costs.decode for t in range(1, costs.max_draft + 2)}
+    points.update({t: scale * s for t, s in seconds.items() if t > costs.max_draft + 1})
+    return _costs(points, costs.draft, {t: scale * s for t, s in expansions.items()})

@@ -51,6 +51,11 @@ class TreeConfig:
         """Head cache slots the expanded levels occupy above the committed length."""
         return max(self.depth - 1, 1) * self.top_k
 
+    @property
+    def cache_slots(self) -> int:
+        """Cache slots a step writes above the committed length: the verify block, and the head's levels."""
+        return max(self.total_tokens, self.depth + 1 + self.window)
+
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
         """'TOTAL,DEPTH,TOPK', e.g. '32,6,8'."""
