@@ -148,14 +148,13 @@ def test_verify_lengths_time_decode_the_shortest_and_the_longest_verify():
     assert verify_lengths(1) == [1, 2]
     assert verify_lengths(5) == [1, 2, 6]
     assert verify_lengths(7) == [1, 2, 8]
-    assert verify_lengths(5, (TREE, TreeConfig(4, 2, 2))) == [1, 2, 4, 6, 12]  # and each tree's TOTAL
 
 
 def test_measured_costs_of_a_tiny_target_feed_the_choice():
     """Timing runs on the real forward functions and gives a usable StepCosts (values are this machine's)."""
     from spec_fixtures import random_head, tiny_target
 
-    from jaxspec.spec.step_costs import measure_step_costs
+    from jaxspec.spec.step_costs import add_tree_costs, measure_step_costs
 
     costs = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=2)
     assert costs.max_draft == 5 and costs.decode > 0 and costs.draft > 0
@@ -165,8 +164,9 @@ def test_measured_costs_of_a_tiny_target_feed_the_choice():
     alone = measure_step_costs(tiny_target(), None, batch=1, capacity=64, max_draft=1, repeats=1)
     assert alone.draft == 0.0 and alone.max_draft == 1
     tree = TreeConfig(8, 3, 2)  # its verify of 8 tokens extends the costs past the chains' 6
-    both = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=1, trees=(tree,))
+    both = add_tree_costs(costs, tiny_target(), random_head(), 2, 64, (tree,), repeats=1)
     assert both.max_draft == 7 and both.trees == (tree,) and both.tree_draft(tree) > 0
+    assert both.verify[:6] == costs.verify and both.decode == costs.decode  # the chains' timings are kept
     assert step_seconds(both, tree) > both.verify[7]
 
 

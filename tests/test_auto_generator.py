@@ -176,7 +176,8 @@ def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(targ
     first = out[0].stats["auto"]
     assert first["method"] == "tree 6,3,2" and first["tree"] == "6,3,2" and first["num_speculative_tokens"] == 3
     assert first["tree_tokens_per_step"] == {"tree 6,3,2": 4.5} and first["basis"] == "prior"
-    assert chosen(out, 1) == {TREE: len(PROMPTS)} and describe_choices(out, 1) == f"tree 6,3,2 for {len(PROMPTS)} batches"
+    assert chosen(out, 1) == {TREE: len(PROMPTS)}
+    assert describe_choices(out, 1) == f"tree 6,3,2 for {len(PROMPTS)} batches"
     # the tree's counts are kept apart from the chain's: its tokens per verify, pooled with its record
     tokens = sum(c.num_generated - 1 for c in out)
     steps = sum(c.stats["verify_calls"] for c in out)

@@ -57,7 +57,7 @@ def parse_method_key(key: str) -> Method:
 def method_label(method: Method) -> str:
     """How reports name a method: target-only, K=3, tree 12,5,3."""
     if isinstance(method, TreeConfig):
-        return f"tree {method.spec}"
+        return method_key(method)
     return "target-only" if method == 0 else f"K={method}"
 
 
@@ -291,7 +291,7 @@ def trees_from_record(acceptance: Sequence[dict] | None) -> dict[TreeConfig, flo
         method = str(m.get("method", ""))
         if not method.startswith("tree "):
             continue
-        tree = TreeConfig.parse(method[len("tree "):])
+        tree = parse_method_key(method)  # the records name a tree as method_key does
         w = float(m.get("num_prompts") or 1)
         total = sums.setdefault(tree, [0.0, 0.0])
         total[0] += w * float(m["mean_accepted_length"])

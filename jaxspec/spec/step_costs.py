@@ -6,8 +6,9 @@ head's forward over one token per row (one draft step). Accept and commit are th
 for every K and are left out. Verify lengths between the measured ones are interpolated linearly (a CPU's cost
 grows about linearly in T; an accelerator's stays near one decode step until its matmul tiles fill), so any K
 costs three compilations (T = 1, 2, K + 1), not K + 1 (with invariant numerics each takes ~20 s on a 2-core
-CPU). Each shape compiles once per process (and once per machine with the persistent compilation cache). A tree
-adds its verify length (TOTAL tokens) and its expansion (`tree.draft_tree`, timed whole), in the same rounds.
+CPU). Each shape compiles once per process (and once per machine with the persistent compilation cache). Trees
+are timed afterwards, only those worth it (`add_tree_costs`): their verify length (TOTAL tokens) and their
+expansion (`tree.draft_tree`, timed whole).
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ def best_seconds_interleaved(calls: dict, repeats: int = ROUNDS) -> dict:
     return best
 
 
-def verify_lengths(max_draft: int, trees: tuple[TreeConfig, ...] = ()) -> list[int]:
-    """Token counts T to time: 1 (decode), 2 (the shortest verify), max_draft + 1 (the longest chain's) and each
-    tree's TOTAL; each is one more compilation before the first batch, so the lengths between are interpolated
-    rather than timed."""
-    return sorted({1, 2, max_draft + 1, *(t.total_tokens for t in trees)})
+def verify_lengths(max_draft: int) -> list[int]:
+    """Token counts T to time: 1 (decode), 2 (the shortest verify) and max_draft + 1 (the longest); each is one more
+    compilation before the first batch, so the lengths between are interpolated rather than timed."""
+    return sorted({1, 2, max_draft + 1})
 
 
 def time_forwards(
@@ -111,19 +111,12 @@ def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig,
 
 
 def measure_step_costs(
-    model: LlamaModel,
-    head: Eagle3Head | None,
-    batch: int,
-    capacity: int,
-    max_draft: int,
-    repeats: int = ROUNDS,
-    trees: tuple[TreeConfig, ...] = (),
+    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = ROUNDS
 ) -> StepCosts:
-    """Step costs for chains of up to max_draft drafts and for `trees`: target forwards timed at
-    `verify_lengths(max_draft, trees)`, the lengths between interpolated, one head step and each tree's expansion."""
-    seconds, draft, expansions = time_forwards(model, head, batch, capacity, verify_lengths(max_draft, trees),
-                                               repeats, trees)
-    return _costs(seconds, draft, expansions)
+    """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
+    lengths between interpolated, and one head step."""
+    seconds, draft, _ = time_forwards(model, head, batch, capacity, verify_lengths(max_draft), repeats)
+    return _costs(seconds, draft, {})
 
 
 def add_tree_costs(
