@@ -11,7 +11,7 @@ from hf_tiny import write_char_tokenizer
 
 from jaxspec.errors import JaxspecError
 from jaxspec.prompts import read_prompts_file
-from train.self_prompts import read_written, sample_prompts, user_turn_prefix
+from train.self_prompts import read_written, round_seed, sample_prompts, user_turn_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,9 @@ class Done:
     finished_by_eos: bool
 
 
+ROUND_OF = {round_seed(10, r): r for r in range(3)}  # the scripted rounds by their sampling seed
+
+
 class Scripted:
     """Stands in for the target's Generator: each round (seed) returns the scripted turns, as token ids."""
 
@@ -50,7 +53,7 @@ class Scripted:
     def generate(self, prompts, *, max_new_tokens, sampling, stop_ids, seed):
         assert len(prompts) == self.batch_size and sampling.temperature > 0
         self.seeds.append(seed)
-        return [Done([ord(c) for c in text], finished) for text, finished in self.rounds[seed - 10]]
+        return [Done([ord(c) for c in text], finished) for text, finished in self.rounds[ROUND_OF[seed]]]
 
 
 def decode(ids):
@@ -66,20 +69,34 @@ def test_sampling_keeps_distinct_finished_turns_and_resumes():
         [("Name a bird.", True), ("Name a fish.", True), ("x", True), ("y", True)],
     ]
     kw = {"seed": 10, "sampling": SamplingConfig(temperature=1.0), "max_tokens": 8, "exclude": {"Banned one"}}
-    written = []
+    written, drops = [], []
     gen = Scripted(rounds)
-    rows = sample_prompts(gen, [1, 2], decode, [0], count=3, on_round=written.extend, **kw)
+
+    def on_round(new, dropped):
+        written.extend(new)
+        drops.append(dropped)
+
+    rows = sample_prompts(gen, [1, 2], decode, [0], count=3, on_round=on_round, **kw)
     # round 0 keeps one (empty, unfinished, excluded dropped); round 1 adds two, its repeat of round 0 dropped
     assert [r["prompt"] for r in rows] == ["What is rain?", "Write a poem.", "Plan a trip."]
-    assert [r["round"] for r in rows] == [0, 1, 1] and gen.seeds == [10, 11]  # seed + round
+    assert [r["round"] for r in rows] == [0, 1, 1] and gen.seeds == [round_seed(10, 0), round_seed(10, 1)]
+    assert drops == [{"unfinished": 1, "empty": 1, "repeated or excluded": 1},
+                     {"unfinished": 0, "empty": 0, "repeated or excluded": 1}]  # round 1 stops at count
     assert written == rows and len({r["id"] for r in rows}) == 3
     # a rerun with a larger count continues after the last round written, keeping what exists
     gen = Scripted(rounds)
     more = sample_prompts(gen, [1, 2], decode, [0], count=5, written=rows, **kw)
     assert more[:3] == rows and [r["prompt"] for r in more[3:]] == ["Name a bird.", "Name a fish."]
-    assert gen.seeds == [12]
+    assert gen.seeds == [round_seed(10, 2)]
     with pytest.raises(JaxspecError, match="only 1 of 5 distinct prompts after 1 rounds"):
         sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=5, max_rounds=1, **kw)
+
+
+def test_runs_with_other_seeds_sample_other_rounds():
+    """--seed 1 once replayed --seed 0's rounds 1, 2, ... (seed + round): a second file excluding the first kept
+    nothing. Round seeds are hashed from (seed, round): no two of these runs' rounds share one."""
+    seeds = [round_seed(s, r) for s in range(4) for r in range(256)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**31 for x in seeds)
 
 
 def test_a_foreign_file_is_refused(tmp_path):

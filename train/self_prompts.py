@@ -51,6 +51,15 @@ def read_written(path: Path) -> list[dict]:
     return rows
 
 
+def round_seed(seed: int, rnd: int) -> int:
+    """The sampling seed of round `rnd` of a run started with `seed`: hashed from the pair, so that runs with other
+    --seed values never replay each other's rounds (with seed + round, --seed 1 repeated --seed 0's rounds 1, 2, ...
+    and kept nothing while a file of --seed 0 was excluded)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence((seed, rnd)).generate_state(1, np.uint32)[0] >> 1)  # fits an int32
+
+
 def sample_prompts(
     generator,  # jaxspec.generation.Generator over the target (target-only)
     prefix: list[int],
@@ -63,12 +72,13 @@ def sample_prompts(
     max_tokens: int,
     exclude: set[str] = frozenset(),
     written: list[dict] = (),
-    on_round=None,  # called with each round's new rows (the CLI appends them to its file)
+    on_round=None,  # called with each round's new rows and its dropped turns by reason (the CLI appends the rows)
     max_rounds: int | None = None,
 ) -> list[dict]:
     """Rows {id, prompt, round} until `count` distinct prompts exist (those in `written` count): each round
-    samples one batch of user turns from `prefix` with seed + round. A turn that does not end with a stop token
-    within max_tokens (cut mid-sentence), is empty, repeats an earlier prompt or is in `exclude` is dropped."""
+    samples one batch of user turns from `prefix` with round_seed(seed, round). A turn that does not end with a
+    stop token within max_tokens (cut mid-sentence), is empty, repeats an earlier prompt or is in `exclude` is
+    dropped."""
     rows = list(written)
     seen = {r["prompt"] for r in rows} | set(exclude)
     start = max((r["round"] for r in rows), default=-1) + 1
@@ -77,16 +87,22 @@ def sample_prompts(
         if len(rows) >= count:
             break
         done = generator.generate([prefix] * generator.batch_size, max_new_tokens=max_tokens, sampling=sampling,
-                                  stop_ids=stop_ids, seed=seed + rnd)
-        new = []
+                                  stop_ids=stop_ids, seed=round_seed(seed, rnd))
+        new, dropped = [], {"unfinished": 0, "empty": 0, "repeated or excluded": 0}
         for c in done:
             text = decode(c.token_ids).strip()
-            if c.finished_by_eos and text and text not in seen and len(rows) + len(new) < count:
+            if not c.finished_by_eos:
+                dropped["unfinished"] += 1
+            elif not text:
+                dropped["empty"] += 1
+            elif text in seen:
+                dropped["repeated or excluded"] += 1
+            elif len(rows) + len(new) < count:
                 seen.add(text)
                 new.append({"id": f"self-{seed}-{len(rows) + len(new):06d}", "prompt": text, "round": rnd})
         rows += new
         if on_round is not None:
-            on_round(new)
+            on_round(new, dropped)
     if len(rows) < count:
         raise JaxspecError(
             f"only {len(rows)} of {count} distinct prompts after {rounds} rounds (the target rarely ends its user "
@@ -133,8 +149,13 @@ def write_prompts(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=args.count, initial=len(written), desc="prompts", unit="prompt")
 
-    def on_round(rows):
+    dropped_total: dict[str, int] = {}
+
+    def on_round(rows, dropped):
         append_rows(out, rows)
+        for why, n in dropped.items():
+            dropped_total[why] = dropped_total.get(why, 0) + n
+        bar.set_postfix({f"dropped {why}": n for why, n in dropped_total.items()}, refresh=False)
         bar.update(len(rows))
 
     sample_prompts(
