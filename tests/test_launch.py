@@ -410,6 +410,21 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     assert done.returncode == 2 and done.stderr.startswith("error:") and "nowhere" in done.stderr
 
 
+def test_a_resumed_run_exports_the_profile_of_its_earlier_evaluation(setup):
+    """A run killed after its last evaluation resumes without a new one: its head still records that evaluation
+    (read back from the run's log), not no profile at all."""
+    data = f"train.eval_data=[{setup / 'data'}]"
+    launch(config(setup, "resumed-eval", 4), "train.eval_every=3", data)  # evaluates after step 3
+    first = json.loads((setup / "resumed-eval" / "head-speculators" / "config.json").read_text())["jaxspec"]
+    launch(config(setup, "resumed-eval", 5), "train.eval_every=3", data)  # step 5 alone: no evaluation
+    records = [json.loads(line) for line in (setup / "resumed-eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "heldout_data" in r] == [2] and max(r["step"] for r in records) == 4
+    again = json.loads((setup / "resumed-eval" / "head-speculators" / "config.json").read_text())["jaxspec"]
+    (record,) = again["acceptance"]
+    assert again["acceptance"] == first["acceptance"]
+    assert record["measured_by"] == "train.heldout replay (teacher-forced) after step 3"
+
+
 def test_replayed_chain_follows_the_engine_from_verify_to_verify():
     """replay_chain by hand: a prompt of 2 and 8 response tokens; the engine holds x_2 from the prefill and drafts
     from row j-1 after committing x_j. runs (accepted drafts of a chain anchored at each row) chosen so that the

@@ -126,6 +126,35 @@ def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | Non
     return records or None
 
 
+def _evaluations_before(metrics: Path, start: int, t: TrainSection):
+    """(last_eval, last_heldout, last_trees) as the loop keeps them, rebuilt from the run's own log for the steps
+    before `start`: a resumed run that makes no new evaluation still exports the profile its earlier one measured
+    (auto's prior), instead of none. Records of steps at or past `start` were logged by an attempt killed before
+    its checkpoint; those steps run again, so their evaluations are not kept."""
+    last_eval, last_heldout, last_trees = None, {}, {}
+    if not start or not metrics.is_file():
+        return last_eval, last_heldout, last_trees
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill mid-write
+            continue
+        done = record.get("step", start) + 1
+        if done > start:
+            continue
+        for eval_dir in t.eval_data or ():
+            scored = record.get(f"heldout_{Path(eval_dir).name}")
+            if scored is not None:
+                last_heldout[eval_dir] = (done, scored)
+        if "eval_mean_accepted_length" in record:
+            last_eval = (done, record["eval_mean_accepted_length"], record["eval_acceptance_per_position"])
+        for spec in t.eval_trees or ():
+            mean = record.get(f"eval_tree_{spec}_mean_accepted_length")
+            if mean is not None:
+                last_trees[spec] = (done, mean, record[f"eval_tree_{spec}_acceptance_per_position"])
+    return last_eval, last_heldout, last_trees
+
+
 def _tensorboard(out: Path):
     """A TensorBoard writer on <out>/tensorboard when tensorboardX is installed (the JSONL log is always written)."""
     try:
@@ -267,7 +296,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     metrics_file = (out / "metrics.jsonl").open("a")
     board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
-    last, interrupted, last_eval, last_heldout, last_trees = {}, False, None, {}, {}
+    last, interrupted = {}, False
+    last_eval, last_heldout, last_trees = _evaluations_before(out / "metrics.jsonl", start, t)
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         packed = batches(step)
         batch = jax.device_put(
