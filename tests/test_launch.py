@@ -261,7 +261,7 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     prompts = tmp_path / "held_out.jsonl"
     prompts.write_text('{"id": "a", "prompt": "abcabc"}\n{"id": "b", "prompt": "hello there"}\n')
     t = TrainSection(num_draft_steps=3, batch_size=1, seq_len=8, steps=1, eval_every=1, eval_prompts=str(prompts),
-                     eval_num_prompts=2, eval_max_new_tokens=8)
+                     eval_num_prompts=2, eval_max_new_tokens=8, eval_trees=("6,3,2",))
     mean, rates = evaluate(target, head, ChatBytes(), setup / "target", t)
     assert len(rates) == 3 and all(0 <= b <= a <= 1 for a, b in zip([1.0, *rates], rates))
     assert mean == pytest.approx(1 + sum(rates), abs=0.35)  # stopped rows make the two differ slightly
@@ -272,7 +272,8 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     from jaxspec.spec.auto_config import trees_from_record
     from jaxspec.spec.tree import TreeConfig
 
-    tree = TreeConfig(6, 3, 2)
+    (tree,) = t.trees.values()
+    assert tree == TreeConfig(6, 3, 2)
     tree_mean, tree_rates = evaluate(target, head, ChatBytes(), setup / "target", t, tree)
     assert len(tree_rates) == 3 and tree_mean >= 1.0
     record = _acceptance(t, (1, mean, rates), None, {"6,3,2": (1, tree_mean, tree_rates)})

@@ -73,6 +73,13 @@ class TrainSection:
     # chain's, so it is measured, not derived)
     eval_trees: tuple[str, ...] | None = None  # null: none
 
+    @property
+    def trees(self) -> dict:  # {spec: jaxspec.spec.tree.TreeConfig}, in eval_trees' order
+        """eval_trees parsed: the config check, the launcher's checks, evaluations and export all read this."""
+        from jaxspec.spec.tree import TreeConfig
+
+        return {spec: TreeConfig.parse(spec) for spec in self.eval_trees or ()}
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -149,13 +156,10 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
     if t.eval_trees and not t.eval_prompts:
         raise JaxspecError(f"{where}: train.eval_trees are run on train.eval_prompts: set it (mt_bench, gsm8k or a "
                            "prompts file)")
-    for spec in t.eval_trees or ():
-        from jaxspec.spec.tree import TreeConfig
-
-        try:
-            TreeConfig.parse(spec)
-        except JaxspecError as e:
-            raise JaxspecError(f"{where}: train.eval_trees: {e}") from None
+    try:
+        t.trees  # noqa: B018 (parsed here so that a bad spec fails before anything loads)
+    except JaxspecError as e:
+        raise JaxspecError(f"{where}: train.eval_trees: {e}") from None
     names = [Path(d).name for d in t.eval_data or ()]
     if len(set(names)) < len(names):
         raise JaxspecError(f"{where}: train.eval_data directories need distinct names (their scores are logged by "

@@ -101,11 +101,9 @@ def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | Non
     """The exported head's acceptance profile: the run's last evaluations (`eval_every`), if it made any — the
     engine's on `eval_prompts` (the chain, and each of `eval_trees`), and the chain replayed on each `eval_data`
     set (train/heldout.py)."""
-    from jaxspec.spec.tree import TreeConfig
-
     records = []
     engine = [(f"chain K={t.num_draft_steps}", t.num_draft_steps, last_eval)] if last_eval is not None else []
-    engine += [(f"tree {spec}", TreeConfig.parse(spec).depth, e) for spec, e in (last_trees or {}).items()]
+    engine += [(f"tree {spec}", t.trees[spec].depth, e) for spec, e in (last_trees or {}).items()]
     for method, depth, (step, mean, rates) in engine:
         records.append({
             "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts,
@@ -174,7 +172,6 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli_common import resolve_target
     from jaxspec.generation import default_dtype
-    from jaxspec.spec.tree import TreeConfig
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
     from train.precision import computing_in, resolve_compute_dtype
@@ -236,8 +233,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     counts, held_out, every_token = training_counts(sequences, target.config.vocab_size)
     vocab = target.config.vocab_size
     head = build_head(target, cfg.head, counts, t.seed, prior=every_token)
-    for spec in t.eval_trees or ():  # checked before training, not at the first evaluation
-        if TreeConfig.parse(spec).top_k > head.config.draft_vocab_size:
+    for spec, tree in t.trees.items():  # checked before training, not at the first evaluation
+        if tree.top_k > head.config.draft_vocab_size:
             raise JaxspecError(f"train.eval_trees {spec}: TOPK exceeds the head's draft vocabulary "
                                f"({head.config.draft_vocab_size})")
     draft_mask = np.zeros(vocab, bool)
@@ -333,8 +330,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
-            for spec in t.eval_trees or ():
-                mean, rates = evaluate(target, merged, tokenizer, target_dir, t, TreeConfig.parse(spec))
+            for spec, tree in t.trees.items():
+                mean, rates = evaluate(target, merged, tokenizer, target_dir, t, tree)
                 record[f"eval_tree_{spec}_mean_accepted_length"] = round(mean, 4)
                 record[f"eval_tree_{spec}_acceptance_per_position"] = rates
                 last_trees[spec] = (step + 1, round(mean, 4), rates)
