@@ -99,6 +99,17 @@ def test_runs_with_other_seeds_sample_other_rounds():
     assert len(set(seeds)) == len(seeds) and all(0 <= x < 2**31 for x in seeds)
 
 
+def test_a_run_replaying_an_excluded_file_is_refused():
+    """The same --seed as the run that wrote an excluded file samples its rounds again: every turn of the first
+    round is excluded, and the command says to change the seed instead of sampling nothing for hours."""
+    from jaxspec.sampling import SamplingConfig
+
+    rounds = [[("Write a poem.", True), ("Plan a trip.", True), ("Sort a list.", True), ("Name a bird.", True)]]
+    kw = {"seed": 10, "sampling": SamplingConfig(temperature=1.0), "max_tokens": 8}
+    with pytest.raises(JaxspecError, match="round 0 sampled only turns already written or excluded: --seed 10"):
+        sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=3, exclude={t for t, _ in rounds[0]}, **kw)
+
+
 def test_a_foreign_file_is_refused(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")

@@ -8,7 +8,9 @@ Magpie (Xu et al., 2024, "Magpie: Alignment Data Synthesis from Scratch by Promp
 Sampling that turn many times gives prompts from the distribution the target was tuned on, with no dataset and
 no download; `python -m train.data generate --prompts FILE` then writes the target's greedy responses to them.
 
-  python -m train.data prompts --out self.jsonl --count 4096 [--exclude mt_bench gsm8k]
+  python -m train.data prompts --out self.jsonl --count 4096 [--exclude mt_bench gsm8k] [--seed S]
+
+A second file that excludes a first needs another --seed: with the same one it samples the same rounds.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ def sample_prompts(
         rows += new
         if on_round is not None:
             on_round(new, dropped)
+        if len(done) > 1 and dropped["repeated or excluded"] == len(done):
+            raise JaxspecError(
+                f"round {rnd} sampled only turns already written or excluded: --seed {seed} replays the rounds of "
+                "the run that wrote them (a file given to --exclude?); pass another --seed"
+            )
     if len(rows) < count:
         raise JaxspecError(
             f"only {len(rows)} of {count} distinct prompts after {rounds} rounds (the target rarely ends its user "
