@@ -412,7 +412,7 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
 
 
 def test_a_resumed_run_exports_the_profile_of_its_earlier_evaluation(setup):
-    """A run killed after its last evaluation resumes without a new one: its head still records that evaluation
+    """A run stopped after its last evaluation resumes without a new one: its head still records that evaluation
     (read back from the run's log), not no profile at all."""
     data = f"train.eval_data=[{setup / 'data'}]"
     launch(config(setup, "resumed-eval", 4), "train.eval_every=3", data)  # evaluates after step 3
@@ -424,6 +424,33 @@ def test_a_resumed_run_exports_the_profile_of_its_earlier_evaluation(setup):
     (record,) = again["acceptance"]
     assert again["acceptance"] == first["acceptance"]
     assert record["measured_by"] == "train.heldout replay (teacher-forced) after step 3"
+
+
+def test_a_resume_keeps_only_evaluations_its_config_would_have_made(tmp_path):
+    """What a resumed run rebuilds from its log: the last evaluations before the checkpoint it resumed from, of
+    this run (after its step 0), on what its config evaluates; not a killed attempt's later records, a cut line,
+    another run's, or engine figures on other prompts or with engine evaluation off."""
+    from train.config import TrainSection
+    from train.launch import _eval_on, _evaluations_before
+
+    t = TrainSection(num_draft_steps=2, batch_size=1, seq_len=8, steps=20, eval_every=4, eval_prompts="mt_bench",
+                     eval_data=("EVAL/mt_bench",), eval_trees=("6,3,2",))
+
+    def evaluation(step, mean, on=None):
+        return {"step": step, "loss": 1.0, "heldout_mt_bench": {"chain_2": mean}, "eval_on": on or _eval_on(t),
+                "eval_mean_accepted_length": mean, "eval_acceptance_per_position": [mean - 1, 0.0],
+                "eval_tree_6,3,2_mean_accepted_length": mean + 1, "eval_tree_6,3,2_acceptance_per_position": [0.5]}
+
+    lines = [evaluation(3, 9.0), {"step": 0, "loss": 2.0}, {"step": 2, "loss": 1.5}, evaluation(3, 1.25),
+             evaluation(7, 1.5, on=["gsm8k", 8, 64]), evaluation(11, 1.75)]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 12, "lo')
+    last_eval, heldout, trees = _evaluations_before(log, 11, t)  # resumed at 11: step 11's record was not saved
+    assert last_eval == (4, 1.25, [0.25, 0.0]) and trees == {"6,3,2": (4, 2.25, [0.5])}  # not gsm8k's, at 8
+    assert heldout == {"EVAL/mt_bench": (8, {"chain_2": 1.5})}  # held-out sets are the same whatever eval_prompts
+    off = TrainSection(**{**t.__dict__, "eval_prompts": None})
+    assert _evaluations_before(log, 12, off) == (None, {"EVAL/mt_bench": (12, {"chain_2": 1.75})}, {})
+    assert _evaluations_before(log, 0, t) == (None, {}, {})  # a fresh run
 
 
 def test_replayed_chain_follows_the_engine_from_verify_to_verify():

@@ -80,8 +80,8 @@ def test_sampling_keeps_distinct_finished_turns_and_resumes():
     # round 0 keeps one (empty, unfinished, excluded dropped); round 1 adds two, its repeat of round 0 dropped
     assert [r["prompt"] for r in rows] == ["What is rain?", "Write a poem.", "Plan a trip."]
     assert [r["round"] for r in rows] == [0, 1, 1] and gen.seeds == [round_seed(10, 0), round_seed(10, 1)]
-    assert drops == [{"unfinished": 1, "empty": 1, "repeated or excluded": 1},
-                     {"unfinished": 0, "empty": 0, "repeated or excluded": 1}]  # round 1 stops at count
+    assert drops == [{"unfinished": 1, "empty": 1, "repeated": 0, "excluded": 1},
+                     {"unfinished": 0, "empty": 0, "repeated": 1, "excluded": 0}]  # round 1 stops at count
     assert written == rows and len({r["id"] for r in rows}) == 3
     # a rerun with a larger count continues after the last round written, keeping what exists
     gen = Scripted(rounds)
@@ -104,10 +104,17 @@ def test_a_run_replaying_an_excluded_file_is_refused():
     round is excluded, and the command says to change the seed instead of sampling nothing for hours."""
     from jaxspec.sampling import SamplingConfig
 
-    rounds = [[("Write a poem.", True), ("Plan a trip.", True), ("Sort a list.", True), ("Name a bird.", True)]]
+    rounds = [[("Write a poem.", True), ("Cut mid-sent", False), ("Sort a list.", True), ("Name a bird.", True)]]
     kw = {"seed": 10, "sampling": SamplingConfig(temperature=1.0), "max_tokens": 8}
-    with pytest.raises(JaxspecError, match="round 0 sampled only turns already written or excluded: --seed 10"):
-        sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=3, exclude={t for t, _ in rounds[0]}, **kw)
+    earlier = {"Write a poem.", "Sort a list.", "Name a bird."}  # the excluded file's first round
+    with pytest.raises(JaxspecError, match="round 0 sampled only excluded turns: --seed 10 replays"):
+        sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=3, exclude=earlier, **kw)
+    # one finished turn excluded, or a round of this run's own repeats, is no evidence of a replay
+    rounds = [[("Write a poem.", True), ("Cut", False), ("Cut", False), ("Cut", False)],
+              [("A.", True), ("B.", True), ("C.", True), ("D.", True)],
+              [("A.", True), ("B.", True), ("C.", True), ("D.", True)]]
+    with pytest.raises(JaxspecError, match="only 4 of 5 distinct prompts after 3 rounds"):
+        sample_prompts(Scripted(rounds), [1, 2], decode, [0], count=5, exclude=earlier, max_rounds=3, **kw)
 
 
 def test_a_foreign_file_is_refused(tmp_path):

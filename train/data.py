@@ -415,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(pr, numerics="plain", numerics_why=". Sampled prompts need no batch-invariance")
     pr.add_argument("--out", required=True, metavar="FILE.jsonl", help="the prompts file (required; no default)")
     pr.add_argument("--count", type=_count(1), required=True, metavar="N", help="distinct prompts to write (required; no default)")
-    pr.add_argument("--seed", type=int, default=0, help="seed of the first round's sampling (default: %(default)s)")
+    pr.add_argument("--seed", type=_count(0), default=0, metavar="S",
+                    help="each round samples with a seed hashed from (S, round); a second file that excludes a first "
+                    "needs another S (default: %(default)s)")
     pr.add_argument(
         "--temperature", type=_positive_float, default=1.0, metavar="T",
         help="sampling temperature, > 0 (default: %(default)s)",

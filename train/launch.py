@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -127,16 +128,21 @@ def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | Non
 def _evaluations_before(metrics: Path, start: int, t: TrainSection):
     """(last_eval, last_heldout, last_trees) as the loop keeps them, rebuilt from the run's own log for the steps
     before `start`: a resumed run that makes no new evaluation still exports the profile its earlier one measured
-    (auto's prior), instead of none. Records of steps at or past `start` were logged by an attempt killed before
-    its checkpoint; those steps run again, so their evaluations are not kept."""
+    (auto's prior), instead of none. Kept only what the current config would have measured: engine evaluations
+    on the same eval_prompts, count and length (`eval_on`), the held-out sets and trees it still names. Records
+    of steps at or past `start` were logged by an attempt killed before its checkpoint (those steps run again),
+    and a step-0 record begins another run in the same out (its checkpoints deleted): neither is kept."""
     last_eval, last_heldout, last_trees = None, {}, {}
     if not start or not metrics.is_file():
         return last_eval, last_heldout, last_trees
+    engine_on = _eval_on(t) if t.eval_every and t.eval_prompts else None
     for line in metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill mid-write
             continue
+        if record.get("step") == 0:  # every run logs its step 0: what came before was another run
+            last_eval, last_heldout, last_trees = None, {}, {}
         done = record.get("step", start) + 1
         if done > start:
             continue
@@ -144,13 +150,28 @@ def _evaluations_before(metrics: Path, start: int, t: TrainSection):
             scored = record.get(f"heldout_{Path(eval_dir).name}")
             if scored is not None:
                 last_heldout[eval_dir] = (done, scored)
+        if engine_on is None or record.get("eval_on") != engine_on:
+            continue
         if "eval_mean_accepted_length" in record:
             last_eval = (done, record["eval_mean_accepted_length"], record["eval_acceptance_per_position"])
-        for spec in t.eval_trees or ():
+        for spec in t.trees:
             mean = record.get(f"eval_tree_{spec}_mean_accepted_length")
             if mean is not None:
                 last_trees[spec] = (done, mean, record[f"eval_tree_{spec}_acceptance_per_position"])
     return last_eval, last_heldout, last_trees
+
+
+def _ends_mid_line(path: Path) -> bool:
+    if not path.is_file() or not path.stat().st_size:
+        return False
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def _eval_on(t: TrainSection) -> list:
+    """What an engine evaluation ran on, logged beside its figures: a resumed run keeps only figures of its own."""
+    return [t.eval_prompts, t.eval_num_prompts, t.eval_max_new_tokens]
 
 
 def _tensorboard(out: Path):
@@ -291,6 +312,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         donate_argnames=("params", "opt_state"),
     )
     metrics_file = (out / "metrics.jsonl").open("a")
+    if _ends_mid_line(out / "metrics.jsonl"):
+        metrics_file.write("\n")  # a line cut by a kill stays alone: the next record is not glued onto it
     board = _tensorboard(out)
     params, opt_state = state["params"], state["opt_state"]
     last, interrupted = {}, False
@@ -327,6 +350,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
 
             tokenizer = load_tokenizer(target_dir)
             mean, rates = evaluate(target, merged, tokenizer, target_dir, t)
+            record["eval_on"] = _eval_on(t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)

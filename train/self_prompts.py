@@ -54,9 +54,9 @@ def read_written(path: Path) -> list[dict]:
 
 
 def round_seed(seed: int, rnd: int) -> int:
-    """The sampling seed of round `rnd` of a run started with `seed`: hashed from the pair, so that runs with other
-    --seed values never replay each other's rounds (with seed + round, --seed 1 repeated --seed 0's rounds 1, 2, ...
-    and kept nothing while a file of --seed 0 was excluded)."""
+    """The sampling seed of round `rnd` of a run started with `seed` (>= 0): a 31-bit hash of the pair, so that
+    runs with other --seed values do not replay each other's rounds (with seed + round, --seed 1 repeated --seed
+    0's rounds 1, 2, ... and kept nothing while a file of --seed 0 was excluded)."""
     import numpy as np
 
     return int(np.random.SeedSequence((seed, rnd)).generate_state(1, np.uint32)[0] >> 1)  # fits an int32
@@ -80,7 +80,9 @@ def sample_prompts(
     """Rows {id, prompt, round} until `count` distinct prompts exist (those in `written` count): each round
     samples one batch of user turns from `prefix` with round_seed(seed, round). A turn that does not end with a
     stop token within max_tokens (cut mid-sentence), is empty, repeats an earlier prompt or is in `exclude` is
-    dropped."""
+    dropped. A round that keeps nothing because every finished turn (two or more) is in `exclude` is an error: a
+    run that replays the rounds of the run that wrote an excluded file (the same --seed and settings) would keep
+    nothing for as long as it ran."""
     rows = list(written)
     seen = {r["prompt"] for r in rows} | set(exclude)
     start = max((r["round"] for r in rows), default=-1) + 1
@@ -90,25 +92,28 @@ def sample_prompts(
             break
         done = generator.generate([prefix] * generator.batch_size, max_new_tokens=max_tokens, sampling=sampling,
                                   stop_ids=stop_ids, seed=round_seed(seed, rnd))
-        new, dropped = [], {"unfinished": 0, "empty": 0, "repeated or excluded": 0}
+        new, dropped = [], {"unfinished": 0, "empty": 0, "repeated": 0, "excluded": 0}
         for c in done:
             text = decode(c.token_ids).strip()
             if not c.finished_by_eos:
                 dropped["unfinished"] += 1
             elif not text:
                 dropped["empty"] += 1
+            elif text in exclude:
+                dropped["excluded"] += 1
             elif text in seen:
-                dropped["repeated or excluded"] += 1
+                dropped["repeated"] += 1
             elif len(rows) + len(new) < count:
                 seen.add(text)
                 new.append({"id": f"self-{seed}-{len(rows) + len(new):06d}", "prompt": text, "round": rnd})
         rows += new
         if on_round is not None:
             on_round(new, dropped)
-        if len(done) > 1 and dropped["repeated or excluded"] == len(done):
+        finished = len(done) - dropped["unfinished"] - dropped["empty"]
+        if not new and finished >= 2 and dropped["excluded"] == finished:
             raise JaxspecError(
-                f"round {rnd} sampled only turns already written or excluded: --seed {seed} replays the rounds of "
-                "the run that wrote them (a file given to --exclude?); pass another --seed"
+                f"round {rnd} sampled only excluded turns: --seed {seed} replays the rounds of the run that wrote "
+                "a file given to --exclude; pass another --seed"
             )
     if len(rows) < count:
         raise JaxspecError(
@@ -162,8 +167,8 @@ def write_prompts(args) -> None:
         append_rows(out, rows)
         for why, n in dropped.items():
             dropped_total[why] = dropped_total.get(why, 0) + n
-        bar.set_postfix({f"dropped {why}": n for why, n in dropped_total.items()}, refresh=False)
         bar.update(len(rows))
+        bar.set_postfix({f"dropped {why}": n for why, n in dropped_total.items()})  # redrawn each round
 
     sample_prompts(
         gen, prefix, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stops, count=args.count,
