@@ -194,7 +194,9 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     auto = runs["auto"]["stats"]["auto"]
     config = json.loads((builtin.default_head_dir() / "config.json").read_text())
     prior = profile_from_record(config["jaxspec"]["acceptance"])
-    assert auto["basis"] == "prior" and auto["acceptance_per_position"] == [round(r, 4) for r in prior.rates]
+    # the stats round to 4 places; the generator pools the records in another float order, so a rate at a
+    # half-way point (0.10955) may round either way
+    assert auto["basis"] == "prior" and auto["acceptance_per_position"] == pytest.approx(prior.rates, abs=0.6e-4)
     assert auto["step_costs_ms"]["decode"] > 0 and 0 <= auto["num_speculative_tokens"] <= len(prior.rates)
     from jaxspec.spec.auto_config import method_key, parse_method_key
 
