@@ -147,7 +147,7 @@ def _evaluations_before(metrics: Path, start: int, t: TrainSection):
         if done > start:
             continue
         for eval_dir in t.eval_data or ():
-            scored = record.get(f"heldout_{Path(eval_dir).name}")
+            scored = record.get(_heldout_key(eval_dir))
             if scored is not None:
                 last_heldout[eval_dir] = (done, scored)
         if engine_on is None or record.get("eval_on") != engine_on:
@@ -159,6 +159,11 @@ def _evaluations_before(metrics: Path, start: int, t: TrainSection):
             if mean is not None:
                 last_trees[spec] = (done, mean, record[f"eval_tree_{spec}_acceptance_per_position"])
     return last_eval, last_heldout, last_trees
+
+
+def _heldout_key(eval_dir: str) -> str:
+    """The metrics record's key of a held-out set's scores (written at evaluations, read back on resume)."""
+    return f"heldout_{Path(eval_dir).name}"
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -343,7 +348,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
             for eval_dir in eval_dirs:
                 scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
-                record[f"heldout_{Path(eval_dir).name}"] = scored
+                record[_heldout_key(eval_dir)] = scored
                 last_heldout[eval_dir] = (step + 1, scored)
         if evaluating and t.eval_prompts:
             from jaxspec.prompts import load_tokenizer

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
@@ -84,7 +85,7 @@ def sample_prompts(
     run that replays the rounds of the run that wrote an excluded file (the same --seed and settings) would keep
     nothing for as long as it ran."""
     rows = list(written)
-    seen = {r["prompt"] for r in rows} | set(exclude)
+    seen = {r["prompt"] for r in rows}  # excluded turns are told apart first
     start = max((r["round"] for r in rows), default=-1) + 1
     rounds = max_rounds if max_rounds is not None else 64 + 8 * -(-count // generator.batch_size)
     for rnd in range(start, start + rounds):
@@ -161,12 +162,11 @@ def write_prompts(args) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=args.count, initial=len(written), desc="prompts", unit="prompt")
 
-    dropped_total: dict[str, int] = {}
+    dropped_total = Counter()
 
     def on_round(rows, dropped):
         append_rows(out, rows)
-        for why, n in dropped.items():
-            dropped_total[why] = dropped_total.get(why, 0) + n
+        dropped_total.update(dropped)
         bar.update(len(rows))
         bar.set_postfix({f"dropped {why}": n for why, n in dropped_total.items()})  # redrawn each round
 
