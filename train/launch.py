@@ -155,15 +155,21 @@ def _evaluations_before(metrics: Path, start: int, t: TrainSection):
         if "eval_mean_accepted_length" in record:
             last_eval = (done, record["eval_mean_accepted_length"], record["eval_acceptance_per_position"])
         for spec in t.trees:
-            mean = record.get(f"eval_tree_{spec}_mean_accepted_length")
-            if mean is not None:
-                last_trees[spec] = (done, mean, record[f"eval_tree_{spec}_acceptance_per_position"])
+            mean_key, rates_key = _tree_keys(spec)
+            if mean_key in record:
+                last_trees[spec] = (done, record[mean_key], record[rates_key])
     return last_eval, last_heldout, last_trees
 
 
 def _heldout_key(eval_dir: str) -> str:
     """The metrics record's key of a held-out set's scores (written at evaluations, read back on resume)."""
     return f"heldout_{Path(eval_dir).name}"
+
+
+def _tree_keys(spec: str) -> tuple[str, str]:
+    """The metrics record's keys of a tree's engine evaluation (mean accepted length, acceptance per position):
+    written at evaluations, read back on resume."""
+    return f"eval_tree_{spec}_mean_accepted_length", f"eval_tree_{spec}_acceptance_per_position"
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -361,8 +367,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
             for spec, tree in t.trees.items():
                 mean, rates = evaluate(target, merged, tokenizer, target_dir, t, tree)
-                record[f"eval_tree_{spec}_mean_accepted_length"] = round(mean, 4)
-                record[f"eval_tree_{spec}_acceptance_per_position"] = rates
+                mean_key, rates_key = _tree_keys(spec)
+                record[mean_key] = round(mean, 4)
+                record[rates_key] = rates
                 last_trees[spec] = (step + 1, round(mean, 4), rates)
         if step % t.log_every == 0 or evaluating or step == t.steps - 1:
             metrics_file.write(json.dumps(record) + "\n")
