@@ -73,13 +73,12 @@ def test_process_follows_the_rule_bit_for_bit(seed):
 def test_a_drafted_path_counts_as_output_on_a_draft_vocabulary():
     """A position's path gives the bits of committing the path first; on a draft vocabulary's columns too (tokens
     outside it are simply absent)."""
-    requests, prompts, lens, outputs, path, logits, st = random_case(7)
-    b, n, d = path.shape
+    *_, path, logits, st = random_case(7)
+    n = path.shape[1]
     columns = jnp.asarray(np.random.default_rng(1).permutation(logits.shape[-1])[:20], jnp.int32)
     with_path = process(jnp.asarray(logits), st, jnp.asarray(path, jnp.int32))
     drafted = process(jnp.asarray(logits)[..., columns], st, jnp.asarray(path, jnp.int32), columns)
     for j in range(n):
-        committed = record(st, jnp.asarray(path[:, j], jnp.int32), jnp.sum(path[:, j] >= 0, axis=1))
         # record counts tokens[:, :count]; put a path's valid entries first
         order = np.argsort(path[:, j] < 0, axis=1, kind="stable")
         packed = np.take_along_axis(path[:, j], order, axis=1)
