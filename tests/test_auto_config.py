@@ -244,8 +244,8 @@ def test_a_trees_record_scales_with_how_the_head_drafts_here_and_pools_with_its_
     assert tree_tokens(2.0, AcceptanceProfile((0.0, 0.0, 0.0), 200), half) == 2.0  # no chain gain recorded: as is
     running = RunningTrees()
     assert running.pooled(TREE, 1.5, 200) == 1.5
-    running.add(TREE, 250, 100)  # one row: 250 tokens in 100 verify steps
-    running.add(TREE, 0, 0)  # a row that never verified adds nothing
+    running.add(TREE, [80, 50, 20], 100)  # one row: 150 accepted drafts + 100 bonus tokens in 100 verify steps
+    running.add(TREE, [0, 0, 0], 0)  # a row that never verified adds nothing
     assert running.pooled(TREE, 1.5, 200) == pytest.approx((300 + 250) / 300)
     assert running.as_dict() == {"tree 12,5,3": {"tokens_per_verify": 2.5, "verify_steps": 100}}
 
@@ -262,6 +262,10 @@ def test_trees_come_from_the_heads_tree_measurements():
     trees = trees_from_record(record)
     assert trees == {TREE: pytest.approx((20 * 1.6 + 10 * 2.6) / 30), TreeConfig(32, 6, 8): 3.0}
     assert trees_from_record(record[:1]) == {} and trees_from_record(None) == {}
+    # with its rates per position, a record counts what a step yields: its last step, cut at max-new-tokens,
+    # lowered the mean accepted length (1.6) below 1 + the accepted drafts per step (1.62)
+    record[1]["acceptance_per_position"] = [0.42, 0.15, 0.05]
+    assert trees_from_record(record[:2]) == {TREE: pytest.approx(1.62)}
 
 
 def test_a_tree_is_timed_only_where_an_estimate_from_the_chain_costs_says_it_could_win():

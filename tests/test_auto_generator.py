@@ -153,6 +153,21 @@ def test_a_probe_runs_only_where_it_could_change_the_choice(costs, observed, pro
     assert chosen(out, 1) == ({0: PROBE_EVERY - 1, 1: 1} if probes else {0: PROBE_EVERY})
 
 
+def test_a_stored_ratio_for_one_draft_does_not_keep_the_probes_off(target_only):
+    """One draft's ratio stored by an earlier process (its steps ran 1.7x the timed cost, under load, say) would
+    rule one draft out at any acceptance; until this process has run a draft it is costed as the others are."""
+    from jaxspec.spec.auto_config import StepCalibration
+    from jaxspec.spec.auto_generator import PROBE_EVERY
+
+    gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), MID_VERIFY)
+    gen.calibration = StepCalibration({0: 10.0, 1: 17.0}, {0: 10.0, 1: 10.0})
+    prompts = (PROMPTS * PROBE_EVERY)[:PROBE_EVERY]
+    out = gen.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [c.token_ids for c in out] == (target_only * PROBE_EVERY)[:PROBE_EVERY]
+    assert chosen(out, 1) == {0: PROBE_EVERY - 1, 1: 1}
+    assert gen.calibration.ratio(1) != 1.7  # the probe's own steps are in its ratio now
+
+
 def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_only):
     """Timing and every chain run on the mesh (data=2 × model=2), sharing one placed copy of the head."""
     from jaxspec import sharding
@@ -178,8 +193,10 @@ def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(targ
     assert first["tree_tokens_per_step"] == {"tree 6,3,2": 4.5} and first["basis"] == "prior"
     assert chosen(out, 1) == {TREE: len(PROMPTS)}
     assert describe_choices(out, 1) == f"tree 6,3,2 for {len(PROMPTS)} batches"
-    # the tree's counts are kept apart from the chain's: its tokens per verify, pooled with its record
-    tokens = sum(c.num_generated - 1 for c in out)
+    # the tree's counts are kept apart from the chain's: its tokens per verify (the accepted drafts and the bonus of
+    # every step, a last step cut at max-new-tokens included), pooled with its record
+    tokens = sum(c.stats["verify_calls"] + sum(c.stats["accepted_per_position"]) for c in out)
+    assert tokens >= sum(c.num_generated - 1 for c in out)
     steps = sum(c.stats["verify_calls"] for c in out)
     assert out[-1].stats["auto"]["running_trees"] == {
         "tree 6,3,2": {"tokens_per_verify": round(tokens / steps, 4), "verify_steps": steps}}

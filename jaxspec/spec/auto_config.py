@@ -213,6 +213,11 @@ class StepCalibration:
     def as_dict(self) -> dict[str, float]:
         return {method_key(k): round(self.ratio(k), 4) for k in sorted(self.measured, key=method_order)}
 
+    def without(self, method: Method) -> StepCalibration:
+        """A copy that has not measured `method`: it is costed at the pooled ratio of the others."""
+        return StepCalibration({k: v for k, v in self.measured.items() if k != method},
+                               {k: v for k, v in self.predicted.items() if k != method})
+
     def weighing_at_most(self, seconds: float) -> StepCalibration:
         """A copy with every sum scaled by one factor (the ratios unchanged) so that the measured steps weigh at most
         `seconds`: a history from earlier processes (`step_cost_store`) that this process's batches soon outweigh
@@ -263,14 +268,19 @@ def tree_tokens(recorded: float, prior: AcceptanceProfile, now: AcceptanceProfil
 class RunningTrees:
     """Tokens per verify of each tree, counted over the batches that ran it."""
 
-    tokens: dict[TreeConfig, int] = dataclasses.field(default_factory=dict)  # emitted by verify steps (bonus included)
+    tokens: dict[TreeConfig, int] = dataclasses.field(default_factory=dict)  # yielded by verify steps (bonus included)
     steps: dict[TreeConfig, int] = dataclasses.field(default_factory=dict)  # verify steps
 
-    def add(self, tree: TreeConfig, tokens: int, verify_calls: int) -> None:
-        """One row's counts: the tokens its verify steps emitted (its generated tokens but the prefill's) and
-        how many there were."""
+    def add(self, tree: TreeConfig, accepted_per_position: Sequence[int], verify_calls: int) -> None:
+        """One row's counts (its `accepted_per_position` and `verify_calls` stats): each verify step yields its
+        accepted drafts plus the bonus token.
+
+        Why not the row's generated tokens: a row's last step is cut at max-new-tokens (or EOS), so counting
+        what was emitted undercounts what a step yields (~1% at 128 tokens), where the chain counts
+        (`RunningAcceptance`) and the records (`trees_from_record`) count the accepted drafts."""
         if verify_calls > 0:
-            self.tokens[tree] = self.tokens.get(tree, 0) + int(tokens)
+            tokens = int(verify_calls) + sum(int(n) for n in accepted_per_position)
+            self.tokens[tree] = self.tokens.get(tree, 0) + tokens
             self.steps[tree] = self.steps.get(tree, 0) + int(verify_calls)
 
     def pooled(self, tree: TreeConfig, prior_tokens: float, weight: float) -> float:
@@ -284,8 +294,10 @@ class RunningTrees:
 
 
 def trees_from_record(acceptance: Sequence[dict] | None) -> dict[TreeConfig, float]:
-    """{tree: mean accepted length} from a head's exported acceptance profile: its measurements of method "tree
-    TOTAL,DEPTH,TOPK", averaged over their prompt sets (weighted by prompt count)."""
+    """{tree: tokens per verify step} from a head's exported acceptance profile: its measurements of method "tree
+    TOTAL,DEPTH,TOPK", averaged over their prompt sets (weighted by prompt count). A record's tokens per step are
+    1 + the sum of its acceptance per position where it has them (what a step yields, as the chain rates and
+    `RunningTrees` count it), else its mean accepted length (which a last step cut at max-new-tokens lowers)."""
     sums: dict[TreeConfig, list[float]] = {}
     for m in acceptance or ():
         method = str(m.get("method", ""))
@@ -293,8 +305,10 @@ def trees_from_record(acceptance: Sequence[dict] | None) -> dict[TreeConfig, flo
             continue
         tree = parse_method_key(method)  # the records name a tree as method_key does
         w = float(m.get("num_prompts") or 1)
+        rates = m.get("acceptance_per_position")
+        tokens = 1.0 + sum(float(r) for r in rates) if rates else float(m["mean_accepted_length"])
         total = sums.setdefault(tree, [0.0, 0.0])
-        total[0] += w * float(m["mean_accepted_length"])
+        total[0] += w * tokens
         total[1] += w
     return {t: s / w for t, (s, w) in sums.items()}
 

@@ -115,6 +115,7 @@ class AutoSpeculativeGenerator(Generator):
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._generators: dict[Method, Generator] = {}  # chain length (0: target-only) or tree → its generator
         self._target_only_batches = 0
+        self._ran: set[Method] = set()  # the methods this process has run (its calibration measured them here)
 
     @property
     def num_draft(self) -> int:
@@ -211,7 +212,10 @@ class AutoSpeculativeGenerator(Generator):
             self._target_only_batches += 1
             n = self._target_only_batches
             due = n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0
-            if due and drafting_could_win(costs, self.running.profile(), calibration=self.calibration):
+            # A ratio for one draft that only an earlier process measured (stored, perhaps under load) is not
+            # trusted here: only a probe measures it again, so a stale one must not keep the probes off.
+            gate = self.calibration if 1 in self._ran else self.calibration.without(1)
+            if due and drafting_could_win(costs, self.running.profile(), calibration=gate):
                 choice, basis = _running(choice, 1, profile, trees), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
             methods = self.methods
@@ -229,10 +233,11 @@ class AutoSpeculativeGenerator(Generator):
         trees = self.tree_tokens()
         gen = self._generator(choice.method)
         completions = gen.generate_batch(*args)
+        self._ran.add(choice.method)
         self.memory = gen.memory
         for c in completions:  # a tree's path is not a chain's: its counts are kept apart
             if choice.tree is not None:
-                self.running_trees.add(choice.tree, c.num_generated - 1, c.stats["verify_calls"])
+                self.running_trees.add(choice.tree, c.stats["accepted_per_position"], c.stats["verify_calls"])
             elif choice.method:
                 self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
         self._calibrate(choice.method, capacity, completions)
