@@ -43,14 +43,15 @@ def test_step_zero_equals_the_inference_forward():
     np.testing.assert_allclose(np.asarray(ttt_logits(head, embed, feats, ids, 1)[0]), np.asarray(want), atol=1e-5)
 
 
-def test_loss_matches_a_direct_computation():
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 0.0])
+def test_loss_matches_a_direct_computation(temperature):
     rng = np.random.default_rng(3)
     b, t, k, vd, v = 2, 10, 3, 20, 50
     logits = [jnp.asarray(rng.normal(size=(b, t, vd)), jnp.float32) for _ in range(k)]
     target = jnp.asarray(rng.normal(size=(b, t, v)), jnp.float32)
     mask = jnp.asarray(rng.integers(0, 2, (b, t)), jnp.int32)
     draft_ids = jnp.asarray(np.sort(rng.choice(v, vd, replace=False)), jnp.int32)
-    loss, metrics = ttt_loss(logits, target[..., draft_ids], mask)
+    loss, metrics = ttt_loss(logits, target[..., draft_ids], mask, teacher_temperature=temperature)
     want = 0.0
     tgt = np.asarray(target)[..., np.asarray(draft_ids)]
     for step in range(k):
@@ -58,8 +59,12 @@ def test_loss_matches_a_direct_computation():
         for row in range(b):
             for pos in range(t):
                 if pos + 2 + step < t and mask[row, pos + 2 + step]:
-                    p = np.exp(tgt[row, pos + 1 + step] - tgt[row, pos + 1 + step].max())
-                    p /= p.sum()
+                    z = tgt[row, pos + 1 + step]
+                    if temperature > 0:
+                        p = np.exp((z - z.max()) / temperature)
+                        p /= p.sum()
+                    else:  # the teacher's greedy token alone
+                        p = np.eye(vd)[np.argmax(z)]
                     logq = np.asarray(jax.nn.log_softmax(logits[step][row, pos]))
                     num += -(p * logq).sum()
                     den += 1

@@ -61,6 +61,9 @@ class TrainSection:
     # the dtype a step computes in (train/precision.py): master weights and optimizer state keep the head's dtype;
     # auto: bfloat16 on GPU/TPU, and on CPU where a timed bfloat16 matmul beats float32 (AVX512-BF16 / AMX)
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # the teacher's logits are divided by this before its softmax (train/ttt.py, ttt_loss); 0: its greedy token
+    # alone, a hard label (greedy verification accepts only the target's top token)
+    teacher_temperature: float = _setting(1.0, at_least=0.0)
     eval_every: int = _setting(0, at_least=0)  # 0: no evaluation
     eval_prompts: str | None = None  # a shipped set (mt_bench, gsm8k) or a prompts file; needed when eval_every > 0
     eval_num_prompts: int = _setting(8, at_least=1)

@@ -319,7 +319,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     step_hgd = split_head(computing_in(head, compute), optim.freeze_lm_head)[0] if mixed else hgd
     step_fn = jax.jit(
         functools.partial(train_step, tgd, head_graphdef=step_hgd, tx=tx, num_steps=t.num_draft_steps,
-                          compute_dtype=compute if mixed else None),
+                          compute_dtype=compute if mixed else None, teacher_temperature=t.teacher_temperature),
         donate_argnames=("params", "opt_state"),
     )
     metrics_file = (out / "metrics.jsonl").open("a")

@@ -81,12 +81,12 @@ def teacher_logits(target: LlamaModel, hidden: jax.Array, draft_ids: jax.Array) 
 
 def train_step(
     target_graphdef, target_params, head_graphdef, params, frozen, opt_state, batch: Batch, *, tx, num_steps: int,
-    compute_dtype=None,
+    compute_dtype=None, teacher_temperature: float = 1.0,
 ):
     """One optimizer step; returns (params, opt_state, loss, metrics). compute_dtype: mixed precision
     (train/precision.py): the head computes with params and frozen cast to it — head_graphdef is then a head of that
     dtype (`computing_in`) — while the optimizer updates params in their own dtype; None: the params' dtype. The
-    target computes in the dtype of target_graphdef and target_params."""
+    target computes in the dtype of target_graphdef and target_params. teacher_temperature: `ttt_loss`'s."""
     target = nnx.merge(target_graphdef, target_params)
     if batch.aux is None:
         features, hidden = target_features(target, batch.ids, batch.positions, batch.segments)
@@ -106,7 +106,8 @@ def train_step(
         head = nnx.merge(head_graphdef, params, fixed)
         logits = ttt_logits(head, target.embed_tokens[...], features, next_ids, num_steps,
                             batch.positions, batch.segments, batch.trained)
-        return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, trained=batch.trained)
+        return ttt_loss(logits, teacher, batch.loss_mask, segments=batch.segments, trained=batch.trained,
+                        teacher_temperature=teacher_temperature)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)

@@ -217,18 +217,24 @@ def ttt_loss(
     decay: float = 0.8,
     segments: jax.Array | None = None,  # [B, T] packed sequence of each position; None: one per row
     trained: jax.Array | None = None,  # [B, C] the positions the logits are for; None: all T
+    teacher_temperature: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Σ_k decay^k · soft cross-entropy(target restricted to the draft vocabulary, draft), with accuracies.
 
     Step k, row t is taught by the target's distribution at position t+1+k (which predicts x_{t+2+k}) and counts
-    where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence.
+    where loss_mask[t+2+k] is set and t+2+k belongs to t's own packed sequence. teacher_temperature divides the
+    teacher's logits (0: its greedy token alone, a hard label): greedy verification accepts only the target's top
+    token, and a head too small to match the whole distribution may draft it more often when taught it alone.
     """
     _, segments, trained = _packing(loss_mask, None, segments, trained)
     teacher_logits = teacher_logits.astype(jnp.float32)
-    teacher = jax.nn.softmax(teacher_logits, axis=-1)  # [B, T, V_d] renormalized on the draft vocab
     # the teacher's greedy token [B, T]: top_k is argmax with the same tie rule (lowest index) and about 1.6x
     # faster than jnp.argmax's variadic reduce on XLA:CPU
     teacher_best = jax.lax.top_k(teacher_logits, 1)[1][..., 0]
+    if teacher_temperature > 0:  # [B, T, V_d] renormalized on the draft vocab
+        teacher = jax.nn.softmax(teacher_logits / teacher_temperature, axis=-1)
+    else:
+        teacher = jax.nn.one_hot(teacher_best, teacher_logits.shape[-1], dtype=jnp.float32)
     row_seg = _take(segments, trained)  # [B, C]
     total = 0.0
     metrics = {}
