@@ -20,10 +20,11 @@
 # train's settings (environment): PARTS ("chat train" by default; "train" skips the chat data), CHAT_COUNT (2048),
 # CHAT_PART / CHAT_SEED (4 / 3: the README's next chat part), CHAT_BATCH / CHAT_GEN_BATCH (256 / 64),
 # CHAT_PROMPT_SECONDS / CHAT_GEN_SECONDS (75 each: what is written by then is used), STEPS (5000: ~5 epochs of the
-# mix; the H100 ran ~34 of these steps a second), EVAL_EVERY (1250), LR (3e-4), WARMUP (200), TRAIN_SECONDS (270:
-# then the launcher checkpoints and the head is exported from that step). The train call takes ~8 minutes of the
-# ~15 a task is lent. Logs, metrics and the head come back in $OUT (at most 8 files of 16 MiB: the head in 15 MiB
-# pieces); the target, the compile cache and the run stay in $WORK.
+# mix; the H100 ran ~34 of these steps a second), EVAL_EVERY (1250), LR (3e-4), WARMUP (200), TEACHER_TEMPERATURE
+# (train.teacher_temperature, 1.0), TRAIN_SECONDS (270: then the launcher checkpoints and the head is exported from
+# that step). The train call takes ~8 minutes of the ~15 a task is lent. Logs, metrics and the head come back in
+# $OUT (at most 8 files of 16 MiB: the head in 15 MiB pieces); the target, the compile cache and the run stay in
+# $WORK.
 set -uo pipefail
 STAGE=.gpu-stage
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}  # the device has no .venv
@@ -125,7 +126,8 @@ train() {
             local args=(--config configs/smollm2-eagle3.yaml "head.init_from=$HEAD" "out=$run" train.seed=21
                 train.eval_every="${EVAL_EVERY:-1250}" train.eval_prompts=null train.checkpoint_every=500
                 train.keep_checkpoints=2 train.log_every=10 optim.learning_rate="${LR:-0.0003}"
-                optim.warmup_steps="${WARMUP:-200}" "data=[$(IFS=,; echo "${mix[*]}")]")
+                optim.warmup_steps="${WARMUP:-200}" train.teacher_temperature="${TEACHER_TEMPERATURE:-1.0}"
+                "data=[$(IFS=,; echo "${mix[*]}")]")
             SECONDS=0
             timeout -s INT -k 60 "${TRAIN_SECONDS:-270}" $PY -m train.launch "${args[@]}" train.steps="$steps" \
                 >"$WORK/train.log" 2>&1
