@@ -115,7 +115,9 @@ class AutoSpeculativeGenerator(Generator):
         self.timing_seconds = 0.0  # spent timing step costs (like compile time, outside generation time)
         self._generators: dict[Method, Generator] = {}  # chain length (0: target-only) or tree → its generator
         self._target_only_batches = 0
-        self._ran: set[Method] = set()  # the methods this process has run (its calibration measured them here)
+        # this process's steps alone (the probe's gate): a stored ratio may be stale, and only a probe measures
+        # one draft's again
+        self.own_calibration = StepCalibration()
 
     @property
     def num_draft(self) -> int:
@@ -212,9 +214,12 @@ class AutoSpeculativeGenerator(Generator):
             self._target_only_batches += 1
             n = self._target_only_batches
             due = n % PROBE_EVERY == 0 and (n // PROBE_EVERY) & (n // PROBE_EVERY - 1) == 0
-            # A ratio for one draft that only an earlier process measured (stored, perhaps under load) is not
-            # trusted here: only a probe measures it again, so a stale one must not keep the probes off.
-            gate = self.calibration if 1 in self._ran else self.calibration.without(1)
+            # Ratios stored by earlier processes (perhaps measured under load) are not trusted here: only a probe
+            # measures one draft's again, so a stale one must not keep the probes off. The gate costs one draft at
+            # what this process measured (its own probes, else the pooled ratio of its other batches), and before
+            # this process has measured anything, at the stored ratios less one draft's.
+            own = self.own_calibration
+            gate = own if own.measured else self.calibration.without(1)
             if due and drafting_could_win(costs, self.running.profile(), calibration=gate):
                 choice, basis = _running(choice, 1, profile, trees), "probe"
         if jax.process_count() > 1:  # every process must run the same program: process 0's timings decide
@@ -233,7 +238,6 @@ class AutoSpeculativeGenerator(Generator):
         trees = self.tree_tokens()
         gen = self._generator(choice.method)
         completions = gen.generate_batch(*args)
-        self._ran.add(choice.method)
         self.memory = gen.memory
         for c in completions:  # a tree's path is not a chain's: its counts are kept apart
             if choice.tree is not None:
@@ -274,6 +278,7 @@ class AutoSpeculativeGenerator(Generator):
             steps = max(c.num_generated for c in completions) - 1
         seconds = completions[0].seconds - completions[0].prefill_seconds
         self.calibration.add(method, seconds, steps * step_seconds(costs, method))
+        self.own_calibration.add(method, seconds, steps * step_seconds(costs, method))
 
     def _generator(self, method: Method) -> Generator:
         """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
