@@ -22,7 +22,8 @@
 # CHAT_PROMPT_SECONDS / CHAT_GEN_SECONDS (75 each: what is written by then is used), STEPS (5000: ~5 epochs of the
 # mix; the H100 ran ~34 of these steps a second), EVAL_EVERY (1250), LR (3e-4), WARMUP (200), TEACHER_TEMPERATURE
 # (train.teacher_temperature, 1.0), TRAIN_SECONDS (270: then the launcher checkpoints and the head is exported from
-# that step). The train call takes ~8 minutes of the ~15 a task is lent. Logs, metrics and the head come back in
+# that step), DEADLINE (540: the whole call's seconds; the chat parts and the training limit shrink to fit it). The
+# train call takes ~9 minutes of the ~15 a task is lent; it exits 1 when no head was exported. Logs, metrics and the head come back in
 # $OUT (at most 8 files of 16 MiB: the head in 15 MiB pieces); the target, the compile cache and the run stay in
 # $WORK.
 set -uo pipefail
@@ -72,7 +73,17 @@ receive() {  # a call that only brings its part: say which parts the machine now
     ls "$STAGE"/*/gguf.part-* 2>/dev/null | sed 's/^/holds /'
 }
 
+left() {  # seconds left of the call's DEADLINE (540 by default: the device's 600 less a margin)
+    echo $(( ${DEADLINE:-540} - ($(date +%s) - START) ))
+}
+
+at_most() {  # at_most SECONDS RESERVE: SECONDS, or less so that RESERVE seconds stay for what follows
+    local t=$1 room=$(( $(left) - $2 ))
+    echo $(( t < room ? t : room ))
+}
+
 train() {
+    START=$(date +%s)
     OUT=${OUT:-bench-results/gpu-train}; WORK=${WORK:-/tmp/jaxspec-gpu-train}
     mkdir -p "$OUT" "$WORK"
     local sums; sums=$(ls "$STAGE"/*/SHA256SUMS 2>/dev/null | tail -1)
@@ -82,17 +93,17 @@ train() {
     local have; have=$(ls "$STAGE"/*/gguf.part-* 2>/dev/null | wc -l)
     [ "$have" -eq "$want" ] || die "$have of $want GGUF parts on this machine (a cold machine forgets them): stage the calls again"
     export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=$WORK/cache JAXSPEC_COMPILE_CACHE=$WORK/compile-cache JAXSPEC_STEP_COSTS=off
-    $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee "$OUT/env.txt"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/env.txt"
+    $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" | tee "$OUT/summary.txt"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
     SECONDS=0
     cat "$STAGE"/*/gguf.part-* >"$WORK/smollm2.gguf"
+    (cd "$WORK" && sha256sum -c --quiet <(grep smollm2.gguf "$sums")) || die "the joined GGUF's checksum differs"
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$STAGE"/*/gguf-*.whl \
         || die "could not install the gguf wheel"
     export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
     # converted into the cache where the built-in target is looked for, so that the head records the built-in's name
     $PY -m jaxspec.convert smollm2 --gguf "$WORK/smollm2.gguf" >/dev/null || die "conversion failed"
     local target; target=$($PY -c "from jaxspec.checkpoints.builtin import default_target_dir; print(default_target_dir())")
-    (cd "$WORK" && sha256sum -c --quiet <(grep smollm2.gguf "$sums")) || die "the joined GGUF's checksum differs"
     (cd "$target" && sha256sum -c --quiet <(grep model.safetensors "$sums")) || die "the converted target differs from here"
     echo "target joined, converted and checked in ${SECONDS}s" | tee -a "$OUT/summary.txt"
 
@@ -106,18 +117,22 @@ train() {
             # named as the committed parts are (the dataset's meta names its prompts file)
             local n=${CHAT_PART:-4} seed=${CHAT_SEED:-3}
             local prompts=$WORK/smollm2-chat-prompts-$n.jsonl chat=$WORK/smollm2-selfdistill-chat-$n
-            # float32 at the highest matmul precision: the responses the CPU's float32 default command produces
+            # float32 at the highest matmul precision: as near the CPU's float32 responses as the GPU computes (not
+            # bit for bit); count and batch differ from the README's recipe, so the prompts are another sample
+            local budget; budget=$(at_most "${CHAT_PROMPT_SECONDS:-75}" 300)  # 300 s stay for training
+            [ "$budget" -gt 10 ] || { echo "chat: no time left" | tee -a "$OUT/summary.txt"; continue; }
             SECONDS=0
-            JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${CHAT_PROMPT_SECONDS:-75}" $PY -m train.data prompts \
+            JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$budget" $PY -m train.data prompts \
                 --dtype float32 --count "${CHAT_COUNT:-2048}" --seed "$seed" --batch-size "${CHAT_BATCH:-256}" \
                 --exclude mt_bench gsm8k data/smollm2-chat-prompts*.jsonl --out "$prompts" >"$WORK/chat-prompts.log" 2>&1
             echo "chat prompts (seed $seed): rc $? in ${SECONDS}s, $(wc -l <"$prompts" 2>/dev/null || echo 0) written" | tee -a "$OUT/summary.txt"
+            budget=$(at_most "${CHAT_GEN_SECONDS:-75}" 300)
             SECONDS=0
-            if [ -s "$prompts" ]; then
-                JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${CHAT_GEN_SECONDS:-75}" $PY -m train.data generate \
+            if [ -s "$prompts" ] && [ "$budget" -gt 10 ]; then
+                JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$budget" $PY -m train.data generate \
                     --dtype float32 --prompts "$prompts" --out "$chat" --batch-size "${CHAT_GEN_BATCH:-64}" --shard-size 64 >"$WORK/chat-gen.log" 2>&1
                 echo "chat responses: rc $? in ${SECONDS}s, $(ls "$chat"/shard-*.npz 2>/dev/null | wc -l) shards" | tee -a "$OUT/summary.txt"
-                tar -czf "$OUT/chat.tar.gz" -C "$WORK" "$(basename "$prompts")" "$(basename "$chat")" 2>/dev/null
+                tar -czf "$OUT/chat.tar.gz" --exclude='*.tmp*' -C "$WORK" "$(basename "$prompts")" "$(basename "$chat")" 2>/dev/null
                 ls "$chat"/shard-*.npz >/dev/null 2>&1 && mix+=("$chat" "$chat")
             fi
             { echo "== chat"; tail -n 5 "$WORK/chat-prompts.log" "$WORK/chat-gen.log" 2>/dev/null; } >>"$OUT/logs.txt" ;;
@@ -128,17 +143,24 @@ train() {
                 train.keep_checkpoints=2 train.log_every=10 optim.learning_rate="${LR:-0.0003}"
                 optim.warmup_steps="${WARMUP:-200}" train.teacher_temperature="${TEACHER_TEMPERATURE:-1.0}"
                 "data=[$(IFS=,; echo "${mix[*]}")]")
+            rm -rf "$run"  # a warm machine keeps an earlier call's run: this one starts afresh
+            # the limit leaves 60 s for the launcher to finish its step after the interrupt and 90 s to export;
+            # --foreground: the interrupt goes to the launcher alone, once (timeout also signals its process group
+            # otherwise, and a second Ctrl-C quits the launcher unsaved)
+            local budget; budget=$(at_most "${TRAIN_SECONDS:-270}" 170)
+            [ "$budget" -gt 30 ] || die "no time left to train (DEADLINE ${DEADLINE:-540} s)"
             SECONDS=0
-            timeout -s INT -k 60 "${TRAIN_SECONDS:-270}" $PY -m train.launch "${args[@]}" train.steps="$steps" \
-                >"$WORK/train.log" 2>&1
+            timeout --foreground -s INT -k 60 "$budget" $PY -m train.launch "${args[@]}" train.steps="$steps" >"$WORK/train.log" 2>&1
             local rc=$?
-            echo "train: rc $rc in ${SECONDS}s (data: ${mix[*]})" | tee -a "$OUT/summary.txt"
-            if [ "$rc" -ne 0 ]; then  # cut by the time limit: the launcher saved the step it reached; export that
+            echo "train: rc $rc in ${SECONDS}s, limit ${budget}s (data: ${mix[*]})" | tee -a "$OUT/summary.txt"
+            if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then  # the time limit: export the step the launcher saved
                 local at; at=$(ls "$run/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
                 if [ -n "$at" ]; then
-                    $PY -m train.launch "${args[@]}" train.steps="$at" >>"$WORK/train.log" 2>&1
+                    timeout 90 $PY -m train.launch "${args[@]}" train.steps="$at" >>"$WORK/train.log" 2>&1
                     echo "exported step $at: rc $?" | tee -a "$OUT/summary.txt"
                 fi
+            elif [ "$rc" -ne 0 ]; then
+                echo "train failed (rc $rc): nothing exported, see logs.txt" | tee -a "$OUT/summary.txt"
             fi
             { echo "== train"; tail -n 30 "$WORK/train.log"; } >>"$OUT/logs.txt"
             cp "$run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
@@ -146,10 +168,13 @@ train() {
                 cp "$run/head-speculators/config.json" "$OUT/head-config.json"
                 split -b 15M -d -a 1 "$run/head-speculators/model.safetensors" "$OUT/head.safetensors.part-"
                 (cd "$run/head-speculators" && sha256sum model.safetensors) | tee -a "$OUT/summary.txt"
+            else
+                failed=1
             fi ;;
         *) die "unknown part $part (chat, train)" ;;
         esac
     done
+    [ "${failed:-0}" -eq 0 ] || { echo "no head was exported" >&2; exit 1; }
 }
 
 unpack() {  # FILES_AT DIR: the head (and the chat part) that came back, put together and checked
