@@ -372,6 +372,9 @@ def main_guard(main):
     return wrapper
 
 
+SAME_SIGNAL_SECONDS = 1.0  # signals this close to the first are one request (`exit_on_interrupt`)
+
+
 def exit_on_interrupt(stop: threading.Event | None = None) -> None:
     """Make Ctrl-C end this program with exit code 130 and a one-line note, at any stage. Python's C-level handler
     writes each signal to a wakeup pipe the moment it arrives, in whichever thread the kernel picked; a waiting
@@ -379,12 +382,17 @@ def exit_on_interrupt(stop: threading.Event | None = None) -> None:
     the interpreter down around XLA's running compile threads (a sys.exit from a KeyboardInterrupt there died by
     SIGSEGV). The main thread's own handler does nothing: no KeyboardInterrupt is raised anywhere.
 
-    stop: a program with work to save (training) gets the first Ctrl-C as this event, to stop at its next safe
-    point and save; a second Ctrl-C exits at once. Call this in a program's entry point (the main thread), never
-    in library code or under pytest."""
+    stop: a program with work to save (training) gets the first Ctrl-C, or a SIGTERM (a preempted cloud VM, a
+    scheduler's or `timeout`'s stop), as this event, to stop at its next safe point and save; a second one exits
+    at once, unless it comes within SAME_SIGNAL_SECONDS of the first: a signal sent to the whole process group
+    (`timeout` without --foreground, `kill -INT -PGID`) reaches the program twice at once, and that is one
+    request, not a second. Call this in a program's entry point (the main thread), never in library code or
+    under pytest."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    handled = (signal.SIGINT, signal.SIGTERM) if stop is not None else (signal.SIGINT,)
+    for signum in handled:
+        signal.signal(signum, lambda signum, frame: None)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
 
     def say(note: str) -> None:
@@ -396,16 +404,18 @@ def exit_on_interrupt(stop: threading.Event | None = None) -> None:
         os.write(2, f"\n{note}\n".encode())
 
     def wait() -> None:
-        first = True
+        first = None  # when the stop was asked for
         while True:
             for signum in os.read(read_end, 64):
-                if signum != signal.SIGINT:
+                if signum not in handled:
                     continue
-                if first and stop is not None:
+                if first is None and stop is not None:
                     stop.set()
                     say("interrupted: stopping after this step to save a checkpoint (Ctrl-C again: quit, unsaved)")
-                    first = False
+                    first = time.monotonic()
                     continue
+                if first is not None and time.monotonic() - first < SAME_SIGNAL_SECONDS:
+                    continue  # the same request, delivered twice
                 say("interrupted")
                 os._exit(130)
 

@@ -212,6 +212,24 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(setup):
     assert sorted(losses(setup / "interrupted")) == list(range(saved + 2))  # resumed at `saved`, nothing redone
 
 
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT", "SIGINT")], ids=["sigterm", "sigint-twice-at-once"])
+def test_a_stop_signal_saves_a_checkpoint_even_when_it_arrives_twice(setup, signals):
+    """A SIGTERM (a preempted VM, a scheduler) saves as the first Ctrl-C does; a signal sent to the whole process
+    group arrives twice at once, and that is one request, not 'Ctrl-C again: quit, unsaved'."""
+    name = "stopped-" + "-".join(signals).lower()
+    proc = launch(config(setup, name, 400), "train.checkpoint_every=1000", wait=False)
+    metrics = setup / name / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    for sig in signals:
+        proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "saved step" in err
+    assert any(p.name.isdigit() for p in (setup / name / "checkpoints").iterdir())
+
+
 def test_init_from_starts_from_an_exported_head(setup, tmp_path):
     """`head.init_from`: a run continues an exported head (its weights and draft vocabulary), e.g. in a new sitting."""
     import jax
