@@ -254,9 +254,9 @@ def tree_tokens(recorded: float, prior: AcceptanceProfile, now: AcceptanceProfil
     """A tree's expected tokens per verify on the prompts at hand, before it has run on them: its recorded tokens
     per verify (`trees_from_record`) with the part above the bonus token scaled as the chain's is (the chain's
     expected tokens past the bonus under the current profile `now`, against the recorded `prior`'s, over the
-    positions both reach). Why: a tree's acceptance is measured on the record's prompts; where the running counts say the head
-    drafts worse (or better) here, its tree does too (the shipped SmolLM2 head: the tree gains 1.4-1.7x what a
-    K=5 chain gains over the bonus, on MT-Bench, GSM8K and HumanEval alike)."""
+    positions both reach). Why: a tree's acceptance is measured on the record's prompts; where the running counts
+    say the head drafts worse (or better) here, its tree does too (the shipped SmolLM2 head: the tree gains
+    1.4-1.7x what a K=5 chain gains over the bonus, on MT-Bench, GSM8K and HumanEval alike)."""
     depth = min(len(prior.rates), len(now.rates))
     base = expected_tokens(prior.rates, depth) - 1.0
     if depth == 0 or base <= 0:

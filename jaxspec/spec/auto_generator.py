@@ -277,8 +277,9 @@ class AutoSpeculativeGenerator(Generator):
         else:  # the prefill gives each row its first token; every other token is a decode step
             steps = max(c.num_generated for c in completions) - 1
         seconds = completions[0].seconds - completions[0].prefill_seconds
-        self.calibration.add(method, seconds, steps * step_seconds(costs, method))
-        self.own_calibration.add(method, seconds, steps * step_seconds(costs, method))
+        predicted = steps * step_seconds(costs, method)
+        for calibration in (self.calibration, self.own_calibration):
+            calibration.add(method, seconds, predicted)
 
     def _generator(self, method: Method) -> Generator:
         """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
