@@ -198,6 +198,14 @@ def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, lis
     return seconds, sum(len(o) for o in outputs), outputs
 
 
+def _say(what: str) -> None:
+    """What the bench is doing now, on stderr with the elapsed time: a run at 8B shapes spends minutes compiling."""
+    print(f"bench [{time.perf_counter() - _START:.0f}s]: {what}", file=sys.stderr, flush=True)
+
+
+_START = time.perf_counter()
+
+
 def _machine() -> str:
     import jax
 
@@ -261,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
         methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
     label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
+    _say(f"generating, interleaved: {label} ({len(encoded)} prompts, batch {args.batch_size})")
     measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
     completions, tokens, seconds = measured[0]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # what a step reads
+    _say("measuring the memory bandwidth (copy probe)")
     bandwidth = measure_bandwidth_gbs()
     result = {
         "machine": _machine(),
@@ -281,10 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     for (method, spec, depth, source, drafted), m in zip(methods, measured[1:]):
         row = speculative_row(*m, depth, completions, tokens / seconds)
         if drafted is not None:
+            _say(f"timing {method}'s components: target forwards over 1 and {drafted + 1} tokens, one head step "
+                 "(three programs compile)")
             row.update(component_timings(model, head, drafted, args.batch_size))
         result.setdefault("speculative", []).append({"method": method, "draft": source, **row})
         result["memory"][method] = spec.memory.as_dict()
     if args.compare_numerics:
+        _say(f"every method again with {'plain' if args.numerics == 'invariant' else 'invariant'} numerics")
         result["numerics_cost"] = numerics_cost(args, model, head, draft, encoded, stops, mesh, result)
     if args.compare_hf:
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The accelerator issue's GPU sitting: what a session lent a GPU runs first, with random bfloat16 weights at
+# Llama-3.1-8B layer shapes (speed, not acceptance), in one device call of at most ~9.5 minutes and, on the same
+# warm machine right after it, a second call for what did not fit (a device call is at most 10 minutes; a
+# session has 15 in all, a machine's start included).
+#
+#   here, once:   bash scripts/gpu_sitting.sh stage MAKE_TARGET_PY
+#                 copies the random-target writer (the project's shared gpu/make_target.py) and the built-in SmolLM2's
+#                 tokenizer into .gpu-stage/ (ignored by git; the device call carries it)
+#   there:        bash scripts/gpu_sitting.sh run [PARTS]      (device call with carry [".gpu-stage"])
+#                 first call: PARTS "target tests1 bench1 profile" (DEADLINE 540); second call, at once on the warm
+#                 machine: "target tests2 bench8" with DEADLINE the time left (the target is kept in WORK)
+#
+# Parts (default: all, in this order), each bounded by what is left of DEADLINE seconds (default 555):
+#   target  env (jax, GPU, driver) and the target: make_target.py at the 8B shape with LAYERS layers (default 4:
+#           2.80 GB read per token, ~15 s compiles; the full 32 take ~45 s a compile and ~90 s to load) + a random
+#           32k-vocabulary head; kept in WORK for a later call on the same machine
+#   tests1, tests2   the compiled suite in two halves: the kernels' and the engine's tests with
+#           JAXSPEC_KERNELS=pallas (Triton), xdist over the machine's cores, mesh and SmolLM2 tests left out (one GPU;
+#           no network). tests1: attention kernel, rejection kernel, dispatch, greedy engine; tests2: trees,
+#           sampling, the invariance matrix -> tests.log, tests.xml
+#   bench1, bench8   `jaxspec.bench`, batch 1 (2 MT-Bench prompts) or 8 (8 prompts), 64 new tokens, kernels
+#           compiled: target-only and a forced-acceptance chain K=5 at p=0.84 (tau ~ 4) interleaved, the decode /
+#           verify / head-step component timings -> bench-b1.json, bench-b8.json
+#   profile  decode steps profiled (scripts/gpu_profile.py: device time per step, launches, top ops by time) with
+#           invariant numerics and the compiled kernels, then plain numerics -> profile.json (both)
+# summary.txt says what each part returned and how long it took; logs.txt the end of each part's log. At most 8
+# files come back from a device call: env.txt summary.txt tests.log tests.xml bench-b*.json profile.json logs.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGE=.gpu-stage
+
+if [ "${1:-}" = "stage" ]; then
+    MAKE_TARGET=${2:?"usage: bash scripts/gpu_sitting.sh stage MAKE_TARGET_PY"}
+    mkdir -p "$STAGE/tokenizer"
+    cp "$MAKE_TARGET" "$STAGE/make_target.py"
+    PY=${PYTHON:-.venv/bin/python}
+    TOK=$($PY -c "from jaxspec.checkpoints.builtin import ensure_default_target as e; print(e(log=lambda *a: None))")
+    for f in "$TOK"/tokenizer* "$TOK"/special_tokens* "$TOK"/chat_template* "$TOK"/generation_config.json; do
+        [ -f "$f" ] && cp "$f" "$STAGE/tokenizer/"
+    done
+    du -sh "$STAGE"
+    exit 0
+fi
+[ "${1:-}" = "run" ] || { echo "usage: bash scripts/gpu_sitting.sh stage MAKE_TARGET_PY | run [PARTS]" >&2; exit 2; }
+
+OUT=${OUT:-bench-results/gpu-sitting}; WORK=${WORK:-/tmp/jaxspec-sitting}
+mkdir -p "$OUT" "$WORK"
+PY=${PYTHON:-python3}
+DEADLINE=${DEADLINE:-555}; LAYERS=${LAYERS:-4}; SHAPE=${SHAPE:-llama3.1-8b}
+TEST_SECONDS=${TEST_SECONDS:-250}; WORKERS=${WORKERS:-16}
+export PYTHONUNBUFFERED=1 JAXSPEC_STEP_COSTS=off JAXSPEC_COMPILE_CACHE=$WORK/compile-cache
+START=$(date +%s)
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+bounded() {  # bounded LABEL SECONDS CMD...: run CMD for at most SECONDS (and never past the deadline)
+    local label=$1 want=$2; shift 2
+    local t; t=$(left); [ "$want" -lt "$t" ] && t=$want
+    if [ "$t" -lt 20 ]; then echo "$label: skipped (${t}s left)" | tee -a "$OUT/summary.txt"; return 0; fi
+    local begin; begin=$(date +%s)
+    timeout --foreground -k 5 "$t" "$@"
+    local rc=$?
+    echo "$label: rc $rc in $(( $(date +%s) - begin ))s (limit ${t}s)" | tee -a "$OUT/summary.txt"
+    return $rc
+}
+log() { { echo "== $1"; tail -${2:-40} "$1"; } >>"$OUT/logs.txt"; }
+
+{
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    $PY -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+    git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-120
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+T=$WORK/target; H=$WORK/head
+PROMPTS=jaxspec/prompt_sets/mt_bench.jsonl
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n $WORKERS")  # pytest-xdist where installed (the GPU image has it)
+
+tests() {  # tests NAME FILES...: the compiled suite's part
+    local name=$1; shift
+    XLA_PYTHON_CLIENT_PREALLOCATE=false JAXSPEC_KERNELS=pallas bounded "compiled suite, $name" "$TEST_SECONDS" \
+        $PY -m pytest -q $XDIST -p no:cacheprovider -m "not slow and not smollm2" -k "not mesh" "$@" \
+        --junitxml="$OUT/tests.xml" >"$OUT/tests.log" 2>&1
+    tail -5 "$OUT/tests.log"
+}
+
+bench() {  # bench BATCH PROMPTS SECONDS
+    bounded "bench batch $1" "$3" $PY -m jaxspec.bench --target "$T" --draft "$H" --prompts-file "$PROMPTS" \
+        --limit "$2" --batch-size "$1" --max-new-tokens 64 --kernels pallas --num-speculative-tokens 5 \
+        --accept-prob 0.84 --json >"$OUT/bench-b$1.json" 2>"$WORK/bench-b$1.log"
+    log "$WORK/bench-b$1.log" 25
+}
+
+for part in ${2:-target tests1 tests2 bench1 profile bench8}; do
+    case $part in
+    target)
+        if [ ! -f "$T/config.json" ]; then
+            bounded "make target $SHAPE x$LAYERS layers" 120 $PY "$STAGE/make_target.py" "$T" "$STAGE/tokenizer" \
+                "$SHAPE" "$LAYERS" >"$WORK/make.log" 2>&1 || { log "$WORK/make.log"; exit 1; }
+        fi
+        [ -f "$H/config.json" ] || bounded "random head" 60 $PY -m jaxspec.convert random-head --target "$T" \
+            --draft-vocab 32000 --out "$H" >"$WORK/head.log" 2>&1 || log "$WORK/head.log" ;;
+    tests1) tests tests1 tests/test_invariant_attention.py tests/test_rejection.py tests/test_dispatch.py \
+        tests/test_spec_greedy.py ;;
+    tests2) tests tests2 tests/test_spec_tree.py tests/test_spec_sampling.py tests/test_invariance.py ;;
+    bench1) bench 1 2 150 ;;
+    bench8) bench 8 8 150 ;;
+    profile)
+        for numerics in invariant plain; do
+            bounded "profile $numerics" 60 $PY scripts/gpu_profile.py "$T" --kernels pallas --numerics "$numerics" \
+                --new-tokens 33 --json "$WORK/profile-$numerics.json" >/dev/null 2>"$WORK/profile-$numerics.log"
+            log "$WORK/profile-$numerics.log" 10
+        done
+        $PY -c "import json, os, sys; print(json.dumps({n: json.load(open(f'$WORK/profile-{n}.json')) for n in
+            sys.argv[1:] if os.path.exists(f'$WORK/profile-{n}.json')}, indent=1))" invariant plain >"$OUT/profile.json" ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+    esac
+done
+echo "total: $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
