@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxspec.cli_common import main_guard, run_program
+from jaxspec.cli.program import main_guard, run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +109,7 @@ def _convert_head(args) -> None:
 
     from jaxspec.checkpoints.heads import export_head, load_head, read_head_config
     from jaxspec.checkpoints.verifier import check_acceptance, head_record, locate_verifier, verifier_name
-    from jaxspec.cli_common import resolve_target
+    from jaxspec.cli.loading import resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.errors import JaxspecError
 
@@ -141,7 +141,7 @@ def _convert_target(args) -> None:
 
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.orbax_target import save_target_orbax
-    from jaxspec.cli_common import resolve_target
+    from jaxspec.cli.loading import resolve_target
 
     source = resolve_target(args.target)
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def _random_head(args) -> None:
 
     from jaxspec.checkpoints.heads import export_head
     from jaxspec.checkpoints.verifier import verifier_name
-    from jaxspec.cli_common import resolve_target
+    from jaxspec.cli.loading import resolve_target
     from jaxspec.config import HeadConfig, load_target_config
     from jaxspec.models.eagle3 import Eagle3Head
 

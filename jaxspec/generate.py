@@ -12,28 +12,27 @@ import argparse
 import json
 import sys
 
-from jaxspec.cli_common import (
+from jaxspec.cli.args import (
     add_draft_args,
-    add_mesh_args,
     add_step_cost_args,
     add_target_args,
     check_generation_args,
+    method_name,
+    parse_tree,
+)
+from jaxspec.cli.loading import (
     head_aux_layer_ids,
     kernels_impl,
     load_head_for,
     load_target_and_tokenizer,
-    main_guard,
-    method_name,
     ngram_proposer,
-    parse_tree,
     resolve_draft,
-    resolve_mesh,
     resolve_target,
-    run_program,
     speculative_generator,
     step_cost_store,
-    use_compile_cache,
 )
+from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
+from jaxspec.cli.program import main_guard, run_program, use_compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +202,7 @@ def _method_summary(args, draft, completions, proposer=None) -> str:
         return "target-only"
     method = method_name(args.num_speculative_tokens, args.tree, proposer=proposer)
     from jaxspec.generation import tokens_per_verify
-    from jaxspec.spec.auto_generator import describe_choices
+    from jaxspec.engine.auto.generator import describe_choices
 
     if method == "auto":
         method = f"auto: {describe_choices(completions, args.batch_size)}"

@@ -19,13 +19,13 @@ from jaxspec import sharding
 from jaxspec.compiled_programs import ProgramCache
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
-from jaxspec.mesh_axes import MODEL
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec import engine
-from jaxspec.spec.proposer import Proposer
-from jaxspec.spec.telemetry import OUTCOMES
+from jaxspec.engine import core as engine
+from jaxspec.engine.proposers.base import Proposer
+from jaxspec.engine.telemetry import OUTCOMES
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
+from pallas_kernels.mesh_axes import MODEL
 
 CAPACITY_QUANTUM = 256  # cache capacities are multiples of this: one compile serves many lengths
 MIN_PROMPT_BUCKET = 16
@@ -82,7 +82,7 @@ _steps = jax.jit(
 
 class Generator:
     """Generates continuations of tokenized prompts, `batch_size` rows at a time: with the target alone, or with a
-    draft `proposer` (`jaxspec.spec.proposer`; its parameters in `proposer_params`) whose drafts the target verifies.
+    draft `proposer` (`jaxspec.engine.proposers.base`; its parameters in `proposer_params`) whose drafts the target verifies.
     Greedy output is the target's token for token either way; sampled output follows the target's distribution.
 
     kernels: the draft verifier's implementation ("reference", "pallas" or "interpret", `pallas_kernels.dispatch`);
@@ -164,7 +164,7 @@ class Generator:
                 "verify_calls": c,
                 "target_calls": c + 1,
                 "draft_calls": c * forwards + (1 if forwards else 0),  # the head also reads the prompt
-                # why each verify step stopped accepting (`jaxspec.spec.telemetry`): counts summing to verify_calls
+                # why each verify step stopped accepting (`jaxspec.engine.telemetry`): counts summing to verify_calls
                 "rejections": {name: int(n) for name, n in zip(OUTCOMES, outcomes[row])},
                 "accepted_via_sibling": int(siblings[row]),
             })

@@ -71,6 +71,12 @@ def read_prompts_file(path: str | Path) -> list[tuple[str, str]]:
     return prompts
 
 
+def excluded_prompts(exclude: list[str | Path]) -> set[str]:
+    """The prompt texts (stripped) of the `exclude` prompt sets or files: what training data must not contain (read
+    by both writers of training data: `train.data generate` and `train.data prompts`)."""
+    return {text.strip() for f in exclude for _, text in read_prompts_file(prompt_set_path(f))}
+
+
 def _prompt_text(row: dict, where: str) -> str:
     """The prompt of one JSONL row: the first of MT-Bench's `turns`, else `prompt`, else GSM8K's `question`; a
     non-empty string, so that a wrong file is refused instead of generating from `str(5)` or `str(None)`."""

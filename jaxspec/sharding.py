@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
-from jaxspec.mesh_axes import DATA, MODEL
+from pallas_kernels.mesh_axes import DATA, MODEL
 from jaxspec.models import kv_cache as kvc
 from pallas_kernels.dispatch import on_mesh
 

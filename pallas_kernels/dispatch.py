@@ -22,7 +22,7 @@ import os
 
 import jax
 
-from jaxspec.mesh_axes import DATA, MODEL
+from pallas_kernels.mesh_axes import DATA, MODEL
 
 CHOICES = ("auto", "pallas", "reference", "interpret")  # what a user asks for
 IMPLEMENTATIONS = ("reference", "pallas", "interpret")  # what runs

@@ -84,9 +84,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.mesh_axes import DATA, MODEL
-from jaxspec.models.numerics import exact_mul, fenced, halving_max, halving_sum, held_dtype
 from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.mesh_axes import DATA, MODEL
+from pallas_kernels.primitives import exact_mul, fenced, halving_max, halving_sum, held_dtype
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
 NEG_INF = -1e30

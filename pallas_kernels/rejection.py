@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.mesh_axes import DATA
+from pallas_kernels.mesh_axes import DATA
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 

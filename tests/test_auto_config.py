@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.auto_config import (
+from jaxspec.engine.auto.config import (
     AcceptanceProfile,
     StepCalibration,
     StepCosts,
@@ -14,7 +14,7 @@ from jaxspec.spec.auto_config import (
     expected_tokens,
     step_seconds,
 )
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.tree import TreeConfig
 
 # This CPU's measured costs for SmolLM2 at batch 1 (BENCHMARKS.md): decode 26.2 ms, verify of 6 tokens 53.4 ms,
 # head step 1.56 ms; verify of k+1 tokens interpolated linearly between them.
@@ -111,7 +111,7 @@ def test_a_close_call_flips_when_the_measured_steps_disagree_with_the_timed_ones
 
 
 def test_running_counts_pool_with_the_prior_position_by_position():
-    from jaxspec.spec.auto_config import RunningAcceptance
+    from jaxspec.engine.auto.config import RunningAcceptance
 
     prior = AcceptanceProfile((0.8, 0.6, 0.4), 300)
     seen = RunningAcceptance()
@@ -143,7 +143,7 @@ def test_bad_inputs_are_one_line_errors():
 
 
 def test_verify_lengths_time_decode_the_shortest_and_the_longest_verify():
-    from jaxspec.spec.step_costs import verify_lengths
+    from jaxspec.engine.auto.step_costs import verify_lengths
 
     assert verify_lengths(1) == [1, 2]
     assert verify_lengths(5) == [1, 2, 6]
@@ -154,7 +154,7 @@ def test_measured_costs_of_a_tiny_target_feed_the_choice():
     """Timing runs on the real forward functions and gives a usable StepCosts (values are this machine's)."""
     from spec_fixtures import random_head, tiny_target
 
-    from jaxspec.spec.step_costs import add_tree_costs, measure_step_costs
+    from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
 
     costs = measure_step_costs(tiny_target(), random_head(), batch=2, capacity=64, max_draft=5, repeats=2)
     assert costs.max_draft == 5 and costs.decode > 0 and costs.draft > 0
@@ -171,7 +171,7 @@ def test_measured_costs_of_a_tiny_target_feed_the_choice():
 
 
 def test_the_prior_comes_from_the_heads_chain_measurements():
-    from jaxspec.spec.auto_config import profile_from_record
+    from jaxspec.engine.auto.config import profile_from_record
 
     record = [
         {"prompts": "mt_bench", "method": "chain K=5", "mean_accepted_length": 1.3, "num_prompts": 80,
@@ -191,17 +191,17 @@ def test_the_shipped_heads_profile_gives_a_prior():
     import json
 
     from jaxspec.checkpoints import builtin
-    from jaxspec.spec.auto_config import profile_from_record
+    from jaxspec.engine.auto.config import profile_from_record
 
     config = json.loads((builtin.default_head_dir() / "config.json").read_text())
     prior = profile_from_record(config["jaxspec"]["acceptance"])
     assert prior is not None and 0.2 < prior.rates[0] < 0.5
     assert choose(CPU, prior).num_draft in (0, 1)  # the shipped head on this CPU: little or no speculation
-    from jaxspec.spec.auto_config import trees_from_record
+    from jaxspec.engine.auto.config import trees_from_record
 
     trees = trees_from_record(config["jaxspec"]["acceptance"])  # its tree measurements: candidates on a GPU
     assert trees and all(n > prior.rates[0] + 1 for n in trees.values())
-    from jaxspec.spec.auto_config import tree_worth_timing
+    from jaxspec.engine.auto.config import tree_worth_timing
 
     # on this CPU none is worth timing (no compilation spent on them); where a verify costs about a decode, all are
     assert not any(tree_worth_timing(CPU, t, n, 1 / CPU.decode) for t, n in trees.items())
@@ -235,7 +235,7 @@ def test_a_tree_is_chosen_where_it_yields_more_per_second_than_any_chain():
 
 
 def test_a_trees_record_scales_with_how_the_head_drafts_here_and_pools_with_its_counts():
-    from jaxspec.spec.auto_config import RunningTrees, tree_tokens
+    from jaxspec.engine.auto.config import RunningTrees, tree_tokens
 
     prior = AcceptanceProfile((0.4, 0.2, 0.1), 200)
     assert tree_tokens(2.0, prior, prior) == pytest.approx(2.0)
@@ -251,7 +251,7 @@ def test_a_trees_record_scales_with_how_the_head_drafts_here_and_pools_with_its_
 
 
 def test_trees_come_from_the_heads_tree_measurements():
-    from jaxspec.spec.auto_config import trees_from_record
+    from jaxspec.engine.auto.config import trees_from_record
 
     record = [
         {"prompts": "mt_bench", "method": "chain K=5", "mean_accepted_length": 1.3, "num_prompts": 80},
@@ -269,7 +269,7 @@ def test_trees_come_from_the_heads_tree_measurements():
 
 
 def test_a_tree_is_timed_only_where_an_estimate_from_the_chain_costs_says_it_could_win():
-    from jaxspec.spec.auto_config import tree_worth_timing
+    from jaxspec.engine.auto.config import tree_worth_timing
 
     best_gpu = 1 / GPU.decode  # target-only's tokens/s: the least a tree must beat
     assert tree_worth_timing(GPU, TREE, 1.6, best_gpu)  # verify of 12 ~ a decode: worth it
@@ -278,7 +278,7 @@ def test_a_tree_is_timed_only_where_an_estimate_from_the_chain_costs_says_it_cou
 
 
 def test_methods_have_names_that_read_back():
-    from jaxspec.spec.auto_config import method_key, method_label, parse_method_key
+    from jaxspec.engine.auto.config import method_key, method_label, parse_method_key
 
     for m in (0, 1, 7, TREE):
         assert parse_method_key(method_key(m)) == m
@@ -289,7 +289,7 @@ def test_methods_have_names_that_read_back():
 
 
 def test_trees_timed_after_the_chains_join_their_costs_at_one_machine_speed(monkeypatch):
-    from jaxspec.spec import step_costs
+    from jaxspec.engine.auto import step_costs
 
     chains = StepCosts(decode=0.010, verify=(0.0, 0.012, 0.014, 0.016), draft=0.001)  # timed for K <= 3
     small, big = TreeConfig(4, 2, 2), TreeConfig(8, 3, 2)

@@ -8,10 +8,10 @@ from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
 from jaxspec.generation import Generator
-from jaxspec.spec.auto_config import AcceptanceProfile, RunningAcceptance, StepCosts
-from jaxspec.spec.auto_generator import FIRST_CHAIN, AutoSpeculativeGenerator, chosen, describe_choices
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.auto.config import AcceptanceProfile, RunningAcceptance, StepCosts
+from jaxspec.engine.auto.generator import FIRST_CHAIN, AutoSpeculativeGenerator, chosen, describe_choices
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
 
 MAX_NEW = 12
 CHEAP_VERIFY = StepCosts(decode=0.01, verify=(0.0,) + (0.0101,) * 4, draft=0.0001)  # any acceptance pays
@@ -120,7 +120,7 @@ def test_running_acceptance_pools_chains_of_different_lengths():
 
 
 def test_while_target_only_is_chosen_a_probe_batch_keeps_measuring(target_only):
-    from jaxspec.spec.auto_generator import PROBE_EVERY
+    from jaxspec.engine.auto.generator import PROBE_EVERY
 
     gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), MID_VERIFY)
     prompts = (PROMPTS * PROBE_EVERY)[:PROBE_EVERY]
@@ -142,7 +142,7 @@ def test_while_target_only_is_chosen_a_probe_batch_keeps_measuring(target_only):
     ],
 )
 def test_a_probe_runs_only_where_it_could_change_the_choice(costs, observed, probes, target_only):
-    from jaxspec.spec.auto_generator import PROBE_EVERY
+    from jaxspec.engine.auto.generator import PROBE_EVERY
 
     gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), costs)
     if observed is not None:  # what earlier probes counted (first-draft acceptances, verify steps)
@@ -156,8 +156,8 @@ def test_a_probe_runs_only_where_it_could_change_the_choice(costs, observed, pro
 def test_a_stored_ratio_for_one_draft_does_not_keep_the_probes_off(target_only):
     """One draft's ratio stored by an earlier process (its steps ran 1.7x the timed cost, under load, say) would
     rule one draft out at any acceptance; until this process has run a draft it is costed as the others are."""
-    from jaxspec.spec.auto_config import StepCalibration
-    from jaxspec.spec.auto_generator import PROBE_EVERY
+    from jaxspec.engine.auto.config import StepCalibration
+    from jaxspec.engine.auto.generator import PROBE_EVERY
 
     gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), MID_VERIFY)
     gen.calibration = StepCalibration({0: 10.0, 1: 17.0}, {0: 10.0, 1: 10.0})
@@ -210,7 +210,7 @@ def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(targ
 
 @pytest.mark.parametrize("worth", [True, False])
 def test_trees_are_timed_only_where_the_chain_costs_say_they_could_win(worth, monkeypatch):
-    from jaxspec.spec import auto_generator
+    from jaxspec.engine.auto import generator as auto_generator
 
     monkeypatch.setattr(auto_generator, "tree_worth_timing", lambda *a: worth)
     gen = _auto(AcceptanceProfile((0.9, 0.8), 100), None, trees={TREE: 2.5})

@@ -1,4 +1,4 @@
-"""`bench_suite.measure_interleaved`: every generator sees every batch once, in an order rotated batch by batch, and
+"""`jaxspec.bench.suite.measure_interleaved`: every generator sees every batch once, in an order rotated batch by batch, and
 each generator's seconds are its own batches' seconds (warm-up excluded)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from jaxspec.bench_suite import measure_interleaved
+from jaxspec.bench.suite import measure_interleaved
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """`jaxspec.bench`'s bandwidth probe and weights-only roofline, and the kernel micro-benchmark
-(`python -m jaxspec.bench --kernels-micro`, jaxspec/bench_kernels.py) at tiny shapes on CPU, kernels in interpret
+(`python -m jaxspec.bench --kernels-micro`, jaxspec/bench/kernels.py) at tiny shapes on CPU, kernels in interpret
 mode: the probe's bytes and program, the floors from the shapes, the table's rows and columns."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from jaxspec import bandwidth, bench
-from jaxspec import bench_kernels as bk
+from jaxspec.bench import bandwidth
+from jaxspec.bench import cli as bench
+from jaxspec.bench import kernels as bk
 from jaxspec.errors import JaxspecError
 
 TINY = bk.PRESETS["tiny"]

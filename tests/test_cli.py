@@ -80,7 +80,7 @@ def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, cap
 
 
 def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
-    from jaxspec import bench
+    from jaxspec.bench import cli as bench
     from jaxspec import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
@@ -172,7 +172,8 @@ def test_prompt_too_long_for_context_subprocess():
 def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
     import jax
 
-    from jaxspec import bench, bench_suite
+    from jaxspec.bench import cli as bench
+    from jaxspec.bench import suite as bench_suite
     from jaxspec import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
@@ -278,7 +279,7 @@ def test_convert_a_head_between_layouts_and_generate_with_it(tiny_dir, tiny_head
 
 
 def test_bench_forced_acceptance_is_labelled_and_chain_only(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
-    from jaxspec import bench
+    from jaxspec.bench import cli as bench
     from jaxspec import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
@@ -297,7 +298,8 @@ def test_bench_forced_acceptance_is_labelled_and_chain_only(tiny_dir, tiny_head,
 
 @pytest.mark.parametrize("mesh", [[], ["--mesh", "data=2,model=1"]])
 def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path, capsys):
-    from jaxspec import bench, convert
+    from jaxspec import convert
+    from jaxspec.bench import cli as bench
 
     out = tmp_path / "orbax"
     assert convert.main(["target", "--target", str(tiny_dir), "--out", str(out)]) == 0

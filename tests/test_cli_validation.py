@@ -8,7 +8,8 @@ import json
 import pytest
 from hf_tiny import make_tiny, write_char_tokenizer
 
-from jaxspec import bench, convert, generate
+from jaxspec import convert, generate
+from jaxspec.bench import cli as bench
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from jaxspec import generate
 from jaxspec.checkpoints import builtin
 from jaxspec.checkpoints.heads import detect_layout, export_head, load_head, read_head_config
 from jaxspec.checkpoints.verifier import RECORD_KEY, check_acceptance, head_record, locate_verifier, verifier_record
-from jaxspec.cli_common import head_aux_layer_ids, resolve_draft
+from jaxspec.cli.loading import head_aux_layer_ids, resolve_draft
 from jaxspec.config import HeadConfig, TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle3 import Eagle3Head
@@ -115,7 +115,8 @@ def test_the_cli_refuses_it_with_exit_code_2(models, tmp_path, capsys, monkeypat
 
 
 def test_draft_alone_runs_on_the_verifier_the_head_names(models, capsys, monkeypatch, no_builtin, byte_tokenizer):
-    from jaxspec import bench, convert
+    from jaxspec import convert
+    from jaxspec.bench import cli as bench
 
     monkeypatch.chdir(models)
     head = models / "heads" / "random"
@@ -144,7 +145,7 @@ def test_draft_alone_runs_on_the_verifier_the_head_names(models, capsys, monkeyp
 
 
 def test_a_missing_verifier_is_a_one_line_error(models, tmp_path, capsys, no_builtin):
-    from jaxspec import bench
+    from jaxspec.bench import cli as bench
 
     tiny_cfg = load_target_config(models / "models" / "tiny")
     path = export_head(_head(tiny_cfg), tmp_path / "h", layout="speculators", target=tiny_cfg, dtype="float32",

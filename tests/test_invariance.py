@@ -27,7 +27,7 @@ from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.models.numerics import hold
 from jaxspec.reference_shapes import reference_config
-from jaxspec.spec.tree import tree_from_parents
+from jaxspec.engine.tree import tree_from_parents
 
 FAMILIES = {
     # GQA 4/2, untied (Llama)
@@ -328,8 +328,8 @@ def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
     from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
     from jaxspec.generation import Generator
-    from jaxspec.spec.generator import SpeculativeGenerator
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.generator import SpeculativeGenerator
+    from jaxspec.engine.tree import TreeConfig
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)
     target.numerics = dataclasses.replace(target.invariant_numerics(), kernels=attention)
@@ -349,7 +349,7 @@ def test_bfloat16_ngram_equals_target_only(batch):
     from spec_fixtures import PROMPTS, tiny_target
 
     from jaxspec.generation import Generator
-    from jaxspec.spec.ngram import NgramProposer
+    from jaxspec.engine.proposers.ngram import NgramProposer
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)
     prompts = PROMPTS + [PROMPTS[1] * 3]

@@ -2,7 +2,7 @@
 for bit, on fresh random inputs shaped as the target passes them (jaxspec/models/llama.py): the cache already holds
 this call's K/V at slots lengths + i (write before read), and slots past them hold stale values; chains (decode at
 T = 1, verify) at positions lengths + i; prefills from an empty cache with a static block bound; draft trees at
-positions lengths + depth with their ancestors (jaxspec.spec.tree). Ragged committed lengths per row (small, a whole
+positions lengths + depth with their ancestors (jaxspec.engine.tree). Ragged committed lengths per row (small, a whole
 number of key blocks, one past, a block's last slot, up to 4096), GQA groups 1, 2, 3 and 4, float32 and bfloat16,
 batch 1 and 4; and each row's bits do not depend on the other rows (the batch invariance the engine relies on). The
 kernel's split (flash-decoding) form, forced on, gives the same bits as the reference and as its one-pass form.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models.numerics import Numerics
-from jaxspec.spec.tree import random_parents, tree_from_parents
+from jaxspec.engine.tree import random_parents, tree_from_parents
 from pallas_kernels.invariant_attention import invariant_attention, invariant_attention_reference
 
 KEY_BLOCK = Numerics().key_block  # the target's (64)

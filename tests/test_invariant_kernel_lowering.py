@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import numerics
-from jaxspec.spec.tree import random_parents, tree_from_parents
+from jaxspec.engine.tree import random_parents, tree_from_parents
 from pallas_kernels.invariant_attention import (
     SPLIT_MAX_PROGRAMS,
     invariant_attention,
     invariant_attention_reference,
     split_blocks,
 )
+from pallas_kernels.primitives import halving_max, halving_sum
 
 # Llama-3.1-8B attention: 32 query heads over 8 KV heads (G = 4), head_dim 128
 HQ, HKV, D = 32, 8, 128
@@ -62,7 +62,7 @@ def test_halvings_pair_elements_as_slices_do(dtype):
         x[1, :, :] = 0.0
         x[2, 1, :] = -0.0
         x = jnp.asarray(x, dtype)
-        for mine, combine, pad in ((numerics.halving_sum, jnp.add, 0.0), (numerics.halving_max, jnp.maximum, -jnp.inf)):
+        for mine, combine, pad in ((halving_sum, jnp.add, 0.0), (halving_max, jnp.maximum, -jnp.inf)):
             want = sliced_halving(x, combine, pad)
             for got in (mine(x), jax.jit(mine)(x)):
                 assert got.shape == want.shape and got.dtype == want.dtype

@@ -264,7 +264,7 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
 
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.verifier import check_acceptance
-    from jaxspec.spec.auto_config import profile_from_record
+    from jaxspec.engine.auto.config import profile_from_record
     from train.config import HeadSection, TrainSection
     from train.launch import _acceptance, build_head, evaluate
 
@@ -287,8 +287,8 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     check_acceptance(record)
     assert profile_from_record(record).rates == pytest.approx(rates)
     # a tree on the same prompts (train.eval_trees): recorded beside the chain, a candidate of automatic speculation
-    from jaxspec.spec.auto_config import trees_from_record
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.auto.config import trees_from_record
+    from jaxspec.engine.tree import TreeConfig
 
     (tree,) = t.trees.values()
     assert tree == TreeConfig(6, 3, 2)
@@ -409,7 +409,7 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     assert proc.returncode == 2 and "nowhere" in err
     # the exported head records the last replay as its acceptance profile, the prior automatic speculation reads
     from jaxspec.checkpoints.verifier import check_acceptance
-    from jaxspec.spec.auto_config import profile_from_record
+    from jaxspec.engine.auto.config import profile_from_record
 
     exported = json.loads((setup / "heldout" / "head-speculators" / "config.json").read_text())["jaxspec"]
     (record,) = check_acceptance(exported["acceptance"])

@@ -16,7 +16,7 @@ from jaxspec.config import TargetConfig
 from jaxspec.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.generator import SpeculativeGenerator
+from jaxspec.engine.generator import SpeculativeGenerator
 
 CFG = TargetConfig(vocab_size=104, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8, num_kv_heads=4,
                    head_dim=16, tie_word_embeddings=False)

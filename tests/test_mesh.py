@@ -28,8 +28,8 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
 from pallas_kernels import invariant_attention, rejection
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -84,7 +84,7 @@ def test_speculative_on_the_mesh_equals_one_device(tree):
 @pytest.mark.parametrize("batch", [2, 4])
 def test_ngram_on_the_mesh_equals_one_device(batch):
     """Prompt lookup's on-device history and its root-only steps (`lax.cond` when no row matched) under the mesh."""
-    from jaxspec.spec.ngram import NgramProposer
+    from jaxspec.engine.proposers.ngram import NgramProposer
 
     prompts = PROMPTS + [PROMPTS[1] * 3]
     reference = Generator(target(), batch_size=1).generate(prompts, max_new_tokens=24)

@@ -1,4 +1,4 @@
-"""`jaxspec.spec.ngram.ngram_match`, the device-side matcher of the prompt-lookup proposer: exact agreement with a
+"""`jaxspec.engine.proposers.ngram.ngram_match`, the device-side matcher of the prompt-lookup proposer: exact agreement with a
 literal plain-Python reference on random ragged batches over small vocabularies (frequent repeats), hand-written
 cases of each rule, garbage past a row's length, one trace for any lengths, and no [B, L, L] intermediates."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.spec.ngram import ngram_match
+from jaxspec.engine.proposers.ngram import ngram_match
 
 
 def reference(tokens: list[int], num_draft: int, min_n: int, max_n: int) -> tuple[list[int], int]:

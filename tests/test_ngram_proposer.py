@@ -15,7 +15,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator, tokens_per_verify
 from jaxspec.processors import LogitProcessors
 from jaxspec.sampling import SamplingConfig, filtered_logits
-from jaxspec.spec.ngram import NgramProposer
+from jaxspec.engine.proposers.ngram import NgramProposer
 
 # The tiny target falls into short cycles (e.g. 16 9 16 9 ...), which prompt lookup picks up; a prompt that
 # repeats itself gives it matches from the first step.

@@ -15,8 +15,8 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator
 from jaxspec.processors import LogitProcessors, ProcessorValues, batch_values, chain_paths, init_state, process, record
 from jaxspec.sampling import SamplingConfig, filtered_logits
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
 
 PENALTIES = LogitProcessors(
     repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, logit_bias=((5, 2.0), (16, -1.5))

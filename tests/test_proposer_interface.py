@@ -10,7 +10,7 @@ from spec_fixtures import PROMPTS, tiny_target
 
 from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec.proposer import ChainDrafts, PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
 
 
 class HiddenState(NamedTuple):

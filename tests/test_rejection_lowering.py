@@ -37,7 +37,7 @@ def depth_of(mode: str, n: int) -> int:
 
 def verify_structs(mode: str, b: int, n: int, v: int, dtype=jnp.float32):
     """Abstract arguments: tokens, parents [B, N]; probs (greedy: logits) [B, N, V]; uniforms [B, N]; noise [B, V]
-    (greedy: [B, 1], as jaxspec.spec.accept passes it); chain: q [B, N, V]."""
+    (greedy: [B, 1], as jaxspec.engine.accept passes it); chain: q [B, N, V]."""
     args = [
         jax.ShapeDtypeStruct((b, n), jnp.int32),
         jax.ShapeDtypeStruct((b, n), jnp.int32),

@@ -90,7 +90,7 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
     from jaxspec import generate
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.processors import LogitProcessors
-    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.engine.generator import SpeculativeGenerator
 
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
@@ -124,7 +124,7 @@ def test_repetition_penalty_equals_transformers_with_and_without_speculation(tar
 def test_ngram_greedy_equals_transformers_on_mt_bench_and_grounded_prompts(target_dir, model, hf_model, batch):
     """`--proposer ngram`: prompt lookup changes nothing on chat prompts and on long input-grounded ones
     (summaries, extraction: where it is accepted), at batch 1 and 4 (ragged: long and short prompts mixed)."""
-    from jaxspec.spec.ngram import NgramProposer
+    from jaxspec.engine.proposers.ngram import NgramProposer
 
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
@@ -144,7 +144,7 @@ def test_speculative_greedy_with_random_head_equals_target_only(target_dir, mode
     from flax import nnx
 
     from jaxspec.models.eagle3 import Eagle3Head
-    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.engine.generator import SpeculativeGenerator
 
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
@@ -181,7 +181,7 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     import json
 
     from jaxspec import generate
-    from jaxspec.spec.auto_config import profile_from_record
+    from jaxspec.engine.auto.config import profile_from_record
 
     assert (builtin.default_head_dir() / "config.json").is_file()
     runs = {}
@@ -198,7 +198,7 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     # half-way point (0.10955) may round either way
     assert auto["basis"] == "prior" and auto["acceptance_per_position"] == pytest.approx(prior.rates, abs=0.6e-4)
     assert auto["step_costs_ms"]["decode"] > 0 and 0 <= auto["num_speculative_tokens"] <= len(prior.rates)
-    from jaxspec.spec.auto_config import method_key, parse_method_key
+    from jaxspec.engine.auto.config import method_key, parse_method_key
 
     chosen = parse_method_key(auto["tree"] and f"tree {auto['tree']}" or str(auto["num_speculative_tokens"]))
     assert auto["candidates"][method_key(chosen)] == max(auto["candidates"].values())
@@ -208,8 +208,8 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
 @pytest.mark.parametrize("batch", [1, 4])  # batch invariance: test_invariance
 def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch):
     from jaxspec.checkpoints.heads import load_head
-    from jaxspec.spec.generator import SpeculativeGenerator
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.generator import SpeculativeGenerator
+    from jaxspec.engine.tree import TreeConfig
 
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
@@ -244,8 +244,8 @@ def bf16_run(target_dir):
 def test_bfloat16_speculation_with_the_shipped_head_equals_target_only(bf16_run, tree):
     """bfloat16, the accelerators' default, where the same token used to get other bits in a verify than in a decode
     step and the texts parted (2/8 prompts identical before batch-invariant numerics): now token for token."""
-    from jaxspec.spec.generator import SpeculativeGenerator
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.generator import SpeculativeGenerator
+    from jaxspec.engine.tree import TreeConfig
 
     model, head, prompts, stops, want = bf16_run
     gen = SpeculativeGenerator(

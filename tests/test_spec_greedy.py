@@ -7,8 +7,8 @@ from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
 
 
 @pytest.fixture(scope="module")

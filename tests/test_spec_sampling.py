@@ -12,8 +12,8 @@ from spec_fixtures import fitted_head, tiny_target
 
 from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig, filtered_logits
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
 
 VOCAB, N = 16, 20000
 PROMPT = [3, 7, 1, 12]

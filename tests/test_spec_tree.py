@@ -8,8 +8,8 @@ from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator
 from jaxspec.models import kv_cache as kvc
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.tree import TreeConfig, draft_tree, tree_from_parents
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig, draft_tree, tree_from_parents
 
 
 @pytest.fixture(scope="module")

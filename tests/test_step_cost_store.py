@@ -9,11 +9,11 @@ import json
 import pytest
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
-from jaxspec.spec import auto_generator
-from jaxspec.spec.auto_config import AcceptanceProfile, StepCalibration, StepCosts
-from jaxspec.spec.auto_generator import AutoSpeculativeGenerator
-from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, STORE_ENV, StepCostStore, cost_key, default_store
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.auto import generator as auto_generator
+from jaxspec.engine.auto.config import AcceptanceProfile, StepCalibration, StepCosts
+from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, STORE_ENV, StepCostStore, cost_key, default_store
+from jaxspec.engine.tree import TreeConfig
 
 COSTS = StepCosts(decode=0.03, verify=(0.0, 0.04, 0.05), draft=0.002)
 PRIOR = AcceptanceProfile((0.5, 0.3), 100)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.spec import step_costs
+from jaxspec.engine.auto import step_costs
 
 
 def test_rounds_call_every_function_in_turn_and_keep_each_ones_best(monkeypatch):

@@ -1,4 +1,4 @@
-"""Why drafts are rejected (`jaxspec.spec.telemetry`): each outcome on hand-made steps, and through the engine the
+"""Why drafts are rejected (`jaxspec.engine.telemetry`): each outcome on hand-made steps, and through the engine the
 counters partition the verify steps and agree with what the proposers can and cannot draft."""
 
 import jax
@@ -10,12 +10,12 @@ from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
 from jaxspec.generation import Generator
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec.eagle3_proposer import Eagle3Proposer
-from jaxspec.spec.generator import SpeculativeGenerator
-from jaxspec.spec.ngram import NgramProposer
-from jaxspec.spec.proposer import PrefillView, StepView
-from jaxspec.spec.telemetry import OUTCOMES, sibling_accepts, step_outcome
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.proposers.eagle3 import Eagle3Proposer
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.proposers.ngram import NgramProposer
+from jaxspec.engine.proposers.base import PrefillView, StepView
+from jaxspec.engine.telemetry import OUTCOMES, sibling_accepts, step_outcome
+from jaxspec.engine.tree import TreeConfig
 
 CHAIN = jnp.asarray([[-1, 0, 1, 2]] * 6, jnp.int32)  # a chain of 3 drafts, six rows
 

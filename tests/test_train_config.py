@@ -175,7 +175,7 @@ def test_launch_checks_its_data_before_loading_the_target(tmp_path, capsys, monk
     def no_target(_):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr("jaxspec.cli_common.resolve_target", no_target)
+    monkeypatch.setattr("jaxspec.cli.loading.resolve_target", no_target)
     cfg = {**MINIMAL, "data": str(tmp_path / "missing"), "out": str(tmp_path / "out")}
     assert f"data directory {cfg['data']!r} does not exist" in launch_fails(capsys, tmp_path, cfg)
     (tmp_path / "empty").mkdir()

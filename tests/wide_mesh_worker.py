@@ -24,8 +24,8 @@ from jaxspec import sharding  # noqa: E402
 from jaxspec.config import TargetConfig  # noqa: E402
 from jaxspec.generation import Generator  # noqa: E402
 from jaxspec.models.llama import LlamaModel  # noqa: E402
-from jaxspec.spec.generator import SpeculativeGenerator  # noqa: E402
-from jaxspec.spec.tree import TreeConfig  # noqa: E402
+from jaxspec.engine.generator import SpeculativeGenerator  # noqa: E402
+from jaxspec.engine.tree import TreeConfig  # noqa: E402
 
 NEW_TOKENS = 20
 START = time.perf_counter()

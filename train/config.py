@@ -77,9 +77,9 @@ class TrainSection:
     eval_trees: tuple[str, ...] | None = None  # null: none
 
     @property
-    def trees(self) -> dict:  # {spec: jaxspec.spec.tree.TreeConfig}, in eval_trees' order
+    def trees(self) -> dict:  # {spec: jaxspec.engine.tree.TreeConfig}, in eval_trees' order
         """eval_trees parsed: the config check, the launcher's checks, evaluations and export all read this."""
-        from jaxspec.spec.tree import TreeConfig
+        from jaxspec.engine.tree import TreeConfig
 
         return {spec: TreeConfig.parse(spec) for spec in self.eval_trees or ()}
 

@@ -33,20 +33,14 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from train.self_prompts import write_prompts
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def excluded_prompts(exclude: list[str | Path]) -> set[str]:
-    """The prompt texts (stripped) of the `exclude` prompt sets or files: what training data must not contain."""
-    from jaxspec.prompts import prompt_set_path, read_prompts_file
-
-    return {text.strip() for f in exclude for _, text in read_prompts_file(prompt_set_path(f))}
-
-
 def load_prompts(path: str | Path, seed: int, exclude: list[str | Path] = ()) -> list[tuple[str, str]]:
     """(id, prompt) pairs in a seeded shuffle (sources mixed), minus any prompt text found in `exclude` files."""
-    from jaxspec.prompts import prompt_set_path, read_prompts_file
+    from jaxspec.prompts import excluded_prompts, prompt_set_path, read_prompts_file
 
     banned = excluded_prompts(exclude)
     prompts = [(pid, text) for pid, text in read_prompts_file(prompt_set_path(path)) if text.strip() not in banned]
@@ -184,7 +178,7 @@ def compute_features(args) -> None:
     from tqdm import tqdm
 
     from jaxspec.checkpoints.hf import load_target
-    from jaxspec.cli_common import resolve_target
+    from jaxspec.cli.loading import resolve_target
     from train.packing import first_fit, layout
     from train.precision import computing_in, resolve_compute_dtype
     from train.step import target_features
@@ -241,7 +235,7 @@ def compute_features(args) -> None:
 def generate(args) -> None:
     from tqdm import tqdm
 
-    from jaxspec.cli_common import load_target_and_tokenizer, resolve_target
+    from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.generation import Generator
     from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
@@ -336,7 +330,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxspec.cli_common import add_target_args
+    from jaxspec.cli.args import add_target_args
 
     parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -460,15 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard, use_compile_cache
+    from jaxspec.cli.program import main_guard, use_compile_cache
 
     parser = build_parser()
 
     def run(argv):
         args = parser.parse_args(argv)
         use_compile_cache(args)
-        from train.self_prompts import write_prompts  # it reads this module: imported when a command runs
-
         {"generate": generate, "features": compute_features, "prompts": write_prompts}[args.command](args)
         return 0
 
@@ -476,6 +468,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from jaxspec.cli_common import run_program
+    from jaxspec.cli.program import run_program
 
     run_program(main)

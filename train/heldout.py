@@ -149,16 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard
+    from jaxspec.cli.program import main_guard
 
     @main_guard
     def run(argv):
         args = build_parser().parse_args(argv)
         from jaxspec.checkpoints.heads import load_head
         from jaxspec.checkpoints.hf import load_target
-        from jaxspec.cli_common import head_aux_layer_ids, resolve_target
+        from jaxspec.cli.loading import head_aux_layer_ids, resolve_target
         from jaxspec.generation import default_dtype
-        from jaxspec.spec.generator import check_head_fits
+        from jaxspec.engine.generator import check_head_fits
         from train.data import read_shards, require_shards
 
         if args.num_draft < 1:
@@ -181,6 +181,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from jaxspec.cli_common import run_program
+    from jaxspec.cli.program import run_program
 
     run_program(main)

@@ -28,7 +28,7 @@ from train.config import HeadSection, RunConfig, TrainSection, load_config
 from train.packing import PackedBatches
 
 if TYPE_CHECKING:
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.tree import TreeConfig
 
 MASTER_DTYPE = np.dtype("float32")  # the head's trained weights and optimizer state, whatever the step computes in
 
@@ -61,7 +61,7 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
 def _warm_start(target, hcfg: HeadSection):
     """The head of `head.init_from`, in MASTER_DTYPE, whose shape must be the one the config asks for."""
     from jaxspec.checkpoints.heads import load_head
-    from jaxspec.spec.generator import check_head_fits
+    from jaxspec.engine.generator import check_head_fits
 
     head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=MASTER_DTYPE)
     check_head_fits(target, head)  # it reads the layers the target returns (the target's default aux layers)
@@ -81,10 +81,10 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection, tree: TreeCon
     """(mean accepted length — tokens per verify, bonus included —, the share of verify steps that accepted each
     draft position, or each tree depth) on the first prompts of the eval file, with a chain of `num_draft_steps`
     or `tree` (a TreeConfig): the held-out curve, and the profile an exported head records for automatic
-    speculation (`jaxspec.spec.auto_config.profile_from_record`, `trees_from_record`)."""
+    speculation (`jaxspec.engine.auto.config.profile_from_record`, `trees_from_record`)."""
     from jaxspec.generation import tokens_per_verify
     from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
-    from jaxspec.spec.generator import SpeculativeGenerator
+    from jaxspec.engine.generator import SpeculativeGenerator
 
     prompts = read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))[: t.eval_num_prompts]
     encoded = [encode_prompt(tokenizer, text, raw=False) for _, text in prompts]
@@ -202,7 +202,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.heads import export_head
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.verifier import verifier_name
-    from jaxspec.cli_common import resolve_target
+    from jaxspec.cli.loading import resolve_target
     from jaxspec.generation import default_dtype
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard
+    from jaxspec.cli.program import main_guard
 
     parser = build_parser()
 
@@ -446,6 +446,6 @@ def main(argv=None) -> int:
 STOP = threading.Event()  # set by the first Ctrl-C when run as a program: save a checkpoint, then exit 130
 
 if __name__ == "__main__":
-    from jaxspec.cli_common import run_program
+    from jaxspec.cli.program import run_program
 
     run_program(main, stop=STOP)

@@ -137,12 +137,11 @@ def write_prompts(args) -> None:
     """`python -m train.data prompts`."""
     from tqdm import tqdm
 
-    from jaxspec.cli_common import load_target_and_tokenizer, resolve_target
+    from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.generation import Generator
-    from jaxspec.prompts import stop_token_ids
+    from jaxspec.prompts import excluded_prompts, stop_token_ids
     from jaxspec.sampling import SamplingConfig
-    from train.data import excluded_prompts
 
     out = Path(args.out)
     if out.exists() and not out.is_file():

@@ -13,9 +13,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.mesh_axes import DATA, FSDP
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
+from pallas_kernels.mesh_axes import DATA, FSDP
 from train.config import OptimConfig  # the `optim:` section of the training config
 from train.precision import cast_floats
 from train.ttt import ttt_logits, ttt_loss

@@ -63,7 +63,8 @@ def training_counts(sequences, vocab_size: int) -> tuple[np.ndarray, np.ndarray,
 
 
 def main(argv=None) -> int:
-    from jaxspec.cli_common import main_guard, positive_int_list
+    from jaxspec.cli.args import positive_int_list
+    from jaxspec.cli.program import main_guard
 
     parser = argparse.ArgumentParser(prog="python -m train.vocab", description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, metavar="DIR", help="training shards (required; no default)")

@@ -171,7 +171,7 @@ def check_acceptance(profile: Any) -> list[dict[str, Any]]:
             raise JaxspecError(f"{where} entry {i}: acceptance_per_position must be a list of rates in [0, 1]")
         method = m.get("method")
         if isinstance(method, str) and method.startswith("tree "):  # a candidate of automatic speculation
-            from jaxspec.spec.tree import TreeConfig
+            from jaxspec.engine.tree import TreeConfig
 
             try:
                 TreeConfig.parse(method[len("tree "):])

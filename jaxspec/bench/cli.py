@@ -25,32 +25,31 @@ import platform
 import sys
 import time
 
-from jaxspec.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
-from jaxspec.bench_suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
-from jaxspec.cli_common import (
+from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
+from jaxspec.bench.suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
+from jaxspec.cli.args import (
     AUTO,
     add_draft_args,
-    add_mesh_args,
     add_step_cost_args,
     add_target_args,
     check_generation_args,
+    method_name,
+    parse_tree,
+    positive_int_list,
+)
+from jaxspec.cli.loading import (
     head_aux_layer_ids,
     kernels_impl,
     load_head_for,
     load_target_and_tokenizer,
-    main_guard,
-    method_name,
     ngram_proposer,
-    parse_tree,
-    positive_int_list,
     resolve_draft,
-    resolve_mesh,
     resolve_target,
-    run_program,
     speculative_generator,
     step_cost_store,
-    use_compile_cache,
 )
+from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
+from jaxspec.cli.program import main_guard, use_compile_cache
 from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport
@@ -159,7 +158,7 @@ def check_bench_args(args) -> None:
 
 def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> dict:
     """Milliseconds of one target forward over 1 and K+1 tokens, and of one head step, at a half-full cache."""
-    from jaxspec.spec.step_costs import time_forwards
+    from jaxspec.engine.auto.step_costs import time_forwards
 
     seconds, draft, _ = time_forwards(model, head, batch, capacity, [1, k + 1], repeats=10)
     decode, verify = seconds[1], seconds[k + 1]
@@ -352,10 +351,10 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
 
 
 def run_kernels_micro(args) -> int:
-    """--kernels-micro: jaxspec/bench_kernels.py at the probe's bandwidth."""
+    """--kernels-micro: jaxspec/bench/kernels.py at the probe's bandwidth."""
     import jax
 
-    from jaxspec.bench_kernels import run_from_args, shapes_from_args
+    from jaxspec.bench.kernels import run_from_args, shapes_from_args
 
     shapes_from_args(args, jax.default_backend())  # bad flags fail before the probe
     return run_from_args(args, measure_bandwidth_gbs(), _machine(), probe_description())
@@ -364,7 +363,7 @@ def run_kernels_micro(args) -> int:
 def run_load_time(args) -> int:
     from pathlib import Path
 
-    from jaxspec.bench_load import load_table, time_loads
+    from jaxspec.bench.load import load_table, time_loads
     from jaxspec.generation import default_dtype
 
     mesh = resolve_mesh(args)
@@ -385,9 +384,9 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     from tqdm import tqdm
 
     from jaxspec import compiled_programs
-    from jaxspec.bench_suite import write_report
+    from jaxspec.bench.suite import write_report
     from jaxspec.generation import Generator
-    from jaxspec.spec.tree import TreeConfig
+    from jaxspec.engine.tree import TreeConfig
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
@@ -512,7 +511,3 @@ def _table(r: dict) -> str:
         lines += ["", f"jaxspec / transformers: {r['speedup_vs_transformers']}x "
                   f"(identical outputs: {r['transformers']['identical_outputs']})"]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    run_program(main)

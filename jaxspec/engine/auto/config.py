@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.tree import TreeConfig
 
 Method = int | TreeConfig  # 0: target-only; K >= 1: a chain of K drafts; a TreeConfig: that tree
 

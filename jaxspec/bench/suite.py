@@ -99,8 +99,8 @@ def _auto_summary(out: Sequence[Completion]) -> dict:
     records = [c.stats["auto"] for c in out if "auto" in c.stats]
     if not records:
         return {}
-    from jaxspec.spec.auto_config import method_key
-    from jaxspec.spec.auto_generator import chosen
+    from jaxspec.engine.auto.config import method_key
+    from jaxspec.engine.auto.generator import chosen
 
     batch = out[0].batch_size
     return {"auto_choices": {method_key(k): n for k, n in chosen(out, batch).items()}, "auto_last": records[-1]}
@@ -108,7 +108,7 @@ def _auto_summary(out: Sequence[Completion]) -> dict:
 
 def auto_line(run: dict) -> str:
     """What automatic speculation chose, on what it rested (a bench row with `auto_choices`)."""
-    from jaxspec.spec.auto_config import method_label, parse_method_key
+    from jaxspec.engine.auto.config import method_label, parse_method_key
 
     last = run["auto_last"]
     ran = ", ".join(f"{method_label(parse_method_key(k))} × {n}" for k, n in run["auto_choices"].items())
@@ -125,13 +125,13 @@ def auto_line(run: dict) -> str:
 
 
 def rejection_table(runs: Sequence[dict]) -> list[str]:
-    """Markdown rows: the share of verify steps per outcome (`jaxspec.spec.telemetry`) of each speculative run."""
+    """Markdown rows: the share of verify steps per outcome (`jaxspec.engine.telemetry`) of each speculative run."""
     runs = [run for run in runs if "rejections" in run]
     if not runs:
         return []
     names = list(runs[0]["rejections"])
     lines = [
-        "", "why verify steps stopped accepting (share of verify steps; `jaxspec.spec.telemetry`):", "",
+        "", "why verify steps stopped accepting (share of verify steps; `jaxspec.engine.telemetry`):", "",
         "| batch | method | " + " | ".join(n.replace("_", " ") for n in names) + " | accepted via a sibling |",
         "|---|---|" + "---|" * (len(names) + 1),
     ]

@@ -25,7 +25,7 @@ import jax
 from jaxspec.models import kv_cache as kvc
 from jaxspec.processors import ProcessorState
 from jaxspec.sampling import SamplingConfig
-from jaxspec.spec.tree import DraftTree, TreeConfig
+from jaxspec.engine.tree import DraftTree, TreeConfig
 
 
 class PrefillView(NamedTuple):
@@ -54,7 +54,7 @@ class Proposal(NamedTuple):
     tree: DraftTree | None  # parents, depths, mask, ancestors; None: a chain (node j's parent is j - 1)
     q: jax.Array | None  # [B, N-1, V] a chain's draft distributions over the target vocabulary (sampling); None:
     # deterministic drafts or a tree — sampling then verifies with the lossless walk that needs no q
-    # For the rejection telemetry only (`jaxspec.spec.telemetry`):
+    # For the rejection telemetry only (`jaxspec.engine.telemetry`):
     candidates: jax.Array | None = None  # [B, N, C] node i's top-C next-token candidates (target ids, best first,
     # -1 where none); None: the drafted children
     draft_vocab: jax.Array | None = None  # [V] bool, the target tokens the proposer can draft; None: all

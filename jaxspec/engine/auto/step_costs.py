@@ -1,4 +1,4 @@
-"""This machine's speculative step costs at one batch shape, timed: the input of `auto_config.choose`.
+"""This machine's speculative step costs at one batch shape, timed: the input of `auto.config.choose`.
 
 What is timed is what a step's cost is made of: the target's forward over T tokens per row into a half-full cache
 (T = 1: a target-only decode step; T = K+1: the verify of a K-draft chain) with the model's own numerics, and the
@@ -23,8 +23,8 @@ from flax import nnx
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.auto_config import StepCosts
-from jaxspec.spec.tree import TreeConfig, draft_tree
+from jaxspec.engine.auto.config import StepCosts
+from jaxspec.engine.tree import TreeConfig, draft_tree
 
 ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
 TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
@@ -125,7 +125,7 @@ def add_tree_costs(
 ) -> StepCosts:
     """`costs` (timed for chains) with `trees` timed too: their verify lengths and expansions, in rounds with a
     decode, the new lengths scaled by the two decodes' ratio so that both timings speak of one machine speed. Why
-    a second timing rather than one with everything: which trees are worth timing (`auto_config.tree_worth_timing`)
+    a second timing rather than one with everything: which trees are worth timing (`auto.config.tree_worth_timing`)
     is known only from the chains' costs, and the chains' programs need not compile twice."""
     lengths = sorted({1, *(t.total_tokens for t in trees if t.total_tokens > costs.max_draft + 1)})
     seconds, _, expansions = time_forwards(model, head, batch, capacity, lengths, repeats, trees)

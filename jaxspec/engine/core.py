@@ -3,7 +3,7 @@ decoding, repeated in `lax.while_loop`.
 
 Invariants between steps, per row (m = tokens committed in the target cache): the cache holds x_0 .. x_{m-1};
 x_m (`last_token`) is emitted but not yet run through the target. Without a proposer a step runs x_m through the
-target and samples x_{m+1}. With one (`jaxspec.spec.proposer`), a step is
+target and samples x_{m+1}. With one (`jaxspec.engine.proposers.base`), a step is
 
     propose  the proposer drafts nodes under the root x_m (a chain of K, or a tree), from its own state;
     verify   the target runs all nodes in one forward (a tree with its ancestor mask), and the logit processors are
@@ -29,9 +29,9 @@ from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
 from jaxspec.sharding import constrain_cache, constrain_state
-from jaxspec.spec import telemetry
-from jaxspec.spec.accept import forced_accept
-from jaxspec.spec.proposer import PrefillView, Proposer, StepView, Verified
+from jaxspec.engine import telemetry
+from jaxspec.engine.accept import forced_accept
+from jaxspec.engine.proposers.base import PrefillView, Proposer, StepView, Verified
 from pallas_kernels.rejection import chain_parents, verify_draft
 
 

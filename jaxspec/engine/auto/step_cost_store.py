@@ -4,7 +4,7 @@ Why: timing compiles three target forwards and a head step per cache bucket (`st
 even with every program in the persistent compilation cache, tracing and loading them took ~18 s per bucket on a
 2-core CPU, so the default command's one-prompt run took 39 s against `--no-draft`'s 16 s. The costs of a shape
 depend on the machine, the software and the model, not on the prompts, so they are stored under a key made of
-exactly those (`cost_key`) and read back by later processes. So is the calibration (`auto_config.StepCalibration`:
+exactly those (`cost_key`) and read back by later processes. So is the calibration (`auto.config.StepCalibration`:
 what the generation loop's steps really took against those costs), or a process's first choice rests on isolated
 forwards: measured on a 2-core CPU, a timed decode of 48 ms where the loop's steps took ~37 ms, so a one-prompt
 run drafted one token at 20 tokens/s where target-only ran at 25. A stored calibration weighs as much as
@@ -29,9 +29,9 @@ from pathlib import Path
 import jax
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.auto_config import StepCalibration, StepCosts, method_key, parse_method_key
-from jaxspec.spec.step_costs import TIMING
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.auto.config import StepCalibration, StepCosts, method_key, parse_method_key
+from jaxspec.engine.auto.step_costs import TIMING
+from jaxspec.engine.tree import TreeConfig
 
 STORE_ENV = "JAXSPEC_STEP_COSTS"
 CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many seconds of this process's steps
@@ -41,7 +41,7 @@ CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many s
 class StepCostStore:
     """A JSON file {key: entry}: timed costs ({"decode", "verify", "draft": seconds, "tree_drafts": {tree spec:
     seconds}, "timed": date, "what": the key's parts}) per shape, and calibrations ({"measured", "predicted":
-    {method: seconds}}, methods named by `auto_config.method_key`) per machine, model and batch size
+    {method: seconds}}, methods named by `auto.config.method_key`) per machine, model and batch size
     (`calibration_key`)."""
 
     path: Path
@@ -131,7 +131,7 @@ def cost_key(
     """(key, its parts): what a step's cost depends on — this machine (backend, device kind and count, CPU model
     and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics), the shape (batch,
     cache capacity, longest chain, the candidate trees, mesh) and how the costs were timed (`step_costs.TIMING`).
-    An entry holds the costs of the candidate trees worth timing there (`auto_config.tree_worth_timing`)."""
+    An entry holds the costs of the candidate trees worth timing there (`auto.config.tree_worth_timing`)."""
     device = jax.devices()[0]
     what = {
         "backend": jax.default_backend(),

@@ -11,8 +11,8 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.eagle3_proposer import Eagle3Proposer
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.proposers.eagle3 import Eagle3Proposer
+from jaxspec.engine.tree import TreeConfig
 
 
 def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:

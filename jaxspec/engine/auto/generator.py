@@ -1,13 +1,13 @@
 """Speculation configured per batch (`--num-speculative-tokens auto`): before each batch, the chain length or tree
-— or target-only — with the most expected tokens per second on this machine (`auto_config.choose`).
+— or target-only — with the most expected tokens per second on this machine (`auto.config.choose`).
 
 The inputs are measured, not guessed: the step costs are timed once per machine and cache bucket on the real
 forwards (`step_costs.measure_step_costs`; kept on disk for later processes by `step_cost_store`, with the
-calibration) and then scaled by what each batch's steps really took (`auto_config.StepCalibration`), and the
-acceptance profile is the head's recorded one (`auto_config.profile_from_record`) refined with the counts of every
+calibration) and then scaled by what each batch's steps really took (`auto.config.StepCalibration`), and the
+acceptance profile is the head's recorded one (`auto.config.profile_from_record`) refined with the counts of every
 batch generated so far. A head without a record drafts the default chain on its first batch, so that the next
-choice rests on measured counts. The trees the head's record measured (`auto_config.trees_from_record`) are
-candidates too, timed where an estimate from the chain costs says they could win (`auto_config.tree_worth_timing`:
+choice rests on measured counts. The trees the head's record measured (`auto.config.trees_from_record`) are
+candidates too, timed where an estimate from the chain costs says they could win (`auto.config.tree_worth_timing`:
 on an accelerator, not on a CPU, whose verify pays a weight pass per token); `--tree` names one for every batch.
 Output never depends on the choice: every chain length, tree, and target-only give the target's tokens (greedy) or
 its distribution (sampling).
@@ -29,7 +29,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generation import Completion, Generator, capacity_bucket
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.spec.auto_config import (
+from jaxspec.engine.auto.config import (
     AcceptanceProfile,
     Choice,
     Method,
@@ -47,15 +47,15 @@ from jaxspec.spec.auto_config import (
     tree_tokens,
     tree_worth_timing,
 )
-from jaxspec.spec.generator import SpeculativeGenerator, check_head_fits
-from jaxspec.spec.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
-from jaxspec.spec.step_costs import add_tree_costs, measure_step_costs
-from jaxspec.spec.tree import TreeConfig
+from jaxspec.engine.generator import SpeculativeGenerator, check_head_fits
+from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
+from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
+from jaxspec.engine.tree import TreeConfig
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
 MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
 PROBE_EVERY = 16  # while target-only is chosen, its 16th, 32nd, 64th, .. batch drafts one token to keep measuring,
-# unless the counts so far rule drafting out (`auto_config.drafting_could_win`). A probe costs up to 1/PROBE_EVERY
+# unless the counts so far rule drafting out (`auto.config.drafting_could_win`). A probe costs up to 1/PROBE_EVERY
 # of the run so far where target-only is right (at 8, the probe batch took 1.24x a target-only one: ~3% of the
 # grounded 8-prompt bench)
 
@@ -70,7 +70,7 @@ class AutoSpeculativeGenerator(Generator):
     PROBE_EVERY-th, drafts one token (basis "probe"): a head that does better on these prompts than its record says
     gets chosen, and one that does not costs less and less. A probe is skipped where it cannot change the choice:
     when one draft could not beat target-only even at a first-draft rate of 1.0, or at the optimistic end of the
-    rate the probes so far observed (`auto_config.drafting_could_win`)."""
+    rate the probes so far observed (`auto.config.drafting_could_win`)."""
 
     def __init__(
         self,
@@ -145,14 +145,14 @@ class AutoSpeculativeGenerator(Generator):
 
     def tree_tokens(self) -> dict[TreeConfig, float]:
         """Each candidate tree's expected tokens per verify: its record scaled as the chain's counts on these prompts
-        scale the chain's (`auto_config.tree_tokens`), pooled with the tree's own counts."""
+        scale the chain's (`auto.config.tree_tokens`), pooled with the tree's own counts."""
         now = self.acceptance()
         return {t: self.running_trees.pooled(t, tree_tokens(n, self.prior, now), self.prior.verify_steps)
                 for t, n in self.trees.items()}
 
     def _time(self, capacity: int) -> StepCosts:
         """Time the chains at this capacity, then the trees that an estimate from those costs says could win
-        (`auto_config.tree_worth_timing`, against the best chain or target-only as timed), if any. Multi-host,
+        (`auto.config.tree_worth_timing`, against the best chain or target-only as timed), if any. Multi-host,
         process 0's estimate decides which, since the timed forwards are collectives every process must run."""
         with sharding.mesh_context(self.mesh):
             costs = measure_step_costs(self.model, self.head, self.batch_size, capacity, self.depth)

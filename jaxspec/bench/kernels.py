@@ -11,10 +11,10 @@ Two ops, called with the inputs the engine gives them:
   kernel stops at each query's last one, so a larger capacity slows the reference only).
 - draft verification, `pallas_kernels.rejection.verify` vs `verify_reference`: greedy (logits, uniforms 0, noise
   ones [B, 1]), chain (Leviathan rejection: p and the draft's q, u[0] = 0, q's last row 0) and tree (p, uniforms,
-  Exp(1) noise), on a chain of N nodes (K = N - 1 drafts) or a random tree of N nodes, as `spec/accept.py` and
-  `spec/engine.py` call them.
+  Exp(1) noise), on a chain of N nodes (K = N - 1 drafts) or a random tree of N nodes, as `engine/accept.py` and
+  `engine/core.py` call them.
 
-The floor of a call is the fewest bytes it must move over the probe's bandwidth (`jaxspec.bandwidth.bandwidth_probe`,
+The floor of a call is the fewest bytes it must move over the probe's bandwidth (`jaxspec.bench.bandwidth.bandwidth_probe`,
 read + written bytes of a device copy):
 - attention: K and V of slots 0 .. L+T-1 (the committed entries and this call's), q and the output;
 - verification: greedy, every node's logits (the argmax of each row is needed); tree, the final node's p row and
@@ -148,7 +148,7 @@ def _tree(rng, b: int, n: int, depth: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec.spec.tree import random_parents, tree_from_parents
+    from jaxspec.engine.tree import random_parents, tree_from_parents
 
     parents = jnp.asarray(np.stack([random_parents(rng, n, depth) for _ in range(b)]))
     return tree_from_parents(jnp.zeros((b, n), jnp.int32), parents, depth)
@@ -184,7 +184,7 @@ def attention_inputs(case: dict, shapes: Shapes, key_block: int, sets: int, seed
 
 def verify_inputs(case: dict, vocab: int, sets: int, seed: int = 0) -> tuple[list[tuple], int]:
     """(`sets` argument tuples (tokens, parents, probs, uniforms, noise[, q]), max_depth) for one verification case,
-    as `spec/accept.py` and `spec/engine.py` build them. Each drafted token is its parent's most likely one (long
+    as `engine/accept.py` and `engine/core.py` build them. Each drafted token is its parent's most likely one (long
     accepted paths: the walk's worst case)."""
     import jax
     import jax.numpy as jnp

@@ -22,8 +22,8 @@ from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.sharding import constrain_cache
-from jaxspec.spec.proposer import PrefillView, Proposal, StepView, Verified
-from jaxspec.spec.tree import TreeConfig, draft_tree
+from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.tree import TreeConfig, draft_tree
 
 TELEMETRY_TOP_K = 8  # a chain's candidates per position for the rejection telemetry (a tree uses its own TOPK)
 

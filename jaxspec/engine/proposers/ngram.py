@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.proposer import ChainDrafts, PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
 
 
 def ngram_match(

@@ -1,0 +1,187 @@
+"""The flags the command-line tools share (target, draft, step costs) and their checks, all run right after
+parsing, before anything loads, so that a bad value is a one-line error in a second."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxspec.config import MAX_DRAFT_DEPTH
+from jaxspec.errors import JaxspecError
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: positive integers separated by commas (1,4,16)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+AUTO = "auto"
+
+
+def speculative_tokens(text: str) -> int | str:
+    """argparse type of --num-speculative-tokens: a whole number of drafts, or `auto`."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts or 'auto', got {text!r}") from None
+
+
+NUMERICS_HELP = {
+    "invariant": "invariant: each token's logits are the same bits whether it is decoded, verified or batched, so "
+    "greedy speculation equals target-only output in any dtype",
+    "plain": "plain: XLA's own numerics, faster prefill, verify and batched decoding, but bfloat16 speculation can "
+    "then change the text",
+}
+
+
+def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant", numerics_why: str = "") -> None:
+    """--target, --dtype, --numerics (default `numerics`; `numerics_why` says why a command changes it), --kernels,
+    --no-compile-cache."""
+    parser.add_argument(
+        "--target",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json + *.safetensors + tokenizer); "
+        "default: the built-in SmolLM2-135M-Instruct, built on first use",
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
+    )
+    parser.add_argument(
+        "--numerics", choices=tuple(NUMERICS_HELP), default=numerics,
+        help="; ".join(text + (" (default)" if name == numerics else "") for name, text in NUMERICS_HELP.items())
+        + numerics_why,
+    )
+    parser.add_argument(
+        "--kernels", choices=("auto", "pallas", "reference", "interpret"), default="auto",
+        help="Pallas kernels or jax.numpy references for attention and draft verification (same output either way); "
+        "auto (default): the kernels on backends where they have been validated on the chip (none yet), else the "
+        "references; pallas on CPU runs them in interpret mode (slow), as interpret does anywhere. JAXSPEC_KERNELS sets "
+        "what auto means",
+    )
+    parser.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="do not keep compiled programs on disk (default: kept under the user's cache directory, "
+        "$XDG_CACHE_HOME/jaxspec/jax-compile-cache, or JAXSPEC_COMPILE_CACHE=DIR|off, so a second run of the same "
+        "shapes skips compilation)",
+    )
+
+
+def add_step_cost_args(parser: argparse.ArgumentParser) -> None:
+    """--no-stored-step-costs (generate and bench: the commands that run automatic speculation)."""
+    parser.add_argument(
+        "--no-stored-step-costs", action="store_true",
+        help="automatic speculation (--num-speculative-tokens auto) times its step costs in this run and keeps "
+        "nothing (default: costs and their calibration are kept per machine and shape in "
+        "$XDG_CACHE_HOME/jaxspec/step-costs.json, or JAXSPEC_STEP_COSTS=FILE|off, so that later runs skip the timing)",
+    )
+
+
+PROPOSERS = ("eagle3", "ngram")
+
+
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        metavar="PATH",
+        help="EAGLE-3 head directory (EAGLE, SpecForge/SGLang or vLLM speculators layout); default: the shipped "
+        "head for the built-in target, none (target-only) for other targets",
+    )
+    parser.add_argument(
+        "--no-draft", action="store_true",
+        help="target-only generation (with the built-in target, its shipped head is the default draft)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=speculative_tokens, metavar="K|auto",
+        help=f"drafts per verify step, 1..{MAX_DRAFT_DEPTH}, or auto (default with an EAGLE-3 head): before each "
+        "batch, the chain length, a tree the head's record measured, or target-only with the most expected "
+        "tokens/s, from this machine's timed step costs and the head's acceptance (its recorded profile, refined by "
+        f"the counts so far); --tree names a tree instead (--proposer ngram: default {DEFAULT_SPECULATIVE_TOKENS})",
+    )
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="allow loading a head stored as pickled .bin (runs code on load)"
+    )
+    parser.add_argument(
+        "--proposer", choices=PROPOSERS, default="eagle3",
+        help="how drafts are made: eagle3 (an EAGLE-3 head, --draft, chains or --tree) or ngram (prompt lookup: "
+        "the K tokens that followed the latest earlier occurrence of the text's last n tokens; no model) "
+        "(default: eagle3)",
+    )
+    parser.add_argument(
+        "--ngram-min", type=int, default=1, metavar="N", help="--proposer ngram: shortest suffix matched (default: 1)"
+    )
+    parser.add_argument(
+        "--ngram-max", type=int, default=3, metavar="N",
+        help="--proposer ngram: longest suffix matched, tried first (default: 3)",
+    )
+
+
+def parse_tree(text: str):
+    """argparse type for --tree TOTAL,DEPTH,TOPK (a clean one-line error on bad input)."""
+    from jaxspec.errors import JaxspecError
+    from jaxspec.engine.tree import TreeConfig
+
+    try:
+        return TreeConfig.parse(text)
+    except JaxspecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+DEFAULT_SPECULATIVE_TOKENS = 5
+
+
+def method_name(num_draft: int | str, tree, accept_prob: float | None = None, proposer=None) -> str:
+    """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`, `ngram K=5 n=1..3`."""
+    if proposer is not None and proposer.name == "ngram":
+        return f"ngram K={num_draft} n={proposer.min_n}..{proposer.max_n}"
+    if tree is None and num_draft == AUTO:
+        return "auto"
+    name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
+    return name if accept_prob is None else f"{name} (forced p={accept_prob})"
+
+
+def check_generation_args(args, *, tree_sets_depth: bool) -> None:
+    """Cheap flag checks, run right after parsing so that a bad value fails before a model loads. Fills the default
+    of --num-speculative-tokens (None on the command line means "not given"). tree_sets_depth: --tree replaces the
+    chain (generate) rather than being measured beside it (bench)."""
+    for flag in ("max_new_tokens", "batch_size"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise JaxspecError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    k = args.num_speculative_tokens
+    if k is not None and k != AUTO and not 1 <= k <= MAX_DRAFT_DEPTH:
+        raise JaxspecError(f"--num-speculative-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {k}")
+    if args.no_draft and (k is not None or args.tree):
+        given = "--num-speculative-tokens" if k is not None else "--tree"
+        raise JaxspecError(f"--no-draft runs the target alone, {given} drafts; pass one of them")
+    if getattr(args, "proposer", "eagle3") == "ngram":
+        if args.no_draft or args.draft:
+            given = "--no-draft" if args.no_draft else "--draft"
+            raise JaxspecError(f"--proposer ngram drafts from the prompt itself; drop {given}")
+        if args.tree:
+            raise JaxspecError("--proposer ngram drafts chains; drop --tree")
+        if k == AUTO:
+            raise JaxspecError(
+                "--num-speculative-tokens auto chooses from an EAGLE-3 head's acceptance; give --proposer ngram a "
+                f"number (default {DEFAULT_SPECULATIVE_TOKENS})"
+            )
+        if not 1 <= args.ngram_min <= args.ngram_max:
+            raise JaxspecError(
+                f"--ngram-min and --ngram-max need 1 <= min <= max, got {args.ngram_min} and {args.ngram_max}"
+            )
+    if tree_sets_depth and args.tree and k is not None:  # auto included: --tree fixes every batch's method
+        raise JaxspecError(
+            f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
+        )
+    if k is None:
+        ngram = getattr(args, "proposer", "eagle3") == "ngram"
+        forced = getattr(args, "accept_prob", None) is not None  # bench's forced acceptance: a fixed chain
+        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if ngram or forced else AUTO
+    elif k == AUTO and getattr(args, "accept_prob", None) is not None:
+        raise JaxspecError("--accept-prob forces acceptance of a fixed chain; give --num-speculative-tokens a number")

@@ -1,0 +1,149 @@
+"""What the flags load: the target directory (the built-in one built on first use), the draft head (checked against
+the target's config before any weights load), the target and its tokenizer, the speculative generator or n-gram
+proposer the flags ask for, the kernels `--kernels` resolves to, and the store of timed step costs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from jaxspec.cli.args import AUTO
+from jaxspec.errors import JaxspecError
+
+
+def resolve_target(target: str | None) -> Path:
+    from jaxspec.checkpoints.builtin import ensure_default_target
+
+    if target is None:
+        return ensure_default_target(log=lambda msg: print(msg, file=sys.stderr))
+    return Path(target)
+
+
+def resolve_draft(args) -> str | None:
+    """The head to draft with: --draft; else, for the built-in target, the head shipped with jaxspec; else none.
+    With --draft and no --target, a head whose config names its verifier picks the target: a local directory
+    (absolute, or relative to the head) becomes args.target, the built-in target's name keeps the default; a
+    verifier named but not found here is an error that says to pass --target. Call it before `resolve_target`."""
+    from jaxspec.checkpoints.builtin import default_head_dir
+    from jaxspec.checkpoints.heads import read_head_config
+    from jaxspec.checkpoints.verifier import locate_verifier
+
+    if args.no_draft:
+        if args.draft:
+            raise JaxspecError("--draft and --no-draft contradict each other; pass one")
+        return None
+    if getattr(args, "proposer", "eagle3") != "eagle3":
+        return None  # drafts without a head
+    if args.draft:
+        raw = read_head_config(args.draft)  # a missing head fails here, before any target is built
+        if args.target is None:
+            verifier = locate_verifier(raw, args.draft)
+            if verifier is not None:
+                print(f"target: {verifier} (the verifier the head's config names)", file=sys.stderr)
+                args.target = str(verifier)
+        return args.draft
+    if args.target is None and (default_head_dir() / "config.json").is_file():
+        print(f"draft: the built-in EAGLE-3 head ({default_head_dir().name}); --no-draft for target-only",
+              file=sys.stderr)
+        return str(default_head_dir())
+    return None
+
+
+def kernels_impl(args) -> str:
+    """The implementation `--kernels` (or JAXSPEC_KERNELS under auto) resolves to here: reference, pallas or
+    interpret (`pallas_kernels.dispatch`)."""
+    from pallas_kernels.dispatch import resolve_kernels
+
+    try:
+        return resolve_kernels(getattr(args, "kernels", "auto"))
+    except ValueError as e:
+        raise JaxspecError(str(e)) from None
+
+
+def head_aux_layer_ids(draft: str | None, target_dir: Path):
+    """The target layers a head reads (None: the target's default), read from the two config.json files and checked
+    (the verifier the head was exported for, vocabulary, hidden sizes, layer ids) before any weights are loaded."""
+    if draft is None:
+        return None
+    from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config, validate_head
+    from jaxspec.checkpoints.verifier import head_record
+    from jaxspec.config import load_target_config
+
+    raw = read_head_config(draft)
+    head = head_config_from_hf(raw)[1]
+    validate_head(head, load_target_config(target_dir), head_record(raw)[0])
+    return head.aux_layer_ids
+
+
+def load_target_and_tokenizer(
+    target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant",
+    kernels: str | None = None,
+):
+    """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
+    restored straight into the mesh's shardings) and of the kernels it runs. numerics: "invariant" (the model's
+    default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.generation import default_dtype
+    from jaxspec.prompts import load_tokenizer
+    from pallas_kernels.dispatch import describe, resolve_kernels
+
+    start = time.perf_counter()
+    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
+    model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
+    tokenizer = load_tokenizer(target_dir)
+    if log:
+        cfg = model.config
+        print(
+            f"loaded {target_dir.name} ({cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+            f"{model.dtype}) in {time.perf_counter() - start:.1f}s",
+            file=sys.stderr,
+        )
+        print(describe(kernels or resolve_kernels()), file=sys.stderr)
+    return model, tokenizer
+
+
+def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
+    from jaxspec.checkpoints.heads import load_head
+    from jaxspec.generation import default_dtype
+
+    return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
+
+
+def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
+                          kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
+    """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length or
+    recorded tree chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any),
+    with step costs from `store` (`step_cost_store`; None: timed in this process)."""
+    from jaxspec.engine.generator import SpeculativeGenerator
+
+    if tree is None and num_draft == AUTO:
+        from jaxspec.checkpoints.heads import read_head_config
+        from jaxspec.checkpoints.verifier import check_acceptance, head_record
+        from jaxspec.engine.auto.config import profile_from_record, trees_from_record
+        from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+
+        record = head_record(read_head_config(draft))[1]
+        record = check_acceptance(record) if record else None  # a bad record: one-line error
+        return AutoSpeculativeGenerator(model, head, prior=profile_from_record(record), trees=trees_from_record(record),
+                                        batch_size=batch_size, mesh=mesh, kernels=kernels, store=store)
+    return SpeculativeGenerator(
+        model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
+        kernels=kernels, forced_accept_prob=forced_accept_prob,
+    )
+
+
+def ngram_proposer(args):
+    """The n-gram proposer of `--proposer ngram`, or None."""
+    if getattr(args, "proposer", "eagle3") != "ngram":
+        return None
+    from jaxspec.engine.proposers.ngram import NgramProposer
+
+    return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
+
+
+def step_cost_store(args):
+    """The store of timed step costs for automatic speculation (`jaxspec.engine.auto.step_cost_store`), or None."""
+    from jaxspec.engine.auto.step_cost_store import default_store
+
+    return None if getattr(args, "no_stored_step_costs", False) else default_store()

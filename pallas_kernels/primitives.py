@@ -1,0 +1,66 @@
+"""The ground floor of the batch-invariant numerics: the arithmetic primitives that the target's layers
+(`jaxspec.models.numerics`, which says why each is needed) and the kernels here (`invariant_attention.py`) share.
+Each gives a row the same bits whatever shape or program it runs in: reductions by pairwise halving, products
+rounded before anything adds to them, dots fenced against algebraic rewrites, and the dtype a model holds its
+weights in. They depend on jax alone, so `pallas_kernels` never imports `jaxspec`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def held_dtype(dtype, backend: str | None = None) -> jnp.dtype:
+    """The dtype a model holds its weights in when it computes in `dtype`: float32 for 16-bit models on CPU, with
+    the same (16-bit) values; `dtype` elsewhere.
+
+    Why: XLA:CPU has no 16-bit dot. It widens the whole weight to float32 on every call, and the widening is most
+    of the cost (measured, SmolLM2's [1, 576] x [576, 49152] bfloat16 LM-head dot on 2 cores: 68 ms, 5 ms from a
+    float32-held copy). A product of two bfloat16 values is exact in float32 and the sum is float32 either way, so
+    widening only the activations (`contract`) computes a bfloat16 dot with float32 accumulation, rounded back to
+    bfloat16: the bits XLA:CPU's own bfloat16 dot gave in every case measured, at the price of twice the memory."""
+    dtype = jnp.dtype(dtype)
+    if (backend or jax.default_backend()) == "cpu" and dtype.itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def _halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)], constant_values=pad_value)
+    while x.shape[-1] > 1:  # element i meets element i + half; one equal split (Pallas Triton has no value slicing)
+        x = combine(*jax.lax.split(x, (x.shape[-1] // 2,) * 2, axis=x.ndim - 1))
+    return jnp.squeeze(x, -1)
+
+
+def halving_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by pairwise halving (zero-padded to a power of two): elementwise adds only, so each
+    row's bits never depend on how many rows there are or how XLA tiles a reduction. (No reduce op at all: XLA:CPU
+    hands large reduce fusions to YNNPACK, whose exp/add kernels give other bits than XLA's own.)"""
+    return _halving(x, jnp.add, 0.0)
+
+
+def halving_max(x: jax.Array) -> jax.Array:
+    """Max over the last axis by pairwise halving: exact in any order, and free of reduce ops (see halving_sum)."""
+    return _halving(x, jnp.maximum, -jnp.inf)
+
+
+def fenced(fn, *operands):
+    """fn(*operands) with optimization barriers on both sides. They stop XLA's algebraic simplifier, which runs before
+    the barriers are expanded, from rewriting the dot with its neighbours (seen on XLA:CPU: a broadcast operand
+    folded into a larger dot). They do not stop fusion: XLA:CPU and XLA:GPU both remove barriers before fusing, so
+    what must not fuse is kept apart by other means (exact_mul, tiled_matmul's tiles)."""
+    return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(operands)))
+
+
+def exact_mul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b, rounded before anything adds to it. XLA (LLVM) contracts `a * b + c` into one fused multiply-add when
+    both ops land in one fusion, and which ops share a fusion depends on the surrounding program (measured on
+    XLA:CPU: `jit(a * b + c)` equals the FMA; optimization barriers are removed before fusion there). Adding a zero
+    XLA cannot fold (min(|a|, 0)) leaves LLVM only `fma(a, b, 0)`, which is the rounded product, so whatever adds
+    this result next sees the same bits in every program. Every product that meets an add in the invariant path
+    goes through here."""
+    return a * b + jnp.minimum(jnp.abs(a), 0)
