@@ -20,12 +20,15 @@
 #           no network). tests1: attention kernel, rejection kernel, dispatch, greedy engine; tests2: trees,
 #           sampling, the invariance matrix -> tests.log, tests.xml
 #   bench1, bench8   `jaxspec.bench`, batch 1 (2 MT-Bench prompts) or 8 (8 prompts), 64 new tokens, kernels
-#           compiled: target-only and a forced-acceptance chain K=5 at p=0.84 (tau ~ 4) interleaved, the decode /
-#           verify / head-step component timings -> bench-b1.json, bench-b8.json
+#           compiled: target-only and a forced-acceptance chain K=5 at p=0.84 (tau ~ 4) interleaved (the decode /
+#           verify / head-step component timings too with COMPONENTS=--components) -> bench-b1.json, bench-b8.json
 #   profile  decode steps profiled (scripts/gpu_profile.py: device time per step, launches, top ops by time) with
 #           invariant numerics and the compiled kernels, then plain numerics -> profile.json (both)
 # summary.txt says what each part returned and how long it took; logs.txt the end of each part's log. At most 8
 # files come back from a device call: env.txt summary.txt tests.log tests.xml bench-b*.json profile.json logs.txt.
+# First sitting, 2026-11-27 on one H200 (BENCHMARKS.md): a machine's start took ~35 s; tests1 passed 64 of its 79
+# cases in 230 s and tests2 22 of 48 in 220 s (no failure; compilation-bound on 16 cores); the bench, with the
+# component timings then always on, was still compiling them after 150 s at batch 1 and 8, so they are opt-in now.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=.gpu-stage
@@ -48,7 +51,8 @@ OUT=${OUT:-bench-results/gpu-sitting}; WORK=${WORK:-/tmp/jaxspec-sitting}
 mkdir -p "$OUT" "$WORK"
 PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-555}; LAYERS=${LAYERS:-4}; SHAPE=${SHAPE:-llama3.1-8b}
-TEST_SECONDS=${TEST_SECONDS:-250}; WORKERS=${WORKERS:-16}
+TEST_SECONDS=${TEST_SECONDS:-300}; WORKERS=${WORKERS:-16}
+COMPONENTS=${COMPONENTS:-}  # "--components": the bench also times decode, verify and a head step alone (+90 s or more)
 export PYTHONUNBUFFERED=1 JAXSPEC_STEP_COSTS=off JAXSPEC_COMPILE_CACHE=$WORK/compile-cache
 START=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
@@ -87,7 +91,7 @@ tests() {  # tests NAME FILES...: the compiled suite's part
 bench() {  # bench BATCH PROMPTS SECONDS
     bounded "bench batch $1" "$3" $PY -m jaxspec.bench --target "$T" --draft "$H" --prompts-file "$PROMPTS" \
         --limit "$2" --batch-size "$1" --max-new-tokens 64 --kernels pallas --num-speculative-tokens 5 \
-        --accept-prob 0.84 --json >"$OUT/bench-b$1.json" 2>"$WORK/bench-b$1.log"
+        --accept-prob 0.84 $COMPONENTS --json >"$OUT/bench-b$1.json" 2>"$WORK/bench-b$1.log"
     log "$WORK/bench-b$1.log" 25
 }
 
@@ -107,7 +111,7 @@ for part in ${2:-target tests1 tests2 bench1 profile bench8}; do
     bench8) bench 8 8 150 ;;
     profile)
         for numerics in invariant plain; do
-            bounded "profile $numerics" 60 $PY scripts/gpu_profile.py "$T" --kernels pallas --numerics "$numerics" \
+            PYTHONPATH=. bounded "profile $numerics" 60 $PY scripts/gpu_profile.py "$T" --kernels pallas --numerics "$numerics" \
                 --new-tokens 33 --json "$WORK/profile-$numerics.json" >/dev/null 2>"$WORK/profile-$numerics.log"
             log "$WORK/profile-$numerics.log" 10
         done

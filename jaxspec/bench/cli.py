@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
     parser.add_argument(
+        "--components", action="store_true",
+        help="also time each fixed chain's or tree's parts alone: a target decode, the verify of its K+1 tokens and "
+        "one head step (three more programs compile: ~1-2 minutes at 8B shapes on a GPU, so off by default)",
+    )
+    parser.add_argument(
         "--memory-report", action="store_true",
         help="also print each method's device memory (parameters, KV caches, the compiled step's peak; per device "
         "on a mesh) on stderr; the JSON always has it under `memory`",
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for (method, spec, depth, source, drafted), m in zip(methods, measured[1:]):
         row = speculative_row(*m, depth, completions, tokens / seconds)
-        if drafted is not None:
+        if drafted is not None and args.components:
             _say(f"timing {method}'s components: target forwards over 1 and {drafted + 1} tokens, one head step "
                  "(three programs compile)")
             row.update(component_timings(model, head, drafted, args.batch_size))
