@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rand.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     rand.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP)
+    rand.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
     head.add_argument("--draft", metavar="DIR", required=True, help="the head, in any layout (detected)")
     head.add_argument("--out", metavar="DIR", required=True, help="directory for the converted head (created)")
@@ -73,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="stored dtype (default: bfloat16)"
     )
     head.add_argument("--allow-pickle", action="store_true", help="allow a head stored as pickled .bin")
+    head.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     return parser
 
 
+OVERWRITE_HELP = "replace what a non-empty --out holds (without it, only a head written earlier is replaced)"
 VERIFIER_HELP = ("the verifier's name_or_path to record in the head's config (a Hub id, or a path absolute or "
                  "relative to --out); default: --target (the built-in target's name without one)")
 
@@ -98,16 +101,34 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "target":
         _convert_target(args)
     elif args.command == "random-head":
-        _random_head(args)
+        _random_head(args, _head_out(args))
     elif args.command == "head":
-        _convert_head(args)
+        _convert_head(args, _head_out(args))
     return 0
 
 
-def _convert_head(args) -> None:
+def _head_out(args) -> Path:
+    """--out of the head commands, checked before anything loads: new, empty, a head written before, or
+    --overwrite (`jaxspec.cli.outputs`)."""
+    from jaxspec.checkpoints.heads import detect_layout, read_head_config
+    from jaxspec.cli.outputs import check_output_dir
+    from jaxspec.errors import JaxspecError
+
+    def holds_head(path: Path) -> bool:
+        try:
+            detect_layout(read_head_config(path))
+        except JaxspecError:
+            return False
+        return True
+
+    return check_output_dir(args.out, holds_own=holds_head, what="EAGLE-3 head", overwrite=args.overwrite)
+
+
+def _convert_head(args, out: Path) -> None:
     import json
 
     from jaxspec.checkpoints.heads import export_head, load_head, read_head_config
+    from jaxspec.cli.outputs import written_whole
     from jaxspec.checkpoints.verifier import check_acceptance, head_record, locate_verifier, verifier_name
     from jaxspec.cli.loading import resolve_target
     from jaxspec.config import load_target_config
@@ -130,8 +151,10 @@ def _convert_head(args) -> None:
     target = load_target_config(resolve_target(target_arg))
     head = load_head(args.draft, target, dtype=args.dtype, allow_pickle=args.allow_pickle)
     name = args.verifier or verifier_name(target_arg, args.out)
-    print(export_head(head, args.out, layout=args.layout, target=target, dtype=args.dtype, verifier=name,
-                      acceptance=acceptance))
+    with written_whole(out) as staging:
+        export_head(head, staging, layout=args.layout, target=target, dtype=args.dtype, verifier=name,
+                    acceptance=acceptance)
+    print(out)
 
 
 def _convert_target(args) -> None:
@@ -167,10 +190,11 @@ def nnx_leaves(model):
     return jax.tree.leaves(nnx.state(model))
 
 
-def _random_head(args) -> None:
+def _random_head(args, out: Path) -> None:
     from flax import nnx
 
     from jaxspec.checkpoints.heads import export_head
+    from jaxspec.cli.outputs import written_whole
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli.loading import resolve_target
     from jaxspec.config import HeadConfig, load_target_config
@@ -180,7 +204,9 @@ def _random_head(args) -> None:
     cfg = HeadConfig.for_target(target, draft_vocab_size=args.draft_vocab or target.vocab_size)
     head = Eagle3Head(cfg, rngs=nnx.Rngs(args.seed))  # d2t = 0: the draft vocabulary is the first N target ids
     name = args.verifier or verifier_name(args.target, args.out)
-    print(export_head(head, args.out, layout=args.layout, target=target, dtype="bfloat16", verifier=name))
+    with written_whole(out) as staging:
+        export_head(head, staging, layout=args.layout, target=target, dtype="bfloat16", verifier=name)
+    print(out)
 
 
 if __name__ == "__main__":

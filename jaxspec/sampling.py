@@ -4,12 +4,19 @@ speculative decoding so both see the same distribution."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
 from jaxspec.processors import min_p_filter
+
+
+# The smallest positive temperature: logits / T must stay finite in float32 (|logit| / 1e-5 does up to 3e33), and
+# vLLM also treats temperatures under 1e-5 as greedy (its _SAMPLING_EPS). Below it a tiny T turned logits into inf,
+# then NaN, and produced other text than greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +28,13 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise JaxspecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not self.temperature >= 0 or not math.isfinite(self.temperature):  # also rejects NaN
+            raise JaxspecError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise JaxspecError(
+                f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where float32 logits divided by it "
+                "can overflow to inf (and sampling to NaN); use 0 for greedy decoding"
+            )
         if not 0 < self.top_p <= 1:
             raise JaxspecError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

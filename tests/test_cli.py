@@ -89,7 +89,7 @@ def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys
     prompts.write_text('{"id": "a", "prompt": "xy"}\n{"id": "b", "prompt": "zzz"}\n')
     code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--prompts-file", str(prompts), "--raw",
                        "--max-new-tokens", "5", "--num-speculative-tokens", "2", "--tree", "5,2,2", "--compare-hf",
-                       "--json"])
+                       "--components", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0
     assert result["transformers"]["identical_outputs"] == "2/2"  # float32: the same greedy tokens as transformers

@@ -197,3 +197,39 @@ def test_convert_refuses_an_output_path_that_is_a_file(command, tiny_dir, tmp_pa
     existing.write_text("not a directory")
     err = one_line_error(capsys, convert.main, [*command, "--target", str(tiny_dir), "--out", str(existing)])
     assert "is an existing file; pass a directory path" in err
+
+
+@pytest.mark.parametrize("command", ["random-head", "head"])
+def test_convert_never_writes_over_what_it_did_not_write(command, tiny_dir, tiny_head, tmp_path, capsys):
+    """A head command refuses a non-empty --out that holds no head (it replaced a model's config.json and weights
+    without a word), replaces a head it wrote before, and with --overwrite replaces anything; a failed write leaves
+    the old directory as it was."""
+    source = ["--draft", str(tiny_head), "--layout", "speculators"] if command == "head" else []
+    argv = [command, "--target", str(tiny_dir), *source]
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    err = one_line_error(capsys, convert.main, [*argv, "--out", str(model_dir)])
+    assert "is not empty and holds no EAGLE-3 head" in err and "--overwrite" in err
+    assert (model_dir / "model.safetensors").read_bytes() == b"weights"  # untouched
+
+    head_dir = tmp_path / "head"
+    assert convert.main([*argv, "--out", str(head_dir)]) == 0
+    assert convert.main([*argv, "--out", str(head_dir)]) == 0  # its own earlier output: replaced
+    assert json.loads((head_dir / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    assert convert.main([*argv, "--out", str(model_dir), "--overwrite"]) == 0
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(p.name for p in head_dir.iterdir())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_a_failed_write_leaves_the_old_directory(tmp_path):
+    from jaxspec.cli.outputs import written_whole
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept").write_text("old")
+    with pytest.raises(RuntimeError), written_whole(out) as staging:
+        (staging / "new").write_text("half")
+        raise RuntimeError("killed midway")
+    assert [p.name for p in out.iterdir()] == ["kept"] and len(list(tmp_path.iterdir())) == 1

@@ -484,3 +484,19 @@ def test_replayed_chain_follows_the_engine_from_verify_to_verify():
     assert tokens == pytest.approx(7 / 3) and rates == pytest.approx([2 / 3, 2 / 3], abs=1e-4)  # rounded
     tokens, rates = replay_chain([(ids, mask)], [runs], 1)  # 2 -> 4 -> 6 -> 8 -> 9 (the last cut by the end)
     assert tokens == pytest.approx(7 / 4)
+
+
+def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(setup):
+    """A learning rate that blows the head up (1e30: its updates make the weights overflow) ends the run with a
+    one-line error at the first non-finite loss, exit 2, no head exported, and no checkpoint left that holds the
+    parameters that gave it (a NaN learning rate once trained to NaN losses, exited 0 and exported a NaN head)."""
+    proc = launch(config(setup, "diverged", 6), "optim.learning_rate=1e30", "optim.warmup_steps=0", wait=False)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err
+    assert "step 2: the loss is nan, so training stopped without saving or exporting (the checkpoint of step 2 held " \
+        "these parameters and was removed; no checkpoint is left: a resume starts over)" in err, err
+    ckpts = setup / "diverged" / "checkpoints"
+    assert not [p for p in ckpts.iterdir() if p.name.isdigit()]
+    assert err.strip().splitlines()[-1].startswith("error: step ")
+    records = [json.loads(line) for line in (setup / "diverged" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["stopped"] == "non-finite loss" and not (setup / "diverged" / "head-speculators").exists()

@@ -58,8 +58,10 @@ def test_samples_follow_the_filtered_distribution():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.5), "temperature must be >= 0"),
-        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+        (dict(temperature=1e-38), "temperature 1e-38 is below 1e-05, .* use 0 for greedy"),  # logits / T overflowed
         (dict(top_p=0.0), r"top-p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top-p must be in \(0, 1\]"),
         (dict(top_k=-1), "top-k must be >= 0"),
@@ -68,3 +70,13 @@ def test_samples_follow_the_filtered_distribution():
 def test_invalid_parameters(kwargs, message):
     with pytest.raises(JaxspecError, match=message):
         SamplingConfig(**kwargs)
+
+
+def test_smallest_temperature_keeps_logits_finite():
+    """At the smallest accepted temperature, float32 logits of a real model's range stay finite after the division
+    (at 1e-38 they became inf and then NaN, and the text differed from greedy)."""
+    from jaxspec.sampling import MIN_TEMPERATURE
+
+    logits = jnp.array([[-3e4, 0.0, 2.5e4]], jnp.float32)
+    out = filtered_logits(logits, SamplingConfig(temperature=MIN_TEMPERATURE))
+    assert bool(jnp.all(jnp.isfinite(out)))

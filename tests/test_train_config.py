@@ -142,6 +142,11 @@ def test_wrong_types_name_key_type_and_value(tmp_path, capsys):
     assert "train.features must be one of 'online', 'offline', got 'ofline'" in err and "did you mean 'offline'" in err
     err = launch_fails(capsys, tmp_path, MINIMAL, "train.checkpoint_every=0")  # was a ZeroDivisionError mid-run
     assert "train.checkpoint_every must be at least 1, got 0" in err
+    for rate in (".nan", ".inf"):  # a NaN rate trained to NaN losses, exited 0 and exported a NaN head
+        err = launch_fails(capsys, tmp_path, MINIMAL, f"optim.learning_rate={rate}")
+        assert "optim.learning_rate must be a finite number" in err, err
+    err = launch_fails(capsys, tmp_path, {**MINIMAL, "optim": {"grad_clip": float("inf")}})
+    assert "optim.grad_clip must be a finite number, got inf" in err
     assert "train must be a section" in launch_fails(capsys, tmp_path, {**MINIMAL, "train": 5})
     assert "train.steps is a value, not a section" in launch_fails(capsys, tmp_path, MINIMAL, "train.steps.x=1")
     assert "is not key=value" in launch_fails(capsys, tmp_path, MINIMAL, "train.steps")

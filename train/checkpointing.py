@@ -32,5 +32,8 @@ class RunCheckpoints:
         )
         return out["state"], out["meta"]
 
+    def delete(self, step: int) -> None:
+        self.manager.delete(step)
+
     def close(self) -> None:
         self.manager.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -299,6 +300,8 @@ def _value(tp, value, path: tuple[str, ...], where: str, field: dataclasses.Fiel
         ok = numeric or (isinstance(value, (int, float)) and not isinstance(value, bool))
         if ok:
             out = float(value)
+            if not math.isfinite(out):  # a NaN or infinite rate trained to NaN losses and exported a NaN head
+                raise JaxspecError(f"{where}: {name} must be a finite number, got {value!r}")
     elif tp is str:
         ok = isinstance(value, str)
     if not ok:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -341,6 +342,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             tparams, params=params, frozen=frozen, opt_state=opt_state, batch=batch
         )
         loss = float(loss)
+        if not math.isfinite(loss):
+            _stop_on_nonfinite(loss, step, metrics_file, ckpt)
         record = {
             "step": step,
             "loss": loss,
@@ -403,6 +406,25 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
                     verifier=verifier_name(cfg.target, head_dir),
                     acceptance=_acceptance(t, last_eval, last_heldout, last_trees))
     return last
+
+
+def _stop_on_nonfinite(loss: float, step: int, metrics_file, ckpt) -> None:
+    """A step whose loss is NaN or infinite ends the run: its update is not saved and no head is exported (a NaN
+    learning rate once trained to NaN losses, exited 0 and exported a NaN head). A step's loss is computed from the
+    parameters before its update, so a checkpoint saved at this step holds the parameters that gave it: that one is
+    removed, and a resume starts from the last checkpoint whose parameters gave a finite loss. The log gets the
+    step's loss; the error says where a resume starts."""
+    metrics_file.write(json.dumps({"step": step, "loss": str(loss), "stopped": "non-finite loss"}) + "\n")
+    metrics_file.close()
+    removed = ckpt.latest_step() == step
+    if removed:
+        ckpt.delete(step)
+    kept = ckpt.latest_step()
+    ckpt.close()
+    where = f"the checkpoint of step {step} held these parameters and was removed; " if removed else ""
+    where += f"a resume starts from step {kept}" if kept is not None else "no checkpoint is left: a resume starts over"
+    raise JaxspecError(f"step {step}: the loss is {loss}, so training stopped without saving or exporting ({where}); "
+                       "lower optim.learning_rate or optim.grad_clip, or check the data")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,51 @@
+"""Where a command writes a directory: never over what it did not write, and whole or not at all.
+
+Why: `convert head` and `convert random-head` wrote into any `--out`, replacing a model's config.json and
+model.safetensors without a word. A directory that is not empty is now written only when it holds the command's
+own earlier output (`holds_own`) or the user passed `--overwrite`; and the new contents are written beside it and
+moved into place at the end, so a failure or a kill midway leaves the old directory as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+
+
+def check_output_dir(out: str | Path, *, holds_own: Callable[[Path], bool], what: str, overwrite: bool) -> Path:
+    """`out` as a Path, after refusing a file, or a non-empty directory that holds no `what` (unless overwrite)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise JaxspecError(f"--out {str(out)!r} is an existing file; pass a directory path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not holds_own(out):
+        raise JaxspecError(
+            f"--out {str(out)!r} is not empty and holds no {what}; pass a new or empty directory, or --overwrite "
+            "to replace what it holds"
+        )
+    return out
+
+
+@contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """Yields a new directory beside `out` to write into; when the block ends without an error it takes `out`'s
+    place (the old contents are removed only after that), and on an error it is removed and `out` is untouched."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
