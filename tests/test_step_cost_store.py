@@ -14,6 +14,7 @@ from jaxspec.engine.auto.config import AcceptanceProfile, StepCalibration, StepC
 from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
 from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, STORE_ENV, StepCostStore, cost_key, default_store
 from jaxspec.engine.tree import TreeConfig
+from jaxspec.errors import JaxspecError
 
 COSTS = StepCosts(decode=0.03, verify=(0.0, 0.04, 0.05), draft=0.002)
 PRIOR = AcceptanceProfile((0.5, 0.3), 100)
@@ -129,3 +130,19 @@ def test_a_second_generator_starts_from_the_first_ones_calibration(tmp_path):
     assert sum(second.calibration.measured.values()) <= CALIBRATION_SECONDS + 1e-9
     unstored = AutoSpeculativeGenerator(model, head, prior=PRIOR)
     assert unstored.calibration == StepCalibration()
+
+
+@pytest.mark.parametrize("text", ['{"model_type": "llama"}', "[1, 2]", "not json at all"])
+def test_a_file_that_is_not_a_store_is_refused_not_overwritten(tmp_path, monkeypatch, text):
+    """JAXSPEC_STEP_COSTS naming some other file once overwrote it; now it is a one-line error and the file stays."""
+    other = tmp_path / "config.json"
+    other.write_text(text)
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", str(other))
+    with pytest.raises(JaxspecError, match="is not a jaxspec step-cost store, and storing costs would overwrite it"):
+        default_store()
+    assert other.read_text() == text
+    with pytest.raises(JaxspecError, match="is a directory"):
+        StepCostStore(tmp_path)
+    store = StepCostStore(tmp_path / "costs.json")
+    store.put("a", COSTS, {"shape": 1})
+    assert StepCostStore(store.path).get("a") == COSTS  # its own file is read back

@@ -46,6 +46,24 @@ class StepCostStore:
 
     path: Path
 
+    def __post_init__(self) -> None:
+        """A file that is there must be a store (or empty): it is rewritten whole on every put, and a
+        JAXSPEC_STEP_COSTS naming some other file once overwrote it without a word."""
+        if self.path.is_dir():
+            raise JaxspecError(f"{STORE_ENV}: {str(self.path)!r} is a directory; name a file (or 'off')")
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return
+        try:
+            entries = json.loads(self.path.read_text())
+            own = isinstance(entries, dict) and all(isinstance(e, dict) and "what" in e for e in entries.values())
+        except (OSError, ValueError):
+            own = False
+        if not own:
+            raise JaxspecError(
+                f"{str(self.path)!r} is not a jaxspec step-cost store, and storing costs would overwrite it; point "
+                f"{STORE_ENV} at a new file (or 'off'), or delete this one if it is a store of an older version"
+            )
+
     def get(self, key: str) -> StepCosts | None:
         """The stored costs under `key`, or None (absent, or an entry or file this version cannot read)."""
         entry = self._read().get(key)
