@@ -6,7 +6,7 @@ compiled program, so a change that adds either shows here, on every machine, lon
 
 The wheels (jax-cuda12-plugin/pjrt at the installed jax's version, libtpu as `jax[tpu]` pins it) are installed into
 the user's cache directory on first use; where they cannot be (no network), the test skips and says why. Compiling
-a Llama-3.1-8B layer shape at 1 and 2 layers (per layer = the difference, extrapolated to 32 layers), batch 1,
+a Llama-3.1-8B layer shape at 2 and 3 layers (per layer = the difference, extrapolated to 32 layers), batch 1,
 1,024 committed tokens, default numerics (invariant, kernels as `auto` resolves them), takes ~1-2 minutes on 2 cores.
 """
 
@@ -26,7 +26,7 @@ BASELINES = {  # (platform, step): (kernels per layer, bytes accessed per step)
     ("v5e", "decode"): (0, 0.0),
 }
 BYTES_SLACK = 1.02
-CASES = [cc.CostCase(platform, step=step, layers=1) for platform, step in BASELINES]
+CASES = [cc.CostCase(platform, step=step) for platform, step in BASELINES]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,8 @@ def test_a_step_reads_at_least_its_weights(measured, key):
 
 def test_hlo_reading():
     """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
-    nothing, an async pair is one, an in-place cache write is charged its update, not its buffer."""
+    nothing, an async pair is one; an in-place cache write is charged its update, not its buffer, and a gather
+    the rows it reads, not its table."""
     text = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -81,6 +82,12 @@ def test_hlo_reading():
   ROOT %d = bf16[1,8,1024,128]{3,2,1,0} dynamic-update-slice(%b, %u)
 }
 
+%gat (t: bf16[1000,64], i: s32[6,1]) -> bf16[6,64] {
+  %t = bf16[1000,64]{1,0} parameter(0)
+  %i = s32[6,1]{1,0} parameter(1)
+  ROOT %g = bf16[6,64]{1,0} gather(%t, %i), offset_dims={1}, collapsed_slice_dims={0}, slice_sizes={1,64}
+}
+
 ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[8] {
   %x = f32[8]{0} parameter(0)
   %cache = bf16[1,8,1024,128]{3,2,1,0} parameter(1)
@@ -89,13 +96,17 @@ ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[
   %s = (f32[8]{0}, f32[8]{0:S(1)}) copy-start(%x)
   %e = f32[8]{0:S(1)} copy-done(%s)
   %k = bf16[1,8,1024,128]{3,2,1,0} fusion(%cache, %new), kind=kLoop, calls=%upd
+  %table = bf16[1000,64]{1,0} parameter(3)
+  %ids = s32[6,1]{1,0} parameter(4)
+  %emb = bf16[6,64]{1,0} fusion(%table, %ids), kind=kLoop, calls=%gat
   ROOT %r = f32[8]{0} bitcast(%x)
 }
 """
     computations, entry = cc.parse_hlo(text)
     assert entry == "main"
-    assert cc.count_kernels(computations, entry) == (4 * 2 + 1 + 1, False)
+    assert cc.count_kernels(computations, entry) == (4 * 2 + 1 + 1 + 1, False)
     rows = {r["name"]: r for r in cc.kernel_bytes(computations, entry)}
     assert rows["k"]["bytes"] == 2 * 8 * 128 * 2  # the one-token update, read and written
-    assert rows["s"]["bytes"] == 2 * 8 * 4  # the HBM side of the copy only: S(1) is on-chip memory
+    assert rows["s"]["bytes"] == 8 * 4  # the slice it brings on chip (S(1))
+    assert rows["emb"]["bytes"] == 2 * 6 * 64 * 2 + 6 * 4  # six rows of the table read, written; the ids
     assert rows["k"]["what"] == "dynamic-update-slice bf16[1,8,1024,128]xbf16[1,8,1,128]"

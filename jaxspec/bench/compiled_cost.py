@@ -290,6 +290,7 @@ class Instruction:
     shape: str  # the result shape as printed, tuples included
     operands: tuple[str, ...]
     attrs: str  # everything after the operand list (calls=, kind=, backend_config=, ...)
+    index: int | None = None  # a parameter's number
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -306,13 +307,13 @@ def launches(ins: Instruction) -> bool:
     return ins.opcode not in NO_KERNEL and not ins.opcode.endswith("-done")
 
 
-def shape_bytes(shape: str) -> float:
-    """Bytes in device memory of every array in a printed shape (`bf16[1,8,2048,128]{3,2,1,0}`, or a tuple of
-    them). Arrays whose layout puts them in another memory space (`S(1)`: a TPU's on-chip VMEM, where the compiler
-    prefetches weight slices) are not counted: their bytes were counted once, read from HBM, by the copy into it."""
+def shape_bytes(shape: str, on_chip: bool = False) -> float:
+    """Bytes of the arrays in a printed shape (`bf16[1,8,2048,128]{3,2,1,0}`, or a tuple of them) that live in
+    device memory, or with on_chip, those whose layout puts them in another memory space (`S(1)`: a TPU's VMEM,
+    where the compiler prefetches weight slices)."""
     total = 0.0
     for dtype, dims, layout in _ARRAY.findall(shape):
-        if dtype in _DTYPE_BYTES and not re.search(r"S\([1-9]", layout):
+        if dtype in _DTYPE_BYTES and bool(re.search(r"S\([1-9]", layout)) == on_chip:
             total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
     return total
 
@@ -350,7 +351,9 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
         opcode = rest.split("(", 1)[0]
         close = _closing(rest, len(opcode))
         operands = tuple(re.findall(r"%([\w.\-]+)", rest[len(opcode):close]))
-        computations[current].append(Instruction(m.group(1), opcode, shape, operands, rest[close + 1:]))
+        number = re.match(r"\((\d+)\)", rest[len(opcode):]) if opcode == "parameter" else None
+        computations[current].append(Instruction(m.group(1), opcode, shape, operands, rest[close + 1:],
+                                                 int(number.group(1)) if number else None))
     return computations, entry
 
 
@@ -395,30 +398,62 @@ def count_kernels(computations: dict[str, list[Instruction]], entry: str) -> tup
     return count(entry), unknown
 
 
-def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list[dict]:
-    """Every kernel-launching instruction of ENTRY with the bytes it moves at most, largest first.
+SLICING = ("gather", "dynamic-slice", "slice")  # ops that read only the part of their first operand they return
 
-    How: an instruction's operands' sizes plus its result's size, read from the shapes printed in the optimized
-    module (each operand's size is that of the instruction defining it). An upper bound: a fusion that slices or
-    gathers from an operand (the embedding table, a cache window) is charged the whole operand. In-place updates
-    (a fusion whose root is a dynamic-update-slice or scatter into a buffer of its result's shape, e.g. a KV cache
-    write) are charged their other operands twice (read, then written into the buffer), not the buffer."""
+
+def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list[dict]:
+    """Every kernel-launching instruction of ENTRY with the bytes it moves in device memory, largest first.
+
+    How, from the shapes printed in the optimized module: an instruction's operands' sizes (each that of the
+    instruction defining it) plus its result's size, except that
+    - an operand a fusion only slices or gathers from (the embedding table, a cache window) is charged what those
+      slices return, not the whole operand;
+    - an in-place update (a fusion whose root is a dynamic-update-slice or scatter into a buffer of its result's
+      shape: a KV cache write) is charged its other operands twice (read, then written), not the buffer;
+    - on-chip arrays (TPU VMEM, `S(1)`) are not device memory: reading or writing them is free, and the async copy
+      that brings a weight slice on chip (copy-start, slice-start) is charged the slice it brings.
+    Why not XLA's cost model alone: it charges a gather fused into a kernel the whole table it gathers from, and
+    XLA:GPU duplicates the embedding gather into every consumer of a verify's embeddings (a 6-token chain verify
+    at 3 layers: 7 gathers, each charged the 1.05 GB table), so its total was not even monotone in the layers."""
     shapes = {ins.name: ins.shape for comp in computations.values() for ins in comp}
     rows = []
     for ins in computations[entry]:
         if not launches(ins):
             continue
-        result = shape_bytes(ins.shape)
-        sizes = [shape_bytes(shapes.get(op, "")) for op in ins.operands]
-        called = _called(ins, "calls")
-        root = computations[called[0]][-1].opcode if called and called[0] in computations else ins.opcode
-        if root in ("dynamic-update-slice", "scatter") and result in sizes:
-            sizes.remove(result)
-            moved = 2 * sum(sizes)
+        if ins.opcode.endswith("-start") and shape_bytes(ins.shape, on_chip=True):
+            moved = shape_bytes(ins.shape, on_chip=True)
         else:
-            moved = result + sum(sizes)
+            moved = _fusion_bytes(computations, ins, shapes) if _called(ins, "calls") else (
+                shape_bytes(ins.shape) + _operand_bytes(ins, shapes, sliced=ins.opcode in SLICING))
         rows.append({"name": ins.name, "what": _what(computations, ins), "bytes": moved})
     return sorted(rows, key=lambda r: -r["bytes"])
+
+
+def _operand_bytes(ins: Instruction, shapes: dict[str, str], sliced: bool = False) -> float:
+    """The operands' sizes; with `sliced`, the first operand charged the result's size (what a slice reads)."""
+    sizes = [shape_bytes(shapes.get(op, "")) for op in ins.operands]
+    if sliced and sizes:
+        sizes[0] = shape_bytes(ins.shape)
+    return sum(sizes)
+
+
+def _fusion_bytes(computations: dict[str, list[Instruction]], ins: Instruction, shapes: dict[str, str]) -> float:
+    """A fusion's bytes by `kernel_bytes`' rules: each fused parameter charged what its users inside read of it."""
+    body = computations.get(_called(ins, "calls")[0], [])
+    params = [i for i in body if i.opcode == "parameter"]
+    result = shape_bytes(ins.shape)
+    in_place = body and body[-1].opcode in ("dynamic-update-slice", "scatter")
+    total = 0.0 if in_place else result
+    for param in params:
+        outer = ins.operands[param.index] if param.index is not None and param.index < len(ins.operands) else ""
+        size = shape_bytes(shapes.get(outer, ""))
+        users = [(u, u.operands.index(param.name)) for u in body if param.name in u.operands]
+        if in_place and size == result and any(u is body[-1] and pos == 0 for u, pos in users):
+            continue  # the buffer updated in place
+        if users and all(u.opcode in SLICING and pos == 0 for u, pos in users):
+            size = min(size, sum(shape_bytes(u.shape) for u, _ in users))
+        total += size * (2 if in_place else 1)
+    return total
 
 
 def _what(computations: dict[str, list[Instruction]], ins: Instruction) -> str:
@@ -448,10 +483,11 @@ def read_program(compiled) -> dict:
     computations, entry = parse_hlo(compiled.as_text())
     kernels, unknown = count_kernels(computations, entry)
     memory = compiled.memory_analysis()
+    moved = kernel_bytes(computations, entry)
     return {
         "kernels": kernels, "loop_trips_unknown": unknown, **module_cost(compiled),
-        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
-        "top": kernel_bytes(computations, entry)[:10],
+        "parsed bytes": sum(r["bytes"] for r in moved),
+        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None, "top": moved[:10],
     }
 
 
@@ -478,14 +514,15 @@ def measure(case: CostCase, device, say=print) -> dict:
 
     weights = w_small + extra * (w_big - w_small)
     kv = kv_bytes(case, real)
-    accessed = extrapolate("bytes accessed")
+    accessed = extrapolate("parsed bytes")
     kernels = None if case.numerics == "plain" else resolve_kernels(case.kernels, PLATFORMS[case.platform].backend)
     row = {
         **dataclasses.asdict(case), "tokens": case.tokens, "capacity": case.capacity, "real_layers": real.num_layers,
         "kernels_resolved": kernels,
         "kernels_per_step": int(extrapolate("kernels")), "kernels_per_layer": b["kernels"] - a["kernels"],
         "loop_trips_unknown": a["loop_trips_unknown"] or b["loop_trips_unknown"],
-        "bytes_accessed": accessed, "bytes_per_layer": b["bytes accessed"] - a["bytes accessed"],
+        "bytes_accessed": accessed, "bytes_per_layer": b["parsed bytes"] - a["parsed bytes"],
+        "cost_model_bytes": extrapolate("bytes accessed"),
         "weight_bytes": weights, "kv_bytes": kv, "bytes_over_floor": accessed / (weights + kv),
         "flops": extrapolate("flops"), "temp_bytes": b["temp_bytes"], "top": b["top"],
         "compile_seconds": round(time.perf_counter() - begin, 1),
@@ -535,9 +572,9 @@ def markdown(rows: list[dict], top: int = 3) -> str:
     """One table of every case, then each case's largest kernels by bytes."""
     layers = sorted({(r["layers"], r["real_layers"]) for r in rows})
     lines = [
-        "| platform | numerics | step | batch | committed | kernels/step | kernels/layer | GB accessed/step | "
-        "weights+KV GB | ratio | goal | TFLOP | temp MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| platform | numerics | step | batch | committed | kernels/step | kernels/layer | GB/step | weights+KV GB | "
+        "ratio | goal | GB/step (XLA cost model) | TFLOP | temp MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         goal = GOALS.get(r["step"])
@@ -547,17 +584,19 @@ def markdown(rows: list[dict], top: int = 3) -> str:
             f"| {r['platform']} | {numerics} | {r['step']} T={r['tokens']} | {r['batch']} | {r['length']} | "
             f"{r['kernels_per_step']}{'*' if r['loop_trips_unknown'] else ''} | {r['kernels_per_layer']} | "
             f"{_gb(r['bytes_accessed'])} | {_gb(r['weight_bytes'] + r['kv_bytes'])} | {r['bytes_over_floor']:.3f} | "
-            f"{verdict} | {r['flops'] / 1e12:.3f} | {r['temp_bytes'] / 1e6:.0f} |"
+            f"{verdict} | {_gb(r['cost_model_bytes'])} | {r['flops'] / 1e12:.3f} | {r['temp_bytes'] / 1e6:.0f} |"
         )
     lines += [
         "",
         "Compiled at " + ", ".join(f"{n} and {n + 1} layers" for n, _ in layers) + "; per layer = the difference, "
-        "per step = fixed + " + ", ".join(str(real) for _, real in layers) + " × per layer. Bytes: XLA's cost model "
-        "on the optimized program; weights+KV: every weight but the embedding table once, plus the committed and "
-        "new tokens' keys and values. Temporaries at the larger compile. * a loop of unknown trip count counted once.",
+        "per step = fixed + " + ", ".join(str(real) for _, real in layers) + " × per layer. GB/step: the device "
+        "memory each kernel reads and writes, from the optimized program's shapes (compiled_cost.kernel_bytes: "
+        "slices and gathers charged what they read, in-place cache writes their update, on-chip TPU memory free); "
+        "XLA's cost model beside it charges a fused gather its whole table. weights+KV: every weight but the "
+        "embedding table once, plus the committed and new tokens' keys and values; ratio = GB/step over it. "
+        "Temporaries at the larger compile. * a loop of unknown trip count counted once.",
         "",
-        f"Largest kernels by operand + result bytes (at the larger compile; in-place cache writes charged their "
-        f"update), top {top}:",
+        f"Largest kernels by bytes (at the larger compile), top {top}:",
     ]
     for r in rows:
         tops = "; ".join(f"{t['what']} {t['bytes'] / 1e6:.0f} MB" for t in r["top"][:top])
