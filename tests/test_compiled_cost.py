@@ -106,6 +106,7 @@ ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[
     assert entry == "main"
     assert cc.count_kernels(computations, entry) == (4 * 2 + 1 + 1 + 1, False)
     rows = {r["name"]: r for r in cc.kernel_bytes(computations, entry)}
+    assert rows["a"]["launches"] == 4 and rows["a"]["bytes"] == 4 * 8 * 4  # a loop body's kernel, per trip
     assert rows["k"]["bytes"] == 2 * 8 * 128 * 2  # the one-token update, read and written
     assert rows["s"]["bytes"] == 8 * 4  # the slice it brings on chip (S(1))
     assert rows["emb"]["bytes"] == 2 * 6 * 64 * 2 + 6 * 4  # six rows of the table read, written; the ids

@@ -367,42 +367,52 @@ def _trip_count(ins: Instruction) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def count_kernels(computations: dict[str, list[Instruction]], entry: str) -> tuple[int, bool]:
-    """(kernels one run of the program launches, whether a loop's trip count was unknown and counted once).
+def launched(computations: dict[str, list[Instruction]], entry: str) -> tuple[list[tuple[Instruction, int]], bool]:
+    """([(instruction, launches per run)] of every kernel the program launches, whether a loop's trip count was
+    unknown and counted once).
 
     The rule: an instruction of a computation that runs on the device launches one kernel (GPU) or is one op
     (TPU) unless it is a view, a tuple, a parameter or a constant (NO_KERNEL). So each fusion is one (loop, input,
     output and Triton GEMM fusions alike: XLA:GPU emits one kernel per fusion), each custom call (cuBLAS, cuDNN, a
-    Pallas kernel) one, and each unfused op (a copy, a sort) one; an async pair one. Fusions' own computations are not entered: they
-    are inside their kernel. Control flow is followed: a while loop counts its condition and body per trip (the
-    trip count XLA recorded, once if none), a conditional its largest branch, a call its computation."""
+    Pallas kernel) one, and each unfused op (a copy, a sort) one; an async pair one. Fusions' own computations are
+    not entered: they are inside their kernel. Control flow is followed: a while loop runs its condition and body
+    once per trip (the trip count XLA recorded; once if none), a conditional its largest branch, a call its
+    computation."""
     unknown = False
 
-    def count(name: str) -> int:
+    def walk(name: str, times: int) -> list[tuple[Instruction, int]]:
         nonlocal unknown
-        total = 0
+        out = []
         for ins in computations.get(name, []):
             if ins.opcode == "while":
                 trips = _trip_count(ins)
                 unknown |= trips is None
-                body = sum(count(c) for c in _called(ins, "body") + _called(ins, "condition"))
-                total += body * (trips or 1)
+                for c in _called(ins, "body") + _called(ins, "condition"):
+                    out += walk(c, times * (trips or 1))
             elif ins.opcode == "conditional":
-                total += max((count(c) for c in _called(ins, "branch_computations")), default=0)
+                out += max((walk(c, times) for c in _called(ins, "branch_computations")), key=len, default=[])
             elif ins.opcode == "call":
-                total += sum(count(c) for c in _called(ins, "to_apply"))
+                for c in _called(ins, "to_apply"):
+                    out += walk(c, times)
             elif launches(ins):
-                total += 1
-        return total
+                out.append((ins, times))
+        return out
 
-    return count(entry), unknown
+    return walk(entry, 1), unknown
+
+
+def count_kernels(computations: dict[str, list[Instruction]], entry: str) -> tuple[int, bool]:
+    """(kernels one run of the program launches, whether a loop's trip count was unknown): `launched`'s rule."""
+    kernels, unknown = launched(computations, entry)
+    return sum(times for _, times in kernels), unknown
 
 
 SLICING = ("gather", "dynamic-slice", "slice")  # ops that read only the part of their first operand they return
 
 
 def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list[dict]:
-    """Every kernel-launching instruction of ENTRY with the bytes it moves in device memory, largest first.
+    """Every kernel the program launches (`launched`) with the bytes it moves in device memory per run of the
+    program (a kernel in a loop: per launch × launches), largest first.
 
     How, from the shapes printed in the optimized module: an instruction's operands' sizes (each that of the
     instruction defining it) plus its result's size, except that
@@ -417,15 +427,13 @@ def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list
     at 3 layers: 7 gathers, each charged the 1.05 GB table), so its total was not even monotone in the layers."""
     shapes = {ins.name: ins.shape for comp in computations.values() for ins in comp}
     rows = []
-    for ins in computations[entry]:
-        if not launches(ins):
-            continue
+    for ins, times in launched(computations, entry)[0]:
         if ins.opcode.endswith("-start") and shape_bytes(ins.shape, on_chip=True):
             moved = shape_bytes(ins.shape, on_chip=True)
         else:
             moved = _fusion_bytes(computations, ins, shapes) if _called(ins, "calls") else (
                 shape_bytes(ins.shape) + _operand_bytes(ins, shapes, sliced=ins.opcode in SLICING))
-        rows.append({"name": ins.name, "what": _what(computations, ins), "bytes": moved})
+        rows.append({"name": ins.name, "what": _what(computations, ins), "bytes": moved * times, "launches": times})
     return sorted(rows, key=lambda r: -r["bytes"])
 
 
