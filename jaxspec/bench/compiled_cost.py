@@ -126,8 +126,8 @@ def libtpu_dir() -> Path:
 
 def cuda_plugin_dir() -> Path:
     """jax-cuda12-plugin and jax-cuda12-pjrt at exactly the installed jax's version (the plugin must match jaxlib)."""
-    jax_version = version("jax")
-    return installed_wheels("jax-cuda12-plugin", [f"jax-cuda12-plugin=={jax_version}", f"jax-cuda12-pjrt=={jax_version}"])
+    pin = version("jax")
+    return installed_wheels("jax-cuda12-plugin", [f"jax-cuda12-plugin=={pin}", f"jax-cuda12-pjrt=={pin}"])
 
 
 def ptxas_dir(search: list[Path]) -> Path:
