@@ -114,6 +114,27 @@ ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[
     assert rows["k"]["what"] == "dynamic-update-slice bf16[1,8,1024,128]xbf16[1,8,1,128]"
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--compiled-cost", "--cost-platforms", "h100,a100"], "--cost-platforms: unknown a100; known: h100, v5e"),
+        (["--compiled-cost", "--cost-steps", "prefill"], "--cost-steps: unknown prefill"),
+        (["--compiled-cost", "--cost-shape", "llama-70b"], "--cost-shape: unknown llama-70b"),
+        (["--compiled-cost", "--kernels", "interpret"], "--compiled-cost compiles for chips"),
+        (["--kernels-micro", "--cost-batch", "1"], "--cost-batch: for --compiled-cost only"),
+    ],
+)
+def test_flags_are_checked_before_anything_compiles(extra, message, capsys, monkeypatch):
+    from jaxspec.bench import cli
+
+    monkeypatch.setattr(cc, "run_platforms", lambda *a, **k: pytest.fail("compiled before the bad input was caught"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(extra)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("platform", ["h100", "v5e"])
 def test_bigger_steps_compile_and_read_their_weights(platform):

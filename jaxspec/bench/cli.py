@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--compiled-cost: the model shape (jaxspec/reference_shapes.py; default: llama3.1-8b)")
     parser.add_argument("--cost-steps", default="decode,chain,tree", metavar="S,...",
                         help="--compiled-cost: decode (T=1), chain (a verify of 6 tokens), tree (16 nodes) "
-                        "(default: all three)")
+                        "(default: decode,chain,tree)")
     parser.add_argument("--cost-batch", type=positive_int_list, metavar="B,...",
                         help="--compiled-cost: batch sizes (default: 1,8)")
     parser.add_argument("--cost-lengths", type=positive_int_list, metavar="L,...",
