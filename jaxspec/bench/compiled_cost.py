@@ -487,15 +487,22 @@ def _what(computations: dict[str, list[Instruction]], ins: Instruction) -> str:
 
 
 def read_program(compiled) -> dict:
-    """Kernels, cost model, memory and top kernels by bytes of one compiled program."""
+    """Kernels, cost model, memory and the largest groups of kernels by bytes (kernels of one op on the same
+    shapes, e.g. every layer's down_proj dot) of one compiled program."""
     computations, entry = parse_hlo(compiled.as_text())
     kernels, unknown = count_kernels(computations, entry)
     memory = compiled.memory_analysis()
     moved = kernel_bytes(computations, entry)
+    groups: dict[str, dict] = {}  # kernels doing the same op on the same shapes (every layer's q_proj dot ...)
+    for r in moved:
+        group = groups.setdefault(r["what"], {"what": r["what"], "kernels": 0, "bytes": 0.0})
+        group["kernels"] += r["launches"]
+        group["bytes"] += r["bytes"]
     return {
         "kernels": kernels, "loop_trips_unknown": unknown, **module_cost(compiled),
         "parsed bytes": sum(r["bytes"] for r in moved),
-        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None, "top": moved[:10],
+        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
+        "top": sorted(groups.values(), key=lambda g: -g["bytes"])[:10],
     }
 
 
@@ -604,10 +611,10 @@ def markdown(rows: list[dict], top: int = 3) -> str:
         "embedding table once, plus the committed and new tokens' keys and values; ratio = GB/step over it. "
         "Temporaries at the larger compile. * a loop of unknown trip count counted once.",
         "",
-        f"Largest kernels by bytes (at the larger compile), top {top}:",
+        f"Largest groups of kernels by bytes (the same op on the same shapes; at the larger compile), top {top}:",
     ]
     for r in rows:
-        tops = "; ".join(f"{t['what']} {t['bytes'] / 1e6:.0f} MB" for t in r["top"][:top])
+        tops = "; ".join(f"{t['what']} ×{t.get('kernels', 1)} {t['bytes'] / 1e6:.0f} MB" for t in r["top"][:top])
         lines.append(f"- {r['platform']} {r['numerics']} {r['step']} b{r['batch']} {r['length']}: {tops}")
     return "\n".join(lines)
 
