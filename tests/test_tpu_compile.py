@@ -8,31 +8,14 @@ on the path; in the main run they skip."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from importlib.metadata import requires
 from pathlib import Path
 
-from jaxspec.checkpoints.builtin import cache_root
+from jaxspec.bench.compiled_cost import libtpu_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["tests/test_invariant_kernel_lowering.py", "tests/test_rejection_lowering.py"]
-
-
-def libtpu_requirement() -> str:
-    """What `jax[tpu]` pins for the installed jax, e.g. "libtpu==0.0.42.*"."""
-    (pin,) = [r.split(";")[0].strip() for r in requires("jax") or [] if r.startswith("libtpu")]
-    return pin
-
-
-def libtpu_dir() -> Path:
-    pin = libtpu_requirement()
-    target = cache_root() / "libtpu" / re.sub(r"[^0-9A-Za-z.]+", "-", pin)
-    if not (target / "libtpu").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), pin],
-                       check=True, timeout=1200)
-    return target
 
 
 def test_kernels_compile_for_tpu_with_libtpu():

@@ -6,6 +6,7 @@
     bandwidth.py  the device's copy bandwidth and the weights-only roofline
     kernels.py    --kernels-micro: each Pallas kernel vs its reference vs the bytes floor
     load.py       --load-time: safetensors vs orbax load times
+    compiled_cost.py  --compiled-cost: the forward compiled for an H100 and a TPU v5e without either chip
 """
 
 from jaxspec.bench.cli import build_parser, main

@@ -11,6 +11,9 @@ Examples:
       (the attention and verification kernels vs their references vs the bytes floor; Llama-3.1-8B shapes on a
       GPU/TPU, tiny ones on CPU, where the kernels run in interpret mode and their timings mean nothing)
   python -m jaxspec.bench --kernels-micro --kernel-batch 1 --kernel-tokens 6 --kernel-lengths 4096
+  python -m jaxspec.bench --compiled-cost [--cost-platforms h100,v5e] [--cost-batch 1,8] [--cost-lengths 1024,8192]
+      (no chip needed: the target's forward compiled for an H100 and a TPU v5e on this machine; kernels per step
+      and per layer, bytes accessed against the weights + KV a step must read, flops, temporaries, top kernels)
 
 The roofline is weights-only: batch x bandwidth / weight bytes tokens/s, each decode step reading every weight once,
 at the bandwidth of a device copy (bytes read + written, 1 GiB on accelerators, 128 MiB on CPU).
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -88,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "references vs the bytes floor at the probe's bandwidth, at --kernel-shapes (GPU: compiled; CPU, or --kernels "
         "interpret: interpret mode, whose timings are not meaningful); --dtype sets the attention dtype",
     )
+    source.add_argument(
+        "--compiled-cost", action="store_true",
+        help="no chip, no weights: compile the target's forward (bfloat16, --numerics, --kernels) for each "
+        "--cost-platforms chip here and report kernels per step and per layer, bytes accessed vs the weights + KV a "
+        "step must read, flops, temporaries and the largest kernels (jaxspec/bench/compiled_cost.py); installs the "
+        "CUDA plugin and libtpu wheels into the user cache on first use",
+    )
     parser.add_argument("--repeats", type=int, default=5, metavar="N", help="--load-time: loads of each (default: 5)")
     parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 4, 16], metavar="B,...",
                         help="suite: batch sizes (default: 1,4,16)")
@@ -135,6 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel-lengths", type=positive_int_list, metavar="L,...",
                         help="--kernels-micro: committed cache lengths")
     parser.add_argument("--kernel-vocab", type=int, metavar="V", help="--kernels-micro: verification vocabulary")
+    parser.add_argument("--cost-platforms", default="h100,v5e", metavar="P,...",
+                        help="--compiled-cost: chips to compile for, of h100, v5e (default: h100,v5e)")
+    parser.add_argument("--cost-shape", default="llama3.1-8b", metavar="SHAPE",
+                        help="--compiled-cost: the model shape (jaxspec/reference_shapes.py; default: llama3.1-8b)")
+    parser.add_argument("--cost-steps", default="decode,chain,tree", metavar="S,...",
+                        help="--compiled-cost: decode (T=1), chain (a verify of 6 tokens), tree (16 nodes) "
+                        "(default: decode,chain,tree)")
+    parser.add_argument("--cost-batch", type=positive_int_list, metavar="B,...",
+                        help="--compiled-cost: batch sizes (default: 1,8)")
+    parser.add_argument("--cost-lengths", type=positive_int_list, metavar="L,...",
+                        help="--compiled-cost: committed cache lengths (default: 1024,8192)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -219,6 +241,9 @@ def _machine() -> str:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compiled_cost:
+        return run_compiled_cost(args)  # before jax starts here: each chip compiles in a subprocess
+    check_cost_args(args)
     import jax
     from flax import nnx
 
@@ -353,6 +378,49 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
     finally:
         model.numerics = saved
     return rows
+
+
+def cost_cases(args) -> list:
+    """The --compiled-cost cases of the flags, checked before anything compiles."""
+    from jaxspec.bench.compiled_cost import PLATFORMS, STEPS, CostCase
+    from jaxspec.reference_shapes import SHAPES
+
+    platforms, steps = args.cost_platforms.split(","), args.cost_steps.split(",")
+    for flag, values, known in (("--cost-platforms", platforms, PLATFORMS), ("--cost-steps", steps, STEPS),
+                                ("--cost-shape", [args.cost_shape], SHAPES)):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            raise JaxspecError(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    if args.kernels == "interpret":
+        raise JaxspecError("--compiled-cost compiles for chips: --kernels auto, pallas or reference")
+    return [
+        CostCase(p, args.cost_shape, s, b, n, args.numerics, args.kernels)
+        for p in platforms for s in steps for b in args.cost_batch or [1, 8] for n in args.cost_lengths or [1024, 8192]
+    ]
+
+
+def check_cost_args(args) -> None:
+    """The --cost-* flags belong to --compiled-cost."""
+    cost_flags = [f"--cost-{name}" for name in ("batch", "lengths") if getattr(args, f"cost_{name}") is not None]
+    cost_flags += [f"--cost-{name}" for name, default in (("platforms", "h100,v5e"), ("shape", "llama3.1-8b"),
+                   ("steps", "decode,chain,tree")) if getattr(args, f"cost_{name}") != default]
+    if cost_flags:
+        raise JaxspecError(f"{', '.join(cost_flags)}: for --compiled-cost only")
+
+
+def run_compiled_cost(args) -> int:
+    """--compiled-cost: jaxspec/bench/compiled_cost.py, one subprocess per chip; one table (or JSON) of all."""
+    from jaxspec.bench.compiled_cost import machine_versions, markdown, run_platforms
+
+    cases = cost_cases(args)
+    rows = run_platforms(cases, say=_say)
+    result = {"machine": f"{platform.machine()} CPU, {os.cpu_count()} cores", **machine_versions(), "cases": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        versions = ", ".join(f"{k} {v}" for k, v in machine_versions().items())
+        print(f"{args.cost_shape} (bfloat16), compiled on {result['machine']}, {versions}\n\n{markdown(rows)}")
+    return 0
 
 
 def run_kernels_micro(args) -> int:

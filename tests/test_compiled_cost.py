@@ -1,0 +1,149 @@
+"""The target's forward as compiled for an H100 (CUDA plugin, deviceless) and a TPU v5e (libtpu AOT) on this CPU
+(jaxspec/bench/compiled_cost.py): kernels per layer and bytes accessed per step may not grow past the baselines below.
+
+Why a baseline test: kernels and bytes are what a decode or verify step costs on a chip, and both are fixed by the
+compiled program, so a change that adds either shows here, on every machine, long before a chip is lent.
+
+The wheels (jax-cuda12-plugin/pjrt at the installed jax's version, libtpu as `jax[tpu]` pins it) are installed into
+the user's cache directory on first use; where they cannot be (no network), the test skips and says why. Compiling
+a Llama-3.1-8B layer shape at 2 and 3 layers (per layer = the difference, extrapolated to 32 layers), batch 1,
+1,024 committed tokens, default numerics (invariant, kernels as `auto` resolves them), takes ~1-2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxspec.bench import compiled_cost as cc
+from jaxspec.errors import JaxspecError
+
+# Measured 2026-11-27 on the 2-core CI CPU, JAX 0.10.2, jax-cuda12-plugin 0.10.2, libtpu 0.0.42.1, with
+# `cc.run_platforms(CASES)` (~85 s). Limits: kernels per layer +0, bytes per step (the device memory the kernels read
+# and write, `compiled_cost.kernel_bytes`, at 32 layers) +2%. A change that lowers either should lower its baseline
+# here, so that the gain is kept.
+BASELINES = {  # (platform, step): (kernels per layer, bytes per step)
+    ("h100", "decode"): (31, 18.800e9),
+    ("h100", "chain"): (33, 21.147e9),
+    ("v5e", "decode"): (236, 16.007e9),
+}
+BYTES_SLACK = 1.02
+CASES = [cc.CostCase(platform, step=step) for platform, step in BASELINES]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, str], dict]:
+    try:
+        for platform in dict.fromkeys(p for p, _ in BASELINES):
+            cc.platform_env(platform)  # installs the wheels (or says why not) before anything compiles
+    except JaxspecError as e:
+        pytest.skip(f"the chips' compilers are not available here: {e}")
+    rows = cc.run_platforms(CASES, say=lambda text: None)
+    return {(r["platform"], r["step"]): r for r in rows}
+
+
+@pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))
+def test_no_more_kernels_or_bytes_than_recorded(measured, key):
+    row = measured[key]
+    kernels, accessed = BASELINES[key]
+    assert row["kernels_per_layer"] <= kernels, f"{key}: {row['kernels_per_layer']} kernels/layer, baseline {kernels}"
+    assert row["bytes_accessed"] <= BYTES_SLACK * accessed, (
+        f"{key}: {row['bytes_accessed'] / 1e9:.3f} GB per step, baseline {accessed / 1e9:.3f} GB"
+    )
+
+
+@pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))
+def test_a_step_reads_at_least_its_weights(measured, key):
+    """Sanity: the cost model cannot count fewer bytes than the weights every step reads once."""
+    row = measured[key]
+    assert row["bytes_accessed"] >= row["weight_bytes"] > 0
+    assert row["kernels_per_step"] > row["kernels_per_layer"] > 0
+    assert row["top"] and row["temp_bytes"] is not None
+
+
+def test_hlo_reading():
+    """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
+    nothing, an async pair is one; an in-place cache write is charged its update, not its buffer, and a gather
+    the rows it reads, not its table."""
+    text = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %a = f32[8]{0} fusion(%p), kind=kLoop, calls=%f
+  ROOT %t = (s32[], f32[8]{0}) tuple(%p, %a)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %c = pred[] fusion(%p), kind=kLoop, calls=%g
+}
+
+%upd (b: bf16[1,8,1024,128], u: bf16[1,8,1,128]) -> bf16[1,8,1024,128] {
+  %b = bf16[1,8,1024,128]{3,2,1,0} parameter(0)
+  %u = bf16[1,8,1,128]{3,2,1,0} parameter(1)
+  ROOT %d = bf16[1,8,1024,128]{3,2,1,0} dynamic-update-slice(%b, %u)
+}
+
+%gat (t: bf16[1000,64], i: s32[6,1]) -> bf16[6,64] {
+  %t = bf16[1000,64]{1,0} parameter(0)
+  %i = s32[6,1]{1,0} parameter(1)
+  ROOT %g = bf16[6,64]{1,0} gather(%t, %i), offset_dims={1}, collapsed_slice_dims={0}, slice_sizes={1,64}
+}
+
+ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %cache = bf16[1,8,1024,128]{3,2,1,0} parameter(1)
+  %new = bf16[1,8,1,128]{3,2,1,0} parameter(2)
+  %w = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %s = (f32[8]{0}, f32[8]{0:S(1)}) copy-start(%x)
+  %e = f32[8]{0:S(1)} copy-done(%s)
+  %k = bf16[1,8,1024,128]{3,2,1,0} fusion(%cache, %new), kind=kLoop, calls=%upd
+  %table = bf16[1000,64]{1,0} parameter(3)
+  %ids = s32[6,1]{1,0} parameter(4)
+  %emb = bf16[6,64]{1,0} fusion(%table, %ids), kind=kLoop, calls=%gat
+  ROOT %r = f32[8]{0} bitcast(%x)
+}
+"""
+    computations, entry = cc.parse_hlo(text)
+    assert entry == "main"
+    assert cc.count_kernels(computations, entry) == (4 * 2 + 1 + 1 + 1, False)
+    rows = {r["name"]: r for r in cc.kernel_bytes(computations, entry)}
+    assert rows["a"]["launches"] == 4 and rows["a"]["bytes"] == 4 * 8 * 4  # a loop body's kernel, per trip
+    assert rows["k"]["bytes"] == 2 * 8 * 128 * 2  # the one-token update, read and written
+    assert rows["s"]["bytes"] == 8 * 4  # the slice it brings on chip (S(1))
+    assert rows["emb"]["bytes"] == 2 * 6 * 64 * 2 + 6 * 4  # six rows of the table read, written; the ids
+    assert rows["k"]["what"] == "dynamic-update-slice bf16[1,8,1024,128]xbf16[1,8,1,128]"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--compiled-cost", "--cost-platforms", "h100,a100"], "--cost-platforms: unknown a100; known: h100, v5e"),
+        (["--compiled-cost", "--cost-steps", "prefill"], "--cost-steps: unknown prefill"),
+        (["--compiled-cost", "--cost-shape", "llama-70b"], "--cost-shape: unknown llama-70b"),
+        (["--compiled-cost", "--kernels", "interpret"], "--compiled-cost compiles for chips"),
+        (["--kernels-micro", "--cost-batch", "1"], "--cost-batch: for --compiled-cost only"),
+    ],
+)
+def test_flags_are_checked_before_anything_compiles(extra, message, capsys, monkeypatch):
+    from jaxspec.bench import cli
+
+    monkeypatch.setattr(cc, "run_platforms", lambda *a, **k: pytest.fail("compiled before the bad input was caught"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(extra)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("platform", ["h100", "v5e"])
+def test_bigger_steps_compile_and_read_their_weights(platform):
+    """A tree verify and a batch of 8 at 8k committed tokens (the bigger variants: minutes of compiling each)."""
+    try:
+        cc.platform_env(platform)
+    except JaxspecError as e:
+        pytest.skip(f"the chip's compiler is not available here: {e}")
+    cases = [cc.CostCase(platform, step="tree"), cc.CostCase(platform, step="chain", batch=8, length=8192)]
+    for row in cc.run_platforms(cases, say=lambda text: None):
+        assert row["bytes_accessed"] >= row["weight_bytes"] + row["kv_bytes"] > 0, row["step"]
+        assert row["kernels_per_layer"] > 0 and not row["loop_trips_unknown"], row["step"]
