@@ -116,7 +116,7 @@ def test_bad_speculative_tokens(tiny_dir, capsys):
     [
         (["--target", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
         (["--target", "{tmp}", "--prompt", "hi"], "has no config.json"),
-        (["--target", "{tiny}", "--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--target", "{tiny}", "--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--target", "{tiny}", "--prompt", "hi", "--top-p", "1.5"], "top-p must be in"),
         (["--target", "{tiny}", "--prompt", "hi", "--top-k", "-2"], "top-k must be >= 0"),
         (["--target", "{tiny}", "--prompts-file", "/nonexistent.jsonl"], "does not exist"),
