@@ -16,6 +16,7 @@ ALIASES = {
     "jaxspec.bench_kernels": "jaxspec.bench.kernels",
     "jaxspec.bench_load": "jaxspec.bench.load",
     "jaxspec.bandwidth": "jaxspec.bench.bandwidth",
+    "jaxspec.generation": "jaxspec.engine.generation",
 }
 SPLIT = {
     "jaxspec.cli_common": "jaxspec.cli_common moved to jaxspec.cli: jaxspec.cli.args (flags and their checks), "

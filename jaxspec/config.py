@@ -260,3 +260,51 @@ def rope_inv_freq(cfg: TargetConfig):
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
     return inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """An EAGLE-2 dynamic draft tree's budget (jaxspec/engine/tree.py builds the trees). Here, beside the other
+    frozen configs, because a head's record names trees too (checkpoints/verifier.py checks them)."""
+
+    total_tokens: int  # nodes verified per step, the root (last emitted token) included
+    depth: int  # draft levels below the root: the longest acceptable path
+    top_k: int  # children proposed per expanded node, and nodes expanded per level
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
+            raise JaxspecError(f"tree {self.spec}: need TOTAL >= 2, DEPTH >= 1 and TOPK >= 1")
+        if self.depth > MAX_DRAFT_DEPTH:
+            raise JaxspecError(f"tree {self.spec}: DEPTH is at most {MAX_DRAFT_DEPTH}, got {self.depth}")
+        if self.total_tokens - 1 > self.num_candidates:
+            raise JaxspecError(
+                f"tree {self.spec}: DEPTH={self.depth} and TOPK={self.top_k} propose only {self.num_candidates} "
+                f"draft tokens, fewer than TOTAL-1={self.total_tokens - 1}; lower TOTAL or raise DEPTH/TOPK"
+            )
+
+    @property
+    def spec(self) -> str:
+        return f"{self.total_tokens},{self.depth},{self.top_k}"
+
+    @property
+    def num_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def window(self) -> int:
+        """Head cache slots the expanded levels occupy above the committed length."""
+        return max(self.depth - 1, 1) * self.top_k
+
+    @property
+    def cache_slots(self) -> int:
+        """Cache slots a step writes above the committed length: the verify block, and the head's levels."""
+        return max(self.total_tokens, self.depth + 1 + self.window)
+
+    @classmethod
+    def parse(cls, text: str) -> TreeConfig:
+        """'TOTAL,DEPTH,TOPK', e.g. '32,6,8'."""
+        try:
+            total, depth, top_k = (int(x) for x in text.split(","))
+        except ValueError:
+            raise JaxspecError(f"--tree wants TOTAL,DEPTH,TOPK (three integers, e.g. 32,6,8), got {text!r}") from None
+        return cls(total, depth, top_k)

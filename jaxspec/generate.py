@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.processors import LogitProcessors
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
     from jaxspec.sampling import SamplingConfig
@@ -201,7 +201,7 @@ def _method_summary(args, draft, completions, proposer=None) -> str:
     if not draft:
         return "target-only"
     method = method_name(args.num_speculative_tokens, args.tree, proposer=proposer)
-    from jaxspec.generation import tokens_per_verify
+    from jaxspec.engine.generation import tokens_per_verify
     from jaxspec.engine.auto.generator import describe_choices
 
     if method == "auto":

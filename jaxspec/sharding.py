@@ -33,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
 from pallas_kernels.mesh_axes import DATA, MODEL
-from jaxspec.models import kv_cache as kvc
 from pallas_kernels.dispatch import on_mesh
 
 log = logging.getLogger(__name__)
@@ -174,35 +173,6 @@ def to_host(x: jax.Array) -> np.ndarray:
     if x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def constrain_cache(cache: kvc.KVCache) -> kvc.KVCache:
-    """Inside jit: keep a KV cache split as (data, model) when a mesh with those axes is set, else unchanged."""
-    if not on_mesh():
-        return cache
-    wsc = jax.lax.with_sharding_constraint
-    return kvc.KVCache(
-        tuple(wsc(x, CACHE_SPEC) for x in cache.k),
-        tuple(wsc(x, CACHE_SPEC) for x in cache.v),
-        wsc(cache.lengths, P(DATA)),
-    )
-
-
-def constrain_state(state):
-    """Inside jit: a decode state (a NamedTuple of per-row arrays and caches) with its caches split as (data,
-    model) and every other per-row array split over data. Applied where a state is returned, so that a step's
-    output has the shardings its compiled input has (the step runs again on its own output)."""
-    if not on_mesh():
-        return state
-
-    def one(x):
-        if isinstance(x, kvc.KVCache):
-            return constrain_cache(x)
-        if x.ndim == 0 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return x
-        return jax.lax.with_sharding_constraint(x, P(DATA))
-
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, kvc.KVCache))
 
 
 def mesh_context(mesh: jax.sharding.Mesh | None):

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from jaxspec.checkpoints.hf import load_target
-    from jaxspec.generation import Generator, default_dtype
+    from jaxspec.engine.generation import Generator, default_dtype
     from pallas_kernels.dispatch import resolve_kernels
 
     model = load_target(args.target, dtype=args.dtype or default_dtype())

@@ -22,7 +22,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models.llama import LlamaModel
 from jaxspec.reference_shapes import SHAPES, reference_config
 

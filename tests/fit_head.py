@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from jaxspec.config import HeadConfig
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import SamplingConfig

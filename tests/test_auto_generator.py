@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.engine.auto.config import AcceptanceProfile, RunningAcceptance, StepCosts
 from jaxspec.engine.auto.generator import FIRST_CHAIN, AutoSpeculativeGenerator, chosen, describe_choices
 from jaxspec.engine.generator import SpeculativeGenerator

@@ -10,7 +10,7 @@ from hf_tiny import make_tiny
 
 from jaxspec import compiled_programs
 from jaxspec.checkpoints.hf import load_target
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 
 # prompt buckets 16, 32 and 64: two programs each (prefill, step)
 PROMPTS = [[5, 17, 3, 9], [7] * 20, [11, 2] * 20]

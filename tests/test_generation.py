@@ -7,7 +7,7 @@ from hf_tiny import make_tiny
 from jaxspec import generation
 from jaxspec.checkpoints.hf import load_target
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.sampling import SamplingConfig
 
 PROMPTS = [[5, 17, 3, 9], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4], [33], [70, 71, 72, 73, 74, 75]]

@@ -266,7 +266,7 @@ def test_invariant_on_the_mesh(dtype, attention):
 
     @functools.partial(jax.jit, static_argnames="empty")
     def forward(p, t, q, c, a, empty):
-        out = nnx.merge(gd, p)(t, q, sharding.constrain_cache(c), ancestors=a, return_aux=True, empty_cache=empty)
+        out = nnx.merge(gd, p)(t, q, kvc.constrain(c), ancestors=a, return_aux=True, empty_cache=empty)
         return out.logits, out.aux, out.cache
 
     def run(tokens, positions, cache, ancestors=None, empty=False):
@@ -327,7 +327,7 @@ def test_bfloat16_greedy_speculation_equals_target_only(tree, batch, attention):
     the jax.numpy attention and with the Pallas kernel (interpret mode)."""
     from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.engine.generator import SpeculativeGenerator
     from jaxspec.engine.tree import TreeConfig
 
@@ -348,7 +348,7 @@ def test_bfloat16_ngram_equals_target_only(batch):
     (a one-token decode), both emit the target-only tokens."""
     from spec_fixtures import PROMPTS, tiny_target
 
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.engine.proposers.ngram import NgramProposer
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)

@@ -31,6 +31,7 @@ MOVED = {
     "jaxspec.bench_kernels": "jaxspec.bench.kernels",
     "jaxspec.bench_load": "jaxspec.bench.load",
     "jaxspec.bandwidth": "jaxspec.bench.bandwidth",
+    "jaxspec.generation": "jaxspec.engine.generation",
 }
 SPLIT = {"jaxspec.cli_common": "jaxspec.cli"}
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxspec import sharding
 from jaxspec.config import TargetConfig
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.generator import SpeculativeGenerator

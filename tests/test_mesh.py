@@ -25,7 +25,7 @@ from spec_fixtures import PROMPTS
 from jaxspec import sharding
 from jaxspec.config import TargetConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.generator import SpeculativeGenerator
@@ -258,7 +258,7 @@ def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
     capacity = gen.memory.cache_capacity
     assert gen.memory.target_kv_cache == 2 * 3 * (4 // data) * 1 * capacity * 16 * 4 + (4 // data) * 4
     with sharding.mesh_context(wide):
-        cache = jax.jit(lambda: sharding.constrain_cache(narrow_kv_target().init_cache(4, 32)))()
+        cache = jax.jit(lambda: kvc.constrain(narrow_kv_target().init_cache(4, 32)))()
     assert cache.k[0].shape == (4, model, 32, 16) and _shard_shapes(cache.k[0]) == {(4 // data, 1, 32, 16)}
     attn = gen.params["layers"][0]["self_attn"]
     assert _shard_shapes(attn["q_proj"]["kernel"][...]) == {(64, 128 // model)}  # whole query heads per device

@@ -12,7 +12,7 @@ from spec_fixtures import PROMPTS, tiny_target
 from test_spec_sampling import VOCAB, chi_square_p, first_two, plain_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator, tokens_per_verify
+from jaxspec.engine.generation import Generator, tokens_per_verify
 from jaxspec.processors import LogitProcessors
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.engine.proposers.ngram import NgramProposer

@@ -12,7 +12,7 @@ from spec_fixtures import PROMPTS, fitted_head, tiny_target
 from test_spec_sampling import SHAPE, VOCAB, chi_square_p, first_two, plain_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.processors import LogitProcessors, ProcessorValues, batch_values, chain_paths, init_state, process, record
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.engine.generator import SpeculativeGenerator

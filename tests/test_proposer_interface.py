@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from spec_fixtures import PROMPTS, tiny_target
 
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.sampling import SamplingConfig
 from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
 

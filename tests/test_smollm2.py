@@ -9,7 +9,7 @@ import transformers
 
 from jaxspec.checkpoints import builtin
 from jaxspec.checkpoints.hf import load_target
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.prompts import encode_prompt, load_tokenizer, stop_token_ids, suite_prompts
 
 pytestmark = pytest.mark.smollm2

@@ -6,7 +6,7 @@ from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
 

@@ -10,7 +10,7 @@ from flax import nnx
 from scipy import stats
 from spec_fixtures import fitted_head, tiny_target
 
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.sampling import SamplingConfig, filtered_logits
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig

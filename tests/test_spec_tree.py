@@ -6,7 +6,7 @@ import pytest
 from spec_fixtures import PROMPTS, fitted_head, random_head, tiny_target
 
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models import kv_cache as kvc
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig, draft_tree, tree_from_parents

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.sampling import SamplingConfig
 from jaxspec.engine.proposers.eagle3 import Eagle3Proposer
 from jaxspec.engine.generator import SpeculativeGenerator

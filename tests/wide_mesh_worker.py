@@ -22,7 +22,8 @@ from spec_fixtures import PROMPTS  # noqa: E402
 
 from jaxspec import sharding  # noqa: E402
 from jaxspec.config import TargetConfig  # noqa: E402
-from jaxspec.generation import Generator  # noqa: E402
+from jaxspec.models import kv_cache as kvc  # noqa: E402
+from jaxspec.engine.generation import Generator  # noqa: E402
 from jaxspec.models.llama import LlamaModel  # noqa: E402
 from jaxspec.engine.generator import SpeculativeGenerator  # noqa: E402
 from jaxspec.engine.tree import TreeConfig  # noqa: E402
@@ -77,8 +78,8 @@ def main() -> None:
     # A cache made inside jit under the mesh, as the generators' prefills make theirs (the memory reports above
     # read the shards of the generators' own caches).
     with sharding.mesh_context(mesh):
-        cache = jax.jit(lambda: sharding.constrain_cache(model.init_cache(2, 32)))()
-        head_cache = jax.jit(lambda: sharding.constrain_cache(head.init_cache(2, 32)))()
+        cache = jax.jit(lambda: kvc.constrain(model.init_cache(2, 32)))()
+        head_cache = jax.jit(lambda: kvc.constrain(head.init_cache(2, 32)))()
     out["cache"] = {"shape": list(cache.k[0].shape), "shards": shapes(cache.k[0]),
                     "head_shape": list(head_cache.v[0].shape), "head_shards": shapes(head_cache.v[0])}
     print(json.dumps(out))

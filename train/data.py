@@ -237,7 +237,7 @@ def generate(args) -> None:
 
     from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
 
     if args.host_index >= args.num_hosts:

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         from jaxspec.checkpoints.heads import load_head
         from jaxspec.checkpoints.hf import load_target
         from jaxspec.cli.loading import head_aux_layer_ids, resolve_target
-        from jaxspec.generation import default_dtype
+        from jaxspec.engine.generation import default_dtype
         from jaxspec.engine.generator import check_head_fits
         from train.data import read_shards, require_shards
 

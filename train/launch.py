@@ -83,7 +83,7 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection, tree: TreeCon
     draft position, or each tree depth) on the first prompts of the eval file, with a chain of `num_draft_steps`
     or `tree` (a TreeConfig): the held-out curve, and the profile an exported head records for automatic
     speculation (`jaxspec.engine.auto.config.profile_from_record`, `trees_from_record`)."""
-    from jaxspec.generation import tokens_per_verify
+    from jaxspec.engine.generation import tokens_per_verify
     from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
     from jaxspec.engine.generator import SpeculativeGenerator
 
@@ -204,7 +204,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli.loading import resolve_target
-    from jaxspec.generation import default_dtype
+    from jaxspec.engine.generation import default_dtype
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
     from train.precision import computing_in, resolve_compute_dtype

@@ -64,7 +64,7 @@ def round_seed(seed: int, rnd: int) -> int:
 
 
 def sample_prompts(
-    generator,  # jaxspec.generation.Generator over the target (target-only)
+    generator,  # jaxspec.engine.generation.Generator over the target (target-only)
     prefix: list[int],
     decode,  # token ids -> text
     stop_ids: list[int],
@@ -139,7 +139,7 @@ def write_prompts(args) -> None:
 
     from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.prompts import excluded_prompts, stop_token_ids
     from jaxspec.sampling import SamplingConfig
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from flax import nnx
 
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
 
     if args.load_time:
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) -> list[dict]:
     """Every method of this run again with the other numerics, tokens/s both ways. The
     ratio is plain / invariant, i.e. how much faster dropping invariance would be."""
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
 
     measured = [("target-only", None, result["jaxspec"])] + [
         (sp["method"], tree, sp) for tree, sp in zip([None, *args.tree], result.get("speculative", []))
@@ -437,7 +437,7 @@ def run_load_time(args) -> int:
     from pathlib import Path
 
     from jaxspec.bench.load import load_table, time_loads
-    from jaxspec.generation import default_dtype
+    from jaxspec.engine.generation import default_dtype
 
     mesh = resolve_mesh(args)
     target_dir = resolve_target(args.target)
@@ -458,7 +458,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
 
     from jaxspec import compiled_programs
     from jaxspec.bench.suite import write_report
-    from jaxspec.generation import Generator
+    from jaxspec.engine.generation import Generator
     from jaxspec.engine.tree import TreeConfig
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []

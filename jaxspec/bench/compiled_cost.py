@@ -84,7 +84,7 @@ class CostCase:
 
     @property
     def capacity(self) -> int:
-        from jaxspec.generation import capacity_bucket
+        from jaxspec.engine.generation import capacity_bucket
 
         return capacity_bucket(self.length + self.tokens, 1 << 30)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxspec.generation import Completion, Generator
+    from jaxspec.engine.generation import Completion, Generator
 
 
 def measure(

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxspec.config import HeadConfig, TargetConfig
+from jaxspec.config import HeadConfig, TargetConfig, TreeConfig
 from jaxspec.errors import JaxspecError
 
 RECORD_KEY = "jaxspec"  # a head config's own key for what the published layouts have no field for
@@ -171,8 +171,6 @@ def check_acceptance(profile: Any) -> list[dict[str, Any]]:
             raise JaxspecError(f"{where} entry {i}: acceptance_per_position must be a list of rates in [0, 1]")
         method = m.get("method")
         if isinstance(method, str) and method.startswith("tree "):  # a candidate of automatic speculation
-            from jaxspec.engine.tree import TreeConfig
-
             try:
                 TreeConfig.parse(method[len("tree "):])
             except JaxspecError as e:

@@ -84,7 +84,7 @@ def load_target_and_tokenizer(
     restored straight into the mesh's shardings) and of the kernels it runs. numerics: "invariant" (the model's
     default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto."""
     from jaxspec.checkpoints.hf import load_target
-    from jaxspec.generation import default_dtype
+    from jaxspec.engine.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
     from pallas_kernels.dispatch import describe, resolve_kernels
 
@@ -105,7 +105,7 @@ def load_target_and_tokenizer(
 
 def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
     from jaxspec.checkpoints.heads import load_head
-    from jaxspec.generation import default_dtype
+    from jaxspec.engine.generation import default_dtype
 
     return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
 

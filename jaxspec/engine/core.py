@@ -24,15 +24,34 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
-from jaxspec.sharding import constrain_cache, constrain_state
 from jaxspec.engine import telemetry
 from jaxspec.engine.accept import forced_accept
 from jaxspec.engine.proposers.base import PrefillView, Proposer, StepView, Verified
+from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.mesh_axes import DATA
 from pallas_kernels.rejection import chain_parents, verify_draft
+
+
+def constrain_state(state):
+    """Inside jit: a decode state (a NamedTuple of per-row arrays and caches) with its caches split as (data,
+    model) and every other per-row array split over data. Applied where a state is returned, so that a step's
+    output has the shardings its compiled input has (the step runs again on its own output)."""
+    if not on_mesh():
+        return state
+
+    def one(x):
+        if isinstance(x, kvc.KVCache):
+            return kvc.constrain(x)
+        if x.ndim == 0 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        return jax.lax.with_sharding_constraint(x, P(DATA))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, kvc.KVCache))
 
 
 class Stats(NamedTuple):
@@ -96,7 +115,7 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
     out = target(
-        prompt, positions, constrain_cache(target.init_cache(b, capacity)), logit_indices=last, empty_cache=True,
+        prompt, positions, kvc.constrain(target.init_cache(b, capacity)), logit_indices=last, empty_cache=True,
         return_aux=proposer is not None and proposer.needs_aux,
         return_hidden=proposer is not None and proposer.needs_hidden,
     )

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxspec import sharding
 from jaxspec.checkpoints.heads import validate_head
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Generator
+from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.proposers.eagle3 import Eagle3Proposer

@@ -10,60 +10,13 @@ parent's and `lax.top_k` breaks ties toward the lower index), form the tree unde
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import MAX_DRAFT_DEPTH
-from jaxspec.errors import JaxspecError
+from jaxspec.config import TreeConfig  # noqa: F401  (defined with the other frozen configs; imported from here too)
 from jaxspec.models import kv_cache as kvc
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeConfig:
-    total_tokens: int  # nodes verified per step, the root (last emitted token) included
-    depth: int  # draft levels below the root: the longest acceptable path
-    top_k: int  # children proposed per expanded node, and nodes expanded per level
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 2:
-            raise JaxspecError(f"tree {self.spec}: need TOTAL >= 2, DEPTH >= 1 and TOPK >= 1")
-        if self.depth > MAX_DRAFT_DEPTH:
-            raise JaxspecError(f"tree {self.spec}: DEPTH is at most {MAX_DRAFT_DEPTH}, got {self.depth}")
-        if self.total_tokens - 1 > self.num_candidates:
-            raise JaxspecError(
-                f"tree {self.spec}: DEPTH={self.depth} and TOPK={self.top_k} propose only {self.num_candidates} "
-                f"draft tokens, fewer than TOTAL-1={self.total_tokens - 1}; lower TOTAL or raise DEPTH/TOPK"
-            )
-
-    @property
-    def spec(self) -> str:
-        return f"{self.total_tokens},{self.depth},{self.top_k}"
-
-    @property
-    def num_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k**2
-
-    @property
-    def window(self) -> int:
-        """Head cache slots the expanded levels occupy above the committed length."""
-        return max(self.depth - 1, 1) * self.top_k
-
-    @property
-    def cache_slots(self) -> int:
-        """Cache slots a step writes above the committed length: the verify block, and the head's levels."""
-        return max(self.total_tokens, self.depth + 1 + self.window)
-
-    @classmethod
-    def parse(cls, text: str) -> TreeConfig:
-        """'TOTAL,DEPTH,TOPK', e.g. '32,6,8'."""
-        try:
-            total, depth, top_k = (int(x) for x in text.split(","))
-        except ValueError:
-            raise JaxspecError(f"--tree wants TOTAL,DEPTH,TOPK (three integers, e.g. 32,6,8), got {text!r}") from None
-        return cls(total, depth, top_k)
 
 
 class DraftTree(NamedTuple):

@@ -12,6 +12,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.sharding import CACHE_SPEC
+from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.mesh_axes import DATA
 
 
 class KVCache(NamedTuple):
@@ -22,6 +27,18 @@ class KVCache(NamedTuple):
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
+
+
+def constrain(cache: KVCache) -> KVCache:
+    """Inside jit: keep a KV cache split as (data, model) when a mesh with those axes is set, else unchanged."""
+    if not on_mesh():
+        return cache
+    wsc = jax.lax.with_sharding_constraint
+    return KVCache(
+        tuple(wsc(x, CACHE_SPEC) for x in cache.k),
+        tuple(wsc(x, CACHE_SPEC) for x in cache.v),
+        wsc(cache.lengths, P(DATA)),
+    )
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:

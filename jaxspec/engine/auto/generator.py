@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from jaxspec import sharding
 from jaxspec.errors import JaxspecError
-from jaxspec.generation import Completion, Generator, capacity_bucket
+from jaxspec.engine.generation import Completion, Generator, capacity_bucket
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.auto.config import (

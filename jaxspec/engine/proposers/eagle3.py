@@ -21,7 +21,6 @@ from flax import nnx
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import SamplingConfig, filtered_logits
-from jaxspec.sharding import constrain_cache
 from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.tree import TreeConfig, draft_tree
 
@@ -126,7 +125,7 @@ class Eagle3Proposer:
         # The head consumes pairs (g_t, x_{t+1}) for t < n - 1; the pair (g_{n-1}, x_n) is left pending.
         next_tokens = jnp.concatenate([view.prompt[:, 1:], jnp.zeros((b, 1), view.prompt.dtype)], axis=1)
         _, _, head_cache = head(
-            next_tokens, head.project(view.aux), positions, constrain_cache(head.init_cache(b, capacity)),
+            next_tokens, head.project(view.aux), positions, kvc.constrain(head.init_cache(b, capacity)),
             _embed_table(target, head), logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
         )
         g_last = jnp.take_along_axis(view.aux, last[:, None, None], axis=1)  # [B, 1, F]
