@@ -169,7 +169,19 @@ def test_prompt_too_long_for_context_subprocess():
     assert "Traceback" not in proc.stderr
 
 
-def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
+# The whole suite (batch 1 and 2; target-only, a chain, a tree, auto and transformers: 9 runs, ~3.5 minutes on 2
+# cores) runs with `-m slow`; CI runs batch 1 with target-only, a chain and auto (3 runs).
+SUITES = [
+    pytest.param(["--batch-sizes", "1", "--chain-lengths", "2"], (1,), ("target-only", "chain K=2", "auto"),
+                 id="batch1"),
+    pytest.param(["--batch-sizes", "1,2", "--chain-lengths", "2", "--tree", "5,2,2", "--compare-hf"], (1, 2),
+                 ("target-only", "chain K=2", "tree 5,2,2", "auto"), id="whole", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("flags,batches,methods", SUITES)
+def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch, flags,
+                                                    batches, methods):
     import jax
 
     from jaxspec.bench import cli as bench
@@ -184,22 +196,25 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
     monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1) or clear_caches())
     out = tmp_path / "report"
     code = bench.main(["--target", str(tiny_dir), "--draft", str(tiny_head), "--suite", "mt_bench", "--limit", "2",
-                       "--raw", "--max-new-tokens", "5", "--batch-sizes", "1,2", "--chain-lengths", "2",
-                       "--tree", "5,2,2", "--compare-hf", "--out", str(out)])
+                       "--raw", "--max-new-tokens", "5", *flags, "--out", str(out)])
     assert code == 0
     # the report is on disk after every run (a suite cut short keeps what it measured), and every run's compiled
     # programs are released before the next (XLA:CPU's memory maps would otherwise pile up to the process limit)
-    assert written == list(range(1, 10)) and len(cleared) == 9
+    hf_runs = int("--compare-hf" in flags)
+    total = len(batches) * len(methods) + hf_runs
+    assert written == list(range(1, total + 1)) and len(cleared) == total
     result = json.loads((out / "results.json").read_text())
-    (hf,) = [r for r in result["runs"] if r["method"] == "transformers generate"]
-    assert hf["batch_size"] == 1 and hf["tokens_per_second"] > 0 and hf["identical_outputs"] == "2/2"
-    result["runs"].remove(hf)
+    if hf_runs:
+        (hf,) = [r for r in result["runs"] if r["method"] == "transformers generate"]
+        assert hf["batch_size"] == 1 and hf["tokens_per_second"] > 0 and hf["identical_outputs"] == "2/2"
+        result["runs"].remove(hf)
     assert result["suite"] == "mt_bench" and result["prompts"] == 2
     runs = {(r["batch_size"], r["method"]): r for r in result["runs"]}
-    assert set(runs) == {(b, m) for b in (1, 2) for m in ("target-only", "chain K=2", "tree 5,2,2", "auto")}
+    assert set(runs) == {(b, m) for b in batches for m in methods}
     assert "identical_outputs" not in runs[(1, "target-only")]
-    assert runs[(2, "target-only")]["identical_outputs"] == "2/2 (to batch 1)"  # batch-invariant numerics
-    for b in (1, 2):  # a head without a recorded profile: the first batch drafts the default chain to measure one
+    if 2 in batches:
+        assert runs[(2, "target-only")]["identical_outputs"] == "2/2 (to batch 1)"  # batch-invariant numerics
+    for b in batches:  # a head without a recorded profile: the first batch drafts the default chain to measure one
         auto = runs[(b, "auto")]
         assert auto["identical_outputs"] == "2/2" and auto["auto_last"]["basis"] in ("observed", "first batch")
         assert sum(auto["auto_choices"].values()) == 2 // b
@@ -214,7 +229,7 @@ def test_bench_suite_writes_json_markdown_and_plots(tiny_dir, tiny_head, tmp_pat
             full, cut = r["rejections"]["all_accepted"], r["rejections"]["cut_by_stop"]
             assert full <= hist[-1] <= full + cut  # steps that accepted every draft, unless the stop cut them
     table = (out / "results.md").read_text()
-    assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= 9
+    assert "| batch | method | tokens/s |" in table and table.count("\n| ") >= total
     assert "- batch 1: auto ran " in table and "running acceptance" in table
     assert "| batch | method | all accepted | outside draft vocab |" in table  # the rejection table
     for name in ("tokens_per_second.png", "acceptance_by_position.png", "accepted_lengths.png"):

@@ -1,4 +1,7 @@
-"""The training launcher: checkpoints, exact resume after SIGKILL, metrics, export."""
+"""The training launcher: checkpoints, exact resume after SIGKILL, metrics, export.
+
+Each `train.launch` subprocess costs 30-60 s on 2 cores, so CI runs one per promise (a killed run resumes exactly, a
+stop signal saves a checkpoint, a non-finite loss stops without saving, evaluation); the rest are marked slow."""
 
 import json
 import os
@@ -94,6 +97,7 @@ def test_killed_run_resumes_exactly(setup):
     assert sorted(losses(setup / "killed")) == list(range(10))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_compute_dtype(setup):
     """auto is resolved once per run: the dtype is in the checkpoint, and a resume under auto continues in it."""
     cfg = config(setup, "mixed", 4)
@@ -108,6 +112,7 @@ def test_a_resumed_run_keeps_its_compute_dtype(setup):
     assert sorted(losses(setup / "mixed")) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_list_of_datasets_trains_as_one_mix(setup):
     """data: [A, B] reads every shard of both (here the same 24 sequences twice: 48) and trains on the mix."""
     import shutil
@@ -129,6 +134,7 @@ def test_bad_override(setup, capsys):
     assert exc.value.code == 2 and "is not key=value" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_offline_features_train_like_online(setup):
     from train.data import main as data_main
 
@@ -183,6 +189,7 @@ def test_offline_features_train_like_online(setup):
         assert offline[step] == pytest.approx(online[step], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_follow_the_jsonl_log(setup):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -193,6 +200,7 @@ def test_tensorboard_scalars_follow_the_jsonl_log(setup):
     assert loss == [(s, pytest.approx(v)) for s, v in sorted(losses(setup / "board").items())]
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(setup):
     """The first Ctrl-C stops after the current step, saves it, exits 130; the same command resumes from there."""
     proc = launch(config(setup, "interrupted", 400), "train.checkpoint_every=1000", wait=False)
@@ -212,7 +220,8 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(setup):
     assert sorted(losses(setup / "interrupted")) == list(range(saved + 2))  # resumed at `saved`, nothing redone
 
 
-@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT", "SIGINT")], ids=["sigterm", "sigint-twice-at-once"])
+@pytest.mark.parametrize("signals", [pytest.param(("SIGTERM",), marks=pytest.mark.slow), ("SIGINT", "SIGINT")],
+                         ids=["sigterm", "sigint-twice-at-once"])
 def test_a_stop_signal_saves_a_checkpoint_even_when_it_arrives_twice(setup, signals):
     """A SIGTERM (a preempted VM, a scheduler) saves as the first Ctrl-C does; a signal sent to the whole process
     group arrives twice at once, and that is one request, not 'Ctrl-C again: quit, unsaved'."""

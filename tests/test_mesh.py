@@ -72,7 +72,8 @@ def test_target_only_on_the_mesh_equals_one_device():
     assert _ids(sharded) == _ids(single)
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow),
+                                  TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
 def test_speculative_on_the_mesh_equals_one_device(tree):
     reference = Generator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
     gen = SpeculativeGenerator(target(), head(), num_draft=4, tree=tree, batch_size=4, mesh=mesh())
@@ -81,7 +82,7 @@ def test_speculative_on_the_mesh_equals_one_device(tree):
     assert np.mean([c.stats["mean_accepted_length"] for c in out]) > 1.5  # drafts were really accepted
 
 
-@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("batch", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_ngram_on_the_mesh_equals_one_device(batch):
     """Prompt lookup's on-device history and its root-only steps (`lax.cond` when no row matched) under the mesh."""
     from jaxspec.engine.proposers.ngram import NgramProposer
@@ -249,7 +250,7 @@ def narrow_kv_reference() -> list[list[int]]:
     return _ids(Generator(narrow_kv_target(), batch_size=4).generate(PROMPTS, max_new_tokens=24))
 
 
-@pytest.mark.parametrize("data, model", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("data, model", [pytest.param(2, 4, marks=pytest.mark.slow), (1, 8)])
 def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
     wide = sharding.make_mesh(sharding.MeshConfig(data=data, model=model))
     gen = Generator(narrow_kv_target(), batch_size=4, mesh=wide)
@@ -267,7 +268,8 @@ def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
     assert _shard_shapes(attn["k_proj"]["kernel"][...]) == {(64, 32 // model)}
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow),
+                                  TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
 def test_speculative_with_repeated_kv_heads_equals_one_device(tree):
     wide = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
     gen = SpeculativeGenerator(narrow_kv_target(), narrow_kv_head(), num_draft=4, tree=tree, batch_size=4, mesh=wide)
@@ -283,6 +285,7 @@ def _run_on_nine_devices(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=900)
 
 
+@pytest.mark.slow  # a 9-device subprocess (~2.5 minutes); CI keeps the 8-device repeated-KV-head cases above
 def test_nine_devices_for_nine_query_and_three_kv_heads_equal_one_device():
     """Issue #17: `--mesh data=1,model=9` on SmolLM2's head counts (9 query, 3 KV) equals one device, target-only,
     chain and tree, with each KV head repeated on 3 devices: caches [B, 9, S, D] split to one head per device,

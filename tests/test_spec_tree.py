@@ -21,9 +21,16 @@ def mean_accepted(completions) -> float:
     return float(np.mean([c.stats["mean_accepted_length"] for c in completions]))
 
 
-@pytest.mark.parametrize("head_kind", ["random", "fitted"])
-@pytest.mark.parametrize("tree", [TreeConfig(16, 4, 4), TreeConfig(8, 3, 2), TreeConfig(2, 1, 1)], ids=lambda t: t.spec)
-@pytest.mark.parametrize("batch", [1, 4])
+# CI: the widest tree with a fitted head in a batch of 4, the one-draft tree with a random head alone; the rest
+# under -m slow.
+TREE_CI = {("fitted", "16,4,4", 4), ("random", "2,1,1", 1)}
+
+
+@pytest.mark.parametrize("head_kind,tree,batch", [
+    pytest.param(h, t, b, id=f"{b}-{t.spec}-{h}", marks=() if (h, t.spec, b) in TREE_CI else pytest.mark.slow)
+    for b in (1, 4) for t in (TreeConfig(16, 4, 4), TreeConfig(8, 3, 2), TreeConfig(2, 1, 1))
+    for h in ("random", "fitted")
+])
 def test_tree_greedy_equals_target_only(head_kind, tree, batch, reference):
     head = random_head() if head_kind == "random" else fitted_head()
     got = SpeculativeGenerator(tiny_target(), head, tree=tree, batch_size=batch).generate(PROMPTS, max_new_tokens=30)
