@@ -53,6 +53,19 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
     return index
 
 
+def check_weight_files(model_dir: Path) -> None:
+    """The weight files' headers read, no tensor: missing weights, pickled-only ones, a corrupt or truncated
+    safetensors file are one line before any weights load (the CLIs' `check_before_loading`). An orbax target is
+    checked when it is restored."""
+    from jaxspec.checkpoints.orbax_target import is_orbax_target
+
+    if is_orbax_target(model_dir):
+        return
+    for path in sorted(set(tensor_index(model_dir).values())):
+        with _open(path):
+            pass
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="numpy")

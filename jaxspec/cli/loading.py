@@ -78,22 +78,19 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
 
 def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
                          batch_sizes: list[int], processors=None):
-    """What the README promises before any weights load, from the two config.json files and the tokenizer alone:
-    each prompt plus --max-new-tokens fits the context, the logit biases name tokens of the vocabulary, and the
-    mesh fits the target's and the head's attention heads and each batch size its data axis. Returns (tokenizer,
-    the encoded prompts), which the run goes on with."""
+    """What the README promises before any weights load, from the two config.json files, the weights' headers and
+    the tokenizer alone, in this order: the mesh fits the target's and the head's attention heads and each batch
+    size its data axis; the weight files are whole safetensors (`check_weight_files`); each prompt plus
+    --max-new-tokens fits the context; the logit biases name tokens of the vocabulary. Returns (tokenizer, the
+    encoded prompts), which the run goes on with."""
     from jaxspec import sharding
+    from jaxspec.checkpoints.hf import check_weight_files
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import check_prompt_lengths
     from jaxspec.processors import check_vocab
     from jaxspec.prompts import encode_prompt, load_tokenizer
 
     config = load_target_config(target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
-    check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)
-    if processors is not None:
-        check_vocab([processors], config.vocab_size)
     if mesh is not None:
         configs = {"target": config}
         if draft is not None:
@@ -102,6 +99,12 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
             configs["draft head"] = head_config_from_hf(read_head_config(draft))[1]
         for batch_size in batch_sizes:
             sharding.check_fits(mesh, configs, batch_size)
+    check_weight_files(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
+    check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)
+    if processors is not None:
+        check_vocab([processors], config.vocab_size)
     return tokenizer, encoded
 
 
