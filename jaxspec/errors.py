@@ -1,7 +1,9 @@
 """User-facing errors.
 
 A `JaxspecError` names a problem the user can fix (a path, a flag, a checkpoint) and how. The CLIs print it as one
-line and exit with code 2; anything else is a bug and keeps its traceback.
+line and exit with code 2, as they do an OSError (the machine's state: a full disk, a path under a file; reading
+the user's files goes through jaxspec/files.py, which names the file); anything else is a bug and keeps its
+traceback.
 """
 
 

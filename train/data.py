@@ -57,8 +57,7 @@ def check_shard_prompts(out: Path, prompts: list[tuple[str, str]], shard_size: i
         path = shard_path(out, i)
         if not path.exists():
             continue
-        with np.load(path) as shard:
-            held = [str(x) for x in shard["ids"]]
+        held = [str(x) for x in load_npz(path, "ids")[0]]  # a shard cut short by a full disk: one line
         expected = [pid for pid, _ in prompts[i * shard_size : (i + 1) * shard_size]]
         if held[: len(expected)] != expected:  # a last shard written under a larger --limit may hold more
             raise JaxspecError(
@@ -238,6 +237,7 @@ def generate(args) -> None:
     from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import Generator
+    from jaxspec.files import check_writable_dir, make_dir, read_json
     from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
 
     if args.host_index >= args.num_hosts:
@@ -247,6 +247,7 @@ def generate(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise JaxspecError(f"--out {str(out)!r} exists and is not a directory")
+    check_writable_dir(out, "--out")
     # The inputs are checked before anything is written.
     prompts = load_prompts(args.prompts, args.seed, args.exclude)
     if args.limit:
@@ -255,7 +256,7 @@ def generate(args) -> None:
         raise JaxspecError(f"every prompt of {args.prompts!r} is in an --exclude file: nothing to generate")
     target_dir = resolve_target(args.target)
     load_target_config(target_dir)  # a missing or broken --target fails here, not after writing meta.json
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out")
     meta = {
         "target": target_dir.name,
         "prompts": prompt_set_path(args.prompts).name,
@@ -268,7 +269,7 @@ def generate(args) -> None:
     }
     meta_file = out / "meta.json"
     if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
+        old = read_json(meta_file, "the dataset's meta.json")
         changed = {k for k in ("target", "seed", "shard_size", "max_new_tokens") if old.get(k) != meta[k]}
         if changed:
             raise JaxspecError(
@@ -303,21 +304,6 @@ def generate(args) -> None:
         )
 
 
-def _count(minimum: int):
-    """argparse type: an integer >= minimum."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def _positive_float(text: str) -> float:
     """argparse type: a float > 0."""
     try:
@@ -330,9 +316,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxspec.cli.args import add_target_args
+    from jaxspec.cli.args import SEED_RANGE, OneLineParser, add_target_args, integer
 
-    parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m train.data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate",
@@ -367,38 +353,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--limit",
-        type=_count(0),
+        type=integer(0),
         default=0,
         metavar="N",
         help="use the first N prompts of the shuffle, 0 = all (default: %(default)s)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the prompt shuffle (default: %(default)s)")
+    g.add_argument("--seed", type=integer(0, SEED_RANGE[1]), default=0,
+                   help="seed of the prompt shuffle (default: %(default)s)")
     g.add_argument(
-        "--shard-size", type=_count(1), default=64, metavar="N", help="prompts per shard (default: %(default)s)"
+        "--shard-size", type=integer(1), default=64, metavar="N", help="prompts per shard (default: %(default)s)"
     )
     g.add_argument(
         "--batch-size",
-        type=_count(1),
+        type=integer(1),
         default=32,
         metavar="B",
         help="prompts generated together (default: %(default)s)",
     )
     g.add_argument(
         "--max-new-tokens",
-        type=_count(1),
+        type=integer(1),
         default=192,
         metavar="N",
         help="longest response in tokens (default: %(default)s)",
     )
     g.add_argument(
         "--host-index",
-        type=_count(0),
+        type=integer(0),
         default=0,
         metavar="H",
         help="this host's index: it writes shards H, H+N, ... (default: %(default)s)",
     )
     g.add_argument(
-        "--num-hosts", type=_count(1), default=1, metavar="N", help="hosts sharing the work (default: %(default)s)"
+        "--num-hosts", type=integer(1), default=1, metavar="N", help="hosts sharing the work (default: %(default)s)"
     )
     pr = sub.add_parser(
         "prompts",
@@ -408,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_target_args(pr, numerics="plain", numerics_why=". Sampled prompts need no batch-invariance")
     pr.add_argument("--out", required=True, metavar="FILE.jsonl", help="the prompts file (required; no default)")
-    pr.add_argument("--count", type=_count(1), required=True, metavar="N", help="distinct prompts to write (required; no default)")
-    pr.add_argument("--seed", type=_count(0), default=0, metavar="S",
+    pr.add_argument("--count", type=integer(1), required=True, metavar="N",
+                    help="distinct prompts to write (required; no default)")
+    pr.add_argument("--seed", type=integer(0), default=0, metavar="S",
                     help="each round samples with a seed hashed from (S, round); a second file that excludes a first "
                     "needs another S (default: %(default)s)")
     pr.add_argument(
@@ -419,10 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top-p", type=_positive_float, default=0.95, metavar="P",
                     help="nucleus sampling, in (0, 1] (default: %(default)s)")
     pr.add_argument(
-        "--max-tokens", type=_count(1), default=128, metavar="N",
+        "--max-tokens", type=integer(1), default=128, metavar="N",
         help="longest prompt; a turn the target has not ended by then is dropped (default: %(default)s)",
     )
-    pr.add_argument("--batch-size", type=_count(1), default=32, metavar="B",
+    pr.add_argument("--batch-size", type=integer(1), default=32, metavar="B",
                     help="turns sampled per round (default: %(default)s)")
     pr.add_argument(
         "--exclude", nargs="*", default=[], metavar="NAME|FILE",
@@ -438,10 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", required=True, metavar="DIR", help="a dataset directory written by generate (required; no default)"
     )
     f.add_argument(
-        "--batch-size", type=_count(1), default=4, metavar="B", help="packed rows per forward (default: %(default)s)"
+        "--batch-size", type=integer(1), default=4, metavar="B", help="packed rows per forward (default: %(default)s)"
     )
     f.add_argument(
-        "--seq-len", type=_count(2), default=512, metavar="T",
+        "--seq-len", type=integer(2), default=512, metavar="T",
         help="tokens per packed row; a longer sequence runs alone in a row of the next power of two "
         "(default: %(default)s)",
     )

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxspec.errors import JaxspecError
-from train.config import HeadSection, RunConfig, TrainSection, load_config
+from train.config import HeadSection, MeshSection, RunConfig, TrainSection, load_config
 from train.packing import PackedBatches
 
 if TYPE_CHECKING:
@@ -205,6 +205,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.cli.loading import resolve_target
     from jaxspec.engine.generation import default_dtype
+    from jaxspec.files import check_writable_dir, make_dir
     from train.checkpointing import RunCheckpoints
     from train.data import read_shards, require_shards
     from train.precision import computing_in, resolve_compute_dtype
@@ -221,8 +222,14 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
 
     t = cfg.train
     if cfg.distributed:  # multi-host (a TPU slice, several GPU hosts): one process per host
-        jax.distributed.initialize()
+        try:
+            jax.distributed.initialize()
+        except ValueError as e:  # no cluster environment found
+            raise JaxspecError(f"distributed: true cannot join a job here ({e}); run it on a TPU slice or under "
+                               "SLURM or Open MPI, or set distributed: false") from None
     # Inputs named by the config are checked before the target loads and anything is written.
+    check_mesh_devices(cfg.mesh, jax.device_count(), jax.default_backend())
+    out = check_writable_dir(Path(cfg.out).expanduser(), "out")
     data_dirs = [Path(d).expanduser() for d in ((cfg.data,) if isinstance(cfg.data, str) else cfg.data)]
     for data_dir in data_dirs:
         require_shards(data_dir, "training shards")
@@ -238,10 +245,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
 
         # a missing file fails now, not after eval_every steps
         read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))
-    out = Path(cfg.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise JaxspecError(f"out {str(out)!r} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "out")
     target_dir = resolve_target(cfg.target)
     # The target in the dtype generation runs it in (bfloat16 on GPU/TPU, float32 on CPU): the evaluation measures
     # what inference would, and a step computing in that dtype uses it as it is, with no second copy (an 8B target
@@ -293,8 +297,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         print(f"{batches.cut_tokens} tokens past train.seq_len (or train.trained_positions) are cut", file=sys.stderr)
     ckpt = RunCheckpoints(out / "checkpoints", keep=t.keep_checkpoints)
     start, meta = 0, {}
-    if ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(ckpt.latest_step(), state)
+    restored = ckpt.restore_latest(state, say=lambda msg: print(msg, file=sys.stderr))
+    if restored is not None:
+        _, state, meta = restored
         start = meta["next_step"]
         order = meta.get("data_order")
         if order is not None and order != batches.settings:
@@ -408,6 +413,17 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     return last
 
 
+def check_mesh_devices(mesh: MeshSection, available: int, backend: str) -> None:
+    """The `mesh:` section must fit the devices there are (checked before the target loads: jax.make_mesh's own
+    error came after it)."""
+    wanted = mesh.data * mesh.fsdp
+    if wanted > available:
+        hint = f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={wanted} simulates them" \
+            if backend == "cpu" else ""
+        raise JaxspecError(f"mesh data={mesh.data} x fsdp={mesh.fsdp} needs {wanted} devices, but {available} are "
+                           f"visible ({backend}); lower mesh.data or mesh.fsdp{hint}")
+
+
 def _stop_on_nonfinite(loss: float, step: int, metrics_file, ckpt) -> None:
     """A step whose loss is NaN or infinite ends the run: its update is not saved and no head is exported (a NaN
     learning rate once trained to NaN losses, exited 0 and exported a NaN head). A step's loss is computed from the
@@ -428,7 +444,9 @@ def _stop_on_nonfinite(loss: float, step: int, metrics_file, ckpt) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from jaxspec.cli.args import OneLineParser
+
+    parser = OneLineParser(
         prog="python -m train.launch",
         description=__doc__.split("\n")[0],
         epilog="The config's keys, their types and defaults: train/config.py (RunConfig). Every key is checked "

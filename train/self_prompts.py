@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_text
 
 _SENTINEL = "\x00JAXSPEC_USER_TURN\x00"
 
@@ -42,7 +43,7 @@ def read_written(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(read_text(path, "prompts file").splitlines(), 1):
         if line.strip():
             try:
                 row = json.loads(line)

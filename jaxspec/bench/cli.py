@@ -33,15 +33,18 @@ from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, we
 from jaxspec.bench.suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
 from jaxspec.cli.args import (
     AUTO,
+    OneLineParser,
     add_draft_args,
     add_step_cost_args,
     add_target_args,
     check_generation_args,
+    integer,
     method_name,
     parse_tree,
     positive_int_list,
 )
 from jaxspec.cli.loading import (
+    check_before_loading,
     head_aux_layer_ids,
     kernels_impl,
     load_head_for,
@@ -61,7 +64,7 @@ from jaxspec.prompts import SUITES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m jaxspec.bench",
         description="Measure generation speed (greedy) against transformers and the weights-only memory roofline, or "
         "the Pallas kernels alone (--kernels-micro).",
@@ -99,15 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         "step must read, flops, temporaries and the largest kernels (jaxspec/bench/compiled_cost.py); installs the "
         "CUDA plugin and libtpu wheels into the user cache on first use",
     )
-    parser.add_argument("--repeats", type=int, default=5, metavar="N", help="--load-time: loads of each (default: 5)")
+    parser.add_argument("--repeats", type=integer(1), default=5, metavar="N",
+                        help="--load-time: loads of each (default: 5)")
     parser.add_argument("--batch-sizes", type=positive_int_list, default=[1, 4, 16], metavar="B,...",
                         help="suite: batch sizes (default: 1,4,16)")
     parser.add_argument("--chain-lengths", type=positive_int_list, metavar="K,...",
                         help="suite: chain lengths to measure (default: 3,5)")
     parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
-    parser.add_argument("--limit", type=int, default=0, metavar="N", help="use the first N prompts (default: 0, all)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="per prompt (default: 64)")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="B", help="one run's batch size (default: 1)")
+    parser.add_argument("--limit", type=integer(None), default=0, metavar="N",
+                        help="use the first N prompts (default: 0, all)")
+    parser.add_argument("--max-new-tokens", type=integer(None), default=64, metavar="N", help="per prompt (default: 64)")
+    parser.add_argument("--batch-size", type=integer(None), default=1, metavar="B",
+                        help="one run's batch size (default: 1)")
     parser.add_argument(
         "--tree", type=parse_tree, action="append", default=[], metavar="TOTAL,DEPTH,TOPK",
         help="also measure EAGLE-2 dynamic trees with this budget, next to the chain (repeatable)",
@@ -145,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "nodes per verification (> 1)")
     parser.add_argument("--kernel-lengths", type=positive_int_list, metavar="L,...",
                         help="--kernels-micro: committed cache lengths")
-    parser.add_argument("--kernel-vocab", type=int, metavar="V", help="--kernels-micro: verification vocabulary")
+    parser.add_argument("--kernel-vocab", type=integer(None), metavar="V", help="--kernels-micro: verification vocabulary")
     parser.add_argument("--cost-platforms", default="h100,v5e", metavar="P,...",
                         help="--compiled-cost: chips to compile for, of h100, v5e (default: h100,v5e)")
     parser.add_argument("--cost-shape", default="llama3.1-8b", metavar="SHAPE",
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from jaxspec.engine.generation import Generator
-    from jaxspec.prompts import encode_prompt, read_prompts_file, stop_token_ids, suite_prompts
+    from jaxspec.files import check_writable_dir
+    from jaxspec.prompts import read_prompts_file, stop_token_ids, suite_prompts
 
     if args.load_time:
         return run_load_time(args)
@@ -260,18 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
         prompts = prompts[: args.limit]
+    if args.suite:
+        check_writable_dir(suite_out(args), "--out")  # written after each run: a bad path must fail first
     mesh = resolve_mesh(args)
     draft = resolve_draft(args)  # first: with --draft alone, the head's config may name the target
     target_dir = resolve_target(args.target)
     ngram = ngram_proposer(args)
     if draft is None and (args.accept_prob is not None or args.chain_lengths or args.tree):
         raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
+    aux_ids = head_aux_layer_ids(draft, target_dir)
+    tokenizer, encoded = check_before_loading(args, target_dir, draft, mesh, [text for _, text in prompts],
+                                              args.batch_sizes if args.suite else [args.batch_size])
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), mesh=mesh,
-        numerics=args.numerics, kernels=kernels_impl(args),
+        target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels_impl(args),
+        tokenizer=tokenizer,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    encoded = [encode_prompt(tokenizer, text, args.raw) for _, text in prompts]
     head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
@@ -449,6 +460,20 @@ def run_load_time(args) -> int:
     return 0
 
 
+def suite_name(args) -> str:
+    """The name a --suite run reports under: a built-in suite's, or its prompts file's stem."""
+    from pathlib import Path
+
+    return Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
+
+
+def suite_out(args):
+    """Where a --suite run writes its report: --out, else bench-results/SUITE."""
+    from pathlib import Path
+
+    return Path(args.out or Path("bench-results") / suite_name(args))
+
+
 def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
     from pathlib import Path
@@ -468,7 +493,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         methods.append((AUTO, None))
     if ngram is not None:
         methods.append((ngram.num_draft, "ngram"))
-    suite = Path(args.suite).stem.split(".")[0] if args.suite not in SUITES else args.suite
+    suite = suite_name(args)
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     result = {
         "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
@@ -476,7 +501,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         "prompts": len(encoded),
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
-    out_dir = Path(args.out or Path("bench-results") / suite)
+    out_dir = suite_out(args)
     paths = []  # what the last report wrote
 
     def finish_run() -> None:

@@ -30,8 +30,9 @@ from jaxspec.checkpoints.verifier import (
     verifier_mismatch,
     verifier_record,
 )
-from jaxspec.config import HeadConfig, TargetConfig, _rope_from_hf
+from jaxspec.config import HeadConfig, TargetConfig, _rope_from_hf, hf_fields, hf_int
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_json
 from jaxspec.models.eagle3 import Buffer, Eagle3Head
 
 LAYOUTS = ("eagle", "sglang", "speculators")
@@ -41,16 +42,13 @@ def read_head_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise JaxspecError(f"draft head path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise JaxspecError(f"draft head path {str(path)!r} is a file; pass the head's directory (config.json and "
+                           "weights)")
     config = path / "config.json"
     if not config.is_file():
         raise JaxspecError(f"draft head directory {str(path)!r} has no config.json")
-    try:
-        raw = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise JaxspecError(f"{str(config)!r} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(raw, dict):
-        raise JaxspecError(f"{str(config)!r} is not a JSON object")
-    return raw
+    return read_json(config, "the draft head's config.json")
 
 
 def detect_layout(raw: dict[str, Any]) -> str:
@@ -68,44 +66,41 @@ def detect_layout(raw: dict[str, Any]) -> str:
 
 
 def head_config_from_hf(raw: dict[str, Any], keys: set[str] = frozenset()) -> tuple[str, HeadConfig]:
-    layout = detect_layout(raw)
-    if layout == "speculators":
-        layer = dict(raw.get("transformer_layer_config") or {})
-        if not layer:
-            raise JaxspecError("speculators config.json lacks transformer_layer_config")
-        aux = raw.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer convention already
-        flat = {**layer, **{k: raw[k] for k in ("draft_vocab_size", "target_hidden_size") if k in raw}}
-        norm_before_residual = bool(raw.get("norm_before_residual", False))
-    else:
-        flat = raw
-        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if aux is not None:
-            aux = [int(i) + 1 for i in aux]  # "output of layer i" = hidden_states[i + 1]
-        norm_before_residual = bool(raw.get("norm_before_residual", False))
-    try:
-        hidden = int(flat["hidden_size"])
-        heads = int(flat["num_attention_heads"])
-        vocab = int(flat["vocab_size"])
+    what = "head config.json"
+    with hf_fields(what):
+        layout = detect_layout(raw)
+        if layout == "speculators":
+            layer = dict(raw.get("transformer_layer_config") or {})
+            if not layer:
+                raise JaxspecError("speculators config.json lacks transformer_layer_config")
+            aux = raw.get("eagle_aux_hidden_state_layer_ids")  # input-of-layer convention already
+            flat = {**layer, **{k: raw[k] for k in ("draft_vocab_size", "target_hidden_size") if k in raw}}
+        else:
+            flat = raw
+            aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if aux is not None:
+                aux = [int(i) + 1 for i in aux]  # "output of layer i" = hidden_states[i + 1]
+        hidden = hf_int(flat, "hidden_size", what=what)
+        heads = hf_int(flat, "num_attention_heads", what=what)
+        vocab = hf_int(flat, "vocab_size", what=what)
         cfg = HeadConfig(
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=int(flat.get("num_key_value_heads") or heads),
-            head_dim=int(flat.get("head_dim") or hidden // heads),
-            intermediate_size=int(flat["intermediate_size"]),
+            num_kv_heads=hf_int(flat, "num_key_value_heads", 0, what) or heads,
+            head_dim=hf_int(flat, "head_dim", 0, what) or hidden // max(heads, 1),
+            intermediate_size=hf_int(flat, "intermediate_size", what=what),
             vocab_size=vocab,
-            draft_vocab_size=int(flat.get("draft_vocab_size") or vocab),
-            target_hidden_size=int(flat.get("target_hidden_size") or hidden),
+            draft_vocab_size=hf_int(flat, "draft_vocab_size", 0, what) or vocab,
+            target_hidden_size=hf_int(flat, "target_hidden_size", 0, what) or hidden,
             rms_norm_eps=float(flat.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf({"rope_theta": 10000.0, **flat}),
-            max_position_embeddings=int(flat.get("max_position_embeddings", 2048)),
-            norm_before_residual=norm_before_residual,
+            max_position_embeddings=hf_int(flat, "max_position_embeddings", 2048, what),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
             norm_before_fc=bool(raw.get("norm_before_fc", False)) or "input_norm.weight" in keys,
             fc_norm=bool(raw.get("fc_norm", False)) or "fc_norm.0.weight" in keys,
             has_embed_tokens="embed_tokens.weight" in keys,
             aux_layer_ids=tuple(int(i) for i in aux) if aux is not None else None,
         )
-    except KeyError as e:
-        raise JaxspecError(f"head config.json lacks the field {e.args[0]!r}") from None
     return layout, cfg
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxspec.config import TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_json
 from jaxspec.models.llama import LlamaModel
 
 # Buffers some exporters write that carry no weights.
@@ -29,10 +29,9 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors file that holds it (single file or sharded with an index)."""
     index_file = model_dir / "model.safetensors.index.json"
     if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise JaxspecError(f"{str(index_file)!r} is not a valid safetensors index (no weight_map)") from None
+        weight_map = read_json(index_file, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise JaxspecError(f"{str(index_file)!r} is not a valid safetensors index (no weight_map of file names)")
         index = {name: model_dir / fname for name, fname in weight_map.items()}
         for path in set(index.values()):
             if not path.is_file():
@@ -52,6 +51,19 @@ def tensor_index(model_dir: Path) -> dict[str, Path]:
             for name in f.keys():
                 index[name] = path
     return index
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """The weight files' headers read, no tensor: missing weights, pickled-only ones, a corrupt or truncated
+    safetensors file are one line before any weights load (the CLIs' `check_before_loading`). An orbax target is
+    checked when it is restored."""
+    from jaxspec.checkpoints.orbax_target import is_orbax_target
+
+    if is_orbax_target(model_dir):
+        return
+    for path in sorted(set(tensor_index(model_dir).values())):
+        with _open(path):
+            pass
 
 
 def _open(path: Path):

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxspec.config import load_target_config
 from jaxspec.errors import JaxspecError
+from jaxspec.files import read_json
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sharding import param_shardings
 
@@ -77,10 +78,9 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, mesh=
     """Restore a converted target, cast to `dtype` (default: as saved) by orbax while reading; with a (data,
     model) `mesh`, each array is read straight into its `sharding.param_shardings` placement."""
     path = Path(path).absolute()
-    try:
-        meta = json.loads((path / MARKER).read_text())
-    except json.JSONDecodeError:
-        raise JaxspecError(f"{str(path / MARKER)!r} is corrupt; convert the target again") from None
+    meta = read_json(path / MARKER, "the orbax target's record")
+    if not isinstance(meta.get("dtype"), str):
+        raise JaxspecError(f"{str(path / MARKER)!r} is corrupt (no dtype); convert the target again")
     dtype = jnp.dtype(dtype or meta["dtype"])
     cfg = load_target_config(path, aux_layer_ids)
     model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below

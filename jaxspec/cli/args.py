@@ -9,14 +9,46 @@ from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the CLIs' error format: a bad flag is one line, `error: ...`, and exit code 2. argparse's own
+    format prints the whole usage first (dozens of lines for generate and bench) above the line that matters."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+MAX_COUNT = 2**31 - 1  # token counts, batch rows and sizes are int32 on the device
+SEED_RANGE = (-(2**63), 2**63 - 1)  # jax.random.key takes a C long
+
+
+def integer(minimum: int | None, maximum: int = MAX_COUNT):
+    """argparse type: an integer in minimum..maximum. A value past what the device's int32 shapes (or the seed's C
+    long) hold was an OverflowError after the model had loaded. minimum None: the flag's lower bound is checked
+    after parsing, beside the flags it goes with (`check_generation_args`, `check_bench_args`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    return parse
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: positive integers separated by commas (1,4,16)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    if not values or min(values) < 1 or max(values) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected positive integers (up to {MAX_COUNT}) separated by commas, got "
+                                         f"{text!r}")
     return values
 
 
@@ -114,10 +146,11 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         "(default: eagle3)",
     )
     parser.add_argument(
-        "--ngram-min", type=int, default=1, metavar="N", help="--proposer ngram: shortest suffix matched (default: 1)"
+        "--ngram-min", type=integer(None), default=1, metavar="N",
+        help="--proposer ngram: shortest suffix matched (default: 1)",
     )
     parser.add_argument(
-        "--ngram-max", type=int, default=3, metavar="N",
+        "--ngram-max", type=integer(None), default=3, metavar="N",
         help="--proposer ngram: longest suffix matched, tried first (default: 3)",
     )
 

@@ -76,13 +76,46 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     return head.aux_layer_ids
 
 
+def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
+                         batch_sizes: list[int], processors=None):
+    """What the README promises before any weights load, from the two config.json files, the weights' headers and
+    the tokenizer alone, in this order: the mesh fits the target's and the head's attention heads and each batch
+    size its data axis; the weight files are whole safetensors (`check_weight_files`); each prompt plus
+    --max-new-tokens fits the context; the logit biases name tokens of the vocabulary. Returns (tokenizer, the
+    encoded prompts), which the run goes on with."""
+    from jaxspec import sharding
+    from jaxspec.checkpoints.hf import check_weight_files
+    from jaxspec.config import load_target_config
+    from jaxspec.engine.generation import check_prompt_lengths
+    from jaxspec.processors import check_vocab
+    from jaxspec.prompts import encode_prompt, load_tokenizer
+
+    config = load_target_config(target_dir)
+    if mesh is not None:
+        configs = {"target": config}
+        if draft is not None:
+            from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config
+
+            configs["draft head"] = head_config_from_hf(read_head_config(draft))[1]
+        for batch_size in batch_sizes:
+            sharding.check_fits(mesh, configs, batch_size)
+    check_weight_files(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
+    check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)
+    if processors is not None:
+        check_vocab([processors], config.vocab_size)
+    return tokenizer, encoded
+
+
 def load_target_and_tokenizer(
     target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant",
-    kernels: str | None = None,
+    kernels: str | None = None, tokenizer=None,
 ):
     """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
     restored straight into the mesh's shardings) and of the kernels it runs. numerics: "invariant" (the model's
-    default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto."""
+    default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto; tokenizer: one loaded
+    already (`check_before_loading`), else loaded here."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
@@ -91,7 +124,7 @@ def load_target_and_tokenizer(
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
     model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
     if log:
         cfg = model.config
         print(

@@ -16,13 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
+from jaxspec.files import check_writable_dir
 
 
 def check_output_dir(out: str | Path, *, holds_own: Callable[[Path], bool], what: str, overwrite: bool) -> Path:
     """`out` as a Path, after refusing a file, or a non-empty directory that holds no `what` (unless overwrite)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise JaxspecError(f"--out {str(out)!r} is an existing file; pass a directory path")
+    out = check_writable_dir(out, "--out")
     if out.is_dir() and any(out.iterdir()) and not overwrite and not holds_own(out):
         raise JaxspecError(
             f"--out {str(out)!r} is not empty and holds no {what}; pass a new or empty directory, or --overwrite "

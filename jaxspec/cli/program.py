@@ -12,22 +12,45 @@ import time
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
+from jaxspec.files import describe_os_error, make_dir
 
 
 def main_guard(main):
-    """Run a CLI main: a JaxspecError becomes one line on stderr and exit code 2."""
+    """Run a CLI main: a JaxspecError becomes one line on stderr and exit code 2; so does an OSError that reaches
+    here (a full disk, a path under a file, a closed pipe: the machine's state, not a bug), with what failed and
+    where. Standard output is flushed inside, so that a write that fails at the end (stdout on a full disk) is
+    reported the same way rather than as a traceback at exit."""
 
     @functools.wraps(main)
     def wrapper(argv=None):
         try:
-            return main(argv)
+            code = main(argv)
+            sys.stdout.flush()
+            return code
         except JaxspecError as e:
             print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as e:
+            print(f"error: {describe_os_error(e)}", file=sys.stderr)
+            _drop_unwritable_stdout()
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
 
     return wrapper
+
+
+def _drop_unwritable_stdout() -> None:
+    """Output that could not be written stays in stdout's buffer, and Python's exit would try it again and print a
+    second error ("Exception ignored ..."): point the stream's file descriptor at /dev/null so that the retry
+    succeeds silently (the recipe of Python's documentation for SIGPIPE)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture): nothing retries
+            pass
 
 
 SAME_SIGNAL_SECONDS = 1.0  # signals this close to the first are one request (`exit_on_interrupt`)
@@ -109,6 +132,11 @@ def use_compile_cache(args) -> Path | None:
     if getattr(args, "no_compile_cache", False) or where == "off":
         return None
     path = Path(where) if where else cache_root() / "jax-compile-cache"
+    try:
+        make_dir(path, "the compile cache directory")
+    except JaxspecError as e:  # JAX would only log a warning per program, and compile every one again
+        raise JaxspecError(f"{e} (it is {COMPILE_CACHE_ENV} or under $XDG_CACHE_HOME; --no-compile-cache or "
+                           f"{COMPILE_CACHE_ENV}=off runs without it)") from None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program: the small ones add up
     jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)

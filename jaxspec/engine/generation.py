@@ -80,6 +80,22 @@ _steps = jax.jit(
 )
 
 
+def check_prompt_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, context_length: int) -> None:
+    """Prompt + new tokens must fit the context: a function of the config alone, so that the CLIs check it before
+    any weights load. The slots a verify step writes ahead of the committed length are scratch past it (the cache
+    gets `extra_capacity` more), so speculation accepts every prompt target-only does: a token there is never
+    committed, and causal attention keeps it out of every committed token's logits."""
+    for i, n in enumerate(prompt_lengths):
+        if n == 0:
+            raise JaxspecError(f"prompt {i} is empty after tokenization")
+        if n + max_new_tokens > context_length:
+            raise JaxspecError(
+                f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds the "
+                f"model's context length of {context_length} tokens (shorten the prompt or lower "
+                "--max-new-tokens)"
+            )
+
+
 class Generator:
     """Generates continuations of tokenized prompts, `batch_size` rows at a time: with the target alone, or with a
     draft `proposer` (`jaxspec.engine.proposers.base`; its parameters in `proposer_params`) whose drafts the target verifies.
@@ -180,19 +196,8 @@ class Generator:
         }
 
     def check_lengths(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-        """Prompt + new tokens must fit the context. The slots a verify step writes ahead of the committed length are
-        scratch past it (the cache gets `extra_capacity` more), so speculation accepts every prompt target-only does:
-        a token there is never committed, and causal attention keeps it out of every committed token's logits."""
-        limit = self.config.context_length
-        for i, n in enumerate(prompt_lengths):
-            if n == 0:
-                raise JaxspecError(f"prompt {i} is empty after tokenization")
-            if n + max_new_tokens > limit:
-                raise JaxspecError(
-                    f"prompt {i} has {n} tokens; with --max-new-tokens {max_new_tokens} that exceeds the "
-                    f"model's context length of {self.config.context_length} tokens (shorten the prompt or lower "
-                    "--max-new-tokens)"
-                )
+        """Prompt + new tokens must fit the context (`check_prompt_lengths`)."""
+        check_prompt_lengths(prompt_lengths, max_new_tokens, self.config.context_length)
 
     def compiled_programs(self, name: str) -> list[Callable]:
         """The ahead-of-time compiled "prefill" or "step" programs held now, one per shape bucket (for inspecting
