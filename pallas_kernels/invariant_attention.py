@@ -16,6 +16,11 @@ The canonical operations, per (sequence, KV head, query token):
 A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
 capacity) does not matter either.
 
+The query rows of those dots are zero-padded to QUERY_ROWS (16; G rounded up to a power of two where that is
+more): the kernel pads each token's G rows, the reference (`_attend_tokens`) packs several tokens' rows into one
+16-row tile, so that it reads each key block once per tile instead of once per token. Either way every dot is
+[16, D] x [D, Bk] and [16, Bk] x [Bk, D], and a row's products do not depend on the rows beside it.
+
 The Pallas kernel (`invariant_attention`), in its one-pass form, runs those operations one program per (query token,
 KV head, sequence): grid (T, Hkv, B), the token axis first so that the programs reading one cache row run side by
 side. Its cache BlockSpec spans the row's S slots, but the kernel reads it `key_block` rows at a time (`pl.ds` in a
@@ -92,17 +97,21 @@ from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu
 NEG_INF = -1e30
 
 
-def block_partial(q, k, v, visible, scale, *, fence=fenced):
+def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = False):
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
-    q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk] (leading axes broadcast) → m, l [..., G], a [..., G, D].
+    q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk], or [..., G, Bk] with per_row (each query row its own; the
+    reference's tiles hold several tokens), leading axes broadcast → m, l [..., G], a [..., G, D].
     The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
     and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
     (none when compiled)."""
     if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
         # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
-        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence)
+        if per_row:
+            visible = jnp.concatenate([visible, jnp.zeros_like(visible)], axis=-2)
+        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence,
+                                per_row=per_row)
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
@@ -112,7 +121,7 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced):
     wide = held_dtype(q.dtype)
     s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32),
               q.astype(wide), k.astype(wide))
-    vis = visible[..., None, :]  # [..., 1, Bk]
+    vis = visible if per_row else visible[..., None, :]  # [..., G or 1, Bk]
     s = jnp.where(vis, s, NEG_INF)
     m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
     p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
@@ -181,7 +190,15 @@ def invariant_attention_reference(
 
 
 def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None):
-    """invariant_attention_reference on one group of query tokens."""
+    """invariant_attention_reference on one group of query tokens.
+
+    Each KV head's T·G query rows are packed into tiles of `query_tile_rows(G)` rows (16 on most models: four
+    tokens of G = 4), and every key block is met by whole tiles: one [R, D] x [D, Bk] and one [R, Bk] x [Bk, D] dot
+    per (sequence, KV head, tile, block), the kernel's dot shape. A row's products do not depend on the other rows
+    of its dot (the kernel's zero padding rows rely on the same), so a token gets its decode's bits in any tile, at
+    any row. What the tiles save is the cache: the dots read each key block once per tile, not once per token, so
+    a decode reads the cache as it is (one tile) and a verify of 6 tokens of Llama-3.1-8B twice (24 rows), where a
+    copy per token made XLA write and read the cache 6 times over (compiled for an H100: ~70 MB per layer at 1k)."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -192,23 +209,42 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     k_blocks = k_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
     v_blocks = v_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)[:, :, :, None]  # [B, H, T, 1, G, D]
     scale = d**-0.5
+    r = query_tile_rows(g)
+    rows = t * g
+    tiles = -(-rows // r)
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, H, T, G, D]
+    qt = jnp.pad(qg.reshape(b, hkv, rows, d), ((0, 0), (0, 0), (0, tiles * r - rows), (0, 0)))
+    qt = qt.reshape(b, hkv, tiles, 1, r, d)  # [B, H, tiles, 1, R, D]: token i's head j at row i·G + j
+    row_pos = jnp.pad(jnp.repeat(positions, g, axis=1), ((0, 0), (0, tiles * r - rows)), constant_values=-1)
     slots = jnp.arange(nb * bk, dtype=jnp.int32).reshape(nb, bk)
-    visible = slots[None, None] <= positions[:, :, None, None]  # [B, T, N, Bk]
+    visible = slots[None, None] <= row_pos[:, :, None, None]  # [B, rows', N, Bk]; padding rows see nothing
+    visible = visible.reshape(b, tiles, r, nb, bk).transpose(0, 1, 3, 2, 4)[:, None]  # [B, 1, tiles, N, R, Bk]
     m, l, a = block_partial(
-        jnp.broadcast_to(qg, (b, hkv, t, nb, g, d)),
-        jnp.broadcast_to(k_blocks, (b, hkv, t, nb, bk, d)),
-        jnp.broadcast_to(v_blocks, (b, hkv, t, nb, bk, d)),
-        visible[:, None], scale,
-    )
+        jnp.broadcast_to(qt, (b, hkv, tiles, nb, r, d)),
+        jnp.broadcast_to(k_blocks, (b, hkv, tiles, nb, bk, d)),
+        jnp.broadcast_to(v_blocks, (b, hkv, tiles, nb, bk, d)),
+        visible, scale, per_row=True,
+    )  # m, l [B, H, tiles, N, R]; a [B, H, tiles, N, R, D]
+
+    def per_token(x):  # [B, H, tiles, N, R, ...] -> [B, H, T, N, G, ...]
+        x = jnp.moveaxis(x, 3, 2).reshape(b, hkv, nb, tiles * r, *x.shape[5:])[:, :, :, :rows]
+        return jnp.moveaxis(x.reshape(b, hkv, nb, t, g, *x.shape[4:]), 2, 3)
+
+    m, l, a = per_token(m), per_token(l), per_token(a)
     if ancestors is not None:
-        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
+        m, l, a = _tree_tail(qg[:, :, :, None], k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
     state = (m[:, :, :, 0], l[:, :, :, 0], a[:, :, :, 0])
     for n in range(1, nb):  # fold the blocks in position order
         state = merge(state, (m[:, :, :, n], l[:, :, :, n], a[:, :, :, n]), scale)
     out = finish(state)  # [B, H, T, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def query_tile_rows(g: int) -> int:
+    """Query rows per dot for G query heads per KV head: the kernel's (QUERY_ROWS, or G rounded up to a power of two
+    where that is more), so that the reference and the kernel run one dot shape."""
+    return max(QUERY_ROWS, 1 << (g - 1).bit_length())
 
 
 def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
@@ -487,7 +523,7 @@ def invariant_attention(
         pad = ((0, 0), (0, 0), (0, nb * bk - s), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     s = k_cache.shape[2]
-    rows = max(QUERY_ROWS, 1 << (g - 1).bit_length())
+    rows = query_tile_rows(g)
     qg = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0),) * 3 + ((0, rows - g), (0, 0)))  # [B, T, H, R, D]
     tree = ancestors is not None
     if kernel_variant(backend) == "tpu":

@@ -20,12 +20,15 @@ from jaxspec.errors import JaxspecError
 # Measured 2026-11-27 on the 2-core CI CPU, JAX 0.10.2, jax-cuda12-plugin 0.10.2, libtpu 0.0.42.1, with
 # `cc.run_platforms(CASES)` (~85 s). Limits: kernels per layer +0, bytes per step (the device memory the kernels read
 # and write, `compiled_cost.kernel_bytes`, at 32 layers) +2%. A change that lowers either should lower its baseline
-# here, so that the gain is kept.
+# here, so that the gain is kept. Before GEMMs without split-K on GPU (Numerics.compiler_options) and the
+# reference attention's query tiles (invariant_attention._attend_tokens): H100 decode 31 / 18.800 GB, chain 33 /
+# 21.147 GB; v5e decode 236 / 16.007 GB.
 BASELINES = {  # (platform, step): (kernels per layer, bytes per step)
-    ("h100", "decode"): (31, 18.800e9),
-    ("h100", "chain"): (33, 21.147e9),
-    ("v5e", "decode"): (236, 16.007e9),
+    ("h100", "decode"): (25, 15.90e9),
+    ("h100", "chain"): (28, 16.85e9),
+    ("v5e", "decode"): (223, 16.06e9),
 }
+GOALS = {"decode": 1.10, "chain": 1.15}  # issue 44: bytes per step over the weight + KV bytes the step must read
 BYTES_SLACK = 1.02
 CASES = [cc.CostCase(platform, step=step) for platform, step in BASELINES]
 
@@ -49,6 +52,13 @@ def test_no_more_kernels_or_bytes_than_recorded(measured, key):
     assert row["bytes_accessed"] <= BYTES_SLACK * accessed, (
         f"{key}: {row['bytes_accessed'] / 1e9:.3f} GB per step, baseline {accessed / 1e9:.3f} GB"
     )
+
+
+@pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))
+def test_a_step_moves_little_more_than_its_weights_and_cache(measured, key):
+    row = measured[key]
+    goal = GOALS[key[1]]
+    assert row["bytes_over_floor"] <= goal, f"{key}: {row['bytes_over_floor']:.3f}x its weight + KV bytes, goal {goal}x"
 
 
 @pytest.mark.parametrize("key", list(BASELINES), ids=lambda k: "-".join(k))

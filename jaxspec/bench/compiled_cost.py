@@ -247,7 +247,8 @@ def compile_forward(case: CostCase, layers: int, device):
         mask = jax.ShapeDtypeStruct((b, t, t), jnp.bool_) if tree else None
         ancestors = jax.ShapeDtypeStruct((b, t, TREE_DEPTH + 1), jnp.int32) if tree else None
         args = abstract((params, cache, ints, ints, mask, ancestors))
-        compiled = jax.jit(forward, donate_argnums=1).trace(*args).lower().compile()
+        options = numerics.compiler_options(backend) if numerics is not None else {}  # what generation compiles with
+        compiled = jax.jit(forward, donate_argnums=1).trace(*args).lower().compile(compiler_options=options or None)
     weight_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if not cfg.tie_word_embeddings:
         weight_bytes -= cfg.vocab_size * cfg.hidden_size * jnp.dtype(jnp.bfloat16).itemsize

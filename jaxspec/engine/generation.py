@@ -145,6 +145,8 @@ class Generator:
         self.batch_size = batch_size
         self.chunk_steps = chunk_steps or (16 if proposer is None else 4)
         self.kernels = kernels
+        # XLA options of every program compiled here (numerics.Numerics.compiler_options: no split-K GEMMs on GPU)
+        self.compiler_options = model.numerics.compiler_options() if model.numerics is not None else {}
         self.forced_accept_prob = forced_accept_prob
         self.compile_seconds = 0.0
         self._compiled = ProgramCache()  # bounded process-wide on memory maps (compiled_programs.py)
@@ -217,7 +219,7 @@ class Generator:
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
                 models = (self.graphdef, self.params, self.proposer, self.proposer_params)
-                program = fn.lower(*models, *args, **static).compile()
+                program = fn.lower(*models, *args, **static).compile(compiler_options=self.compiler_options or None)
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             if self.on_compile is not None:

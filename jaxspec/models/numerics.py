@@ -65,6 +65,21 @@ class Numerics:
         """These numerics without wide tiles (for a matmul `wide_tiles_agree` did not measure)."""
         return dataclasses.replace(self, wide_row_tile=None)
 
+    def compiler_options(self, backend: str | None = None) -> dict[str, int]:
+        """XLA options for a program that runs a target with these numerics on `backend` (default: JAX's).
+
+        GPU: no split-K GEMMs (`xla_gpu_experimental_force_split_k=1`). On its row tiles every matmul has row_tile
+        (64) rows even when one is real (a decode), and XLA:GPU splits the contraction of such a skinny GEMM into
+        chunks whose float32 partials, [splits, 64, N], it writes and then reads back to sum them: compiled for an
+        H100 at Llama-3.1-8B shapes, 8-way splits of the o/down projections and 2-16-way splits of the others, ~100
+        MB per layer next to 436 MB of weights (a decode at 1.24x its weight + KV bytes; 1.03x without them:
+        `python -m jaxspec.bench --compiled-cost`). A split chooses no other bits from program to program (the same
+        tile shape gets the same split), so this is for bytes, not invariance. Not yet timed on a GPU against the
+        split form (which the autotuner may prefer for parallelism on the o and down projections' 4096 columns)."""
+        if (backend or jax.default_backend()) != "gpu":
+            return {}
+        return {"xla_gpu_experimental_force_split_k": 1}
+
     def for_prefill(self) -> Numerics:
         """The numerics of a prefill's layers (the module docstring says why a prefill may have its own): every row
         on prefill_row_tile-row tiles where that is set, with separate q/k/v dots (a 64-row dot is not

@@ -13,6 +13,7 @@ expansion (`tree.draft_tree`, timed whole).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -69,7 +70,9 @@ def time_forwards(
     own numerics, timed in interleaved rounds (`best_seconds_interleaved`)."""
     tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
 
-    @jax.jit
+    options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
+
+    @functools.partial(jax.jit, compiler_options=options or None)
     def target_forward(params, cache, tokens):  # [B, T]
         m = nnx.merge(tg, params)
         positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
