@@ -157,3 +157,15 @@ def test_bigger_steps_compile_and_read_their_weights(platform):
     for row in cc.run_platforms(cases, say=lambda text: None):
         assert row["bytes_accessed"] >= row["weight_bytes"] + row["kv_bytes"] > 0, row["step"]
         assert row["kernels_per_layer"] > 0 and not row["loop_trips_unknown"], row["step"]
+
+
+def test_gpu_programs_of_invariant_numerics_compile_without_split_k(monkeypatch):
+    """What the baselines above were measured with: Numerics.compiler_options, GPU only (the option is XLA:GPU's;
+    other backends refuse it), and JAXSPEC_GPU_SPLIT_K=xla hands the choice back to XLA (for a timing on a GPU)."""
+    from jaxspec.models.numerics import Numerics
+
+    monkeypatch.delenv("JAXSPEC_GPU_SPLIT_K", raising=False)
+    assert Numerics().compiler_options("gpu") == {"xla_gpu_experimental_force_split_k": 1}
+    assert Numerics().compiler_options("tpu") == Numerics().compiler_options("cpu") == {}
+    monkeypatch.setenv("JAXSPEC_GPU_SPLIT_K", "xla")
+    assert Numerics().compiler_options("gpu") == {}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,9 @@ class Numerics:
         MB per layer next to 436 MB of weights (a decode at 1.24x its weight + KV bytes; 1.03x without them:
         `python -m jaxspec.bench --compiled-cost`). A split chooses no other bits from program to program (the same
         tile shape gets the same split), so this is for bytes, not invariance. Not yet timed on a GPU against the
-        split form (which the autotuner may prefer for parallelism on the o and down projections' 4096 columns)."""
-        if (backend or jax.default_backend()) != "gpu":
+        split form (which the autotuner may prefer for parallelism on the o and down projections' 4096 columns):
+        JAXSPEC_GPU_SPLIT_K=xla leaves the choice to XLA, for that comparison."""
+        if (backend or jax.default_backend()) != "gpu" or os.environ.get("JAXSPEC_GPU_SPLIT_K") == "xla":
             return {}
         return {"xla_gpu_experimental_force_split_k": 1}
 
