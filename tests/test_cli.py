@@ -170,10 +170,10 @@ def test_prompt_too_long_for_context_subprocess():
 
 
 # The whole suite (batch 1 and 2; target-only, a chain, a tree, auto and transformers: 9 runs, ~3.5 minutes on 2
-# cores) runs with `-m slow`; CI runs batch 1 with target-only, a chain and auto (3 runs).
+# cores) runs with `-m slow`; CI runs every method at batch 1 (4 runs; a suite always has a tree, 16,5,4 by default).
 SUITES = [
-    pytest.param(["--batch-sizes", "1", "--chain-lengths", "2"], (1,), ("target-only", "chain K=2", "auto"),
-                 id="batch1"),
+    pytest.param(["--batch-sizes", "1", "--chain-lengths", "2", "--tree", "5,2,2"], (1,),
+                 ("target-only", "chain K=2", "tree 5,2,2", "auto"), id="batch1"),
     pytest.param(["--batch-sizes", "1,2", "--chain-lengths", "2", "--tree", "5,2,2", "--compare-hf"], (1, 2),
                  ("target-only", "chain K=2", "tree 5,2,2", "auto"), id="whole", marks=pytest.mark.slow),
 ]
