@@ -150,6 +150,7 @@ def test_verify_lengths_time_decode_the_shortest_and_the_longest_verify():
     assert verify_lengths(7) == [1, 2, 8]
 
 
+@pytest.mark.slow
 def test_measured_costs_of_a_tiny_target_feed_the_choice():
     """Timing runs on the real forward functions and gives a usable StepCosts (values are this machine's)."""
     from spec_fixtures import random_head, tiny_target

@@ -78,6 +78,7 @@ def test_without_a_prior_the_first_batch_measures_and_the_counts_decide(target_o
     assert f"K={FIRST_CHAIN} for 1 batch" in describe_choices(out, 1)
 
 
+@pytest.mark.slow
 def test_batches_of_several_rows_and_the_extra_cache_fit_every_choice(target_only):
     gen = _auto(AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), CHEAP_VERIFY, batch_size=2)
     chain = SpeculativeGenerator(tiny_target(), fitted_head(), num_draft=4, batch_size=2)
@@ -89,6 +90,7 @@ def test_batches_of_several_rows_and_the_extra_cache_fit_every_choice(target_onl
     assert out[-1].stats["auto"]["running_verify_steps"] == steps
 
 
+@pytest.mark.slow
 def test_timed_costs_are_measured_once_per_cache_bucket():
     gen = _auto(AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100), None)
     gen.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
@@ -168,6 +170,7 @@ def test_a_stored_ratio_for_one_draft_does_not_keep_the_probes_off(target_only):
     assert list(gen.own_calibration.measured) == [0, 1]  # the gate now costs one draft at the probe's own ratio
 
 
+@pytest.mark.slow
 def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_only):
     """Timing and every chain run on the mesh (data=2 × model=2), sharing one placed copy of the head."""
     from jaxspec import sharding
@@ -182,6 +185,7 @@ def test_on_a_mesh_the_head_is_placed_once_and_the_output_is_one_devices(target_
     assert all(isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh for x in leaves)
 
 
+@pytest.mark.slow
 def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(target_only):
     prior = AcceptanceProfile((0.9, 0.8, 0.7, 0.6), 100)  # a chain of 4 expects 4.0 tokens per verify
     gen = _auto(prior, WITH_TREE, trees={TREE: 4.5})

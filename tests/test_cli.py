@@ -58,8 +58,9 @@ def tiny_head(tiny_dir, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("extra, positions", [
-    (["--num-speculative-tokens", "3"], 3), (["--tree", "6,3,2"], 3), ([], 5), (["--num-speculative-tokens", "auto"], 5)
+@pytest.mark.parametrize("extra, positions", [  # CI: a tree and the default (auto); an explicit chain: -m slow
+    pytest.param(["--num-speculative-tokens", "3"], 3, marks=pytest.mark.slow), (["--tree", "6,3,2"], 3), ([], 5),
+    pytest.param(["--num-speculative-tokens", "auto"], 5, marks=pytest.mark.slow),
 ])
 def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, capsys, monkeypatch):
     from jaxspec import prompts as prompts_mod
@@ -156,6 +157,7 @@ def test_bad_checkpoints(tiny_dir, tmp_path, capsys):
     assert code == 2 and "has no *.safetensors weights" in err
 
 
+@pytest.mark.slow  # a subprocess on SmolLM2; in CI the check itself: test_bad_input (before any weights load)
 @pytest.mark.smollm2
 def test_prompt_too_long_for_context_subprocess():
     """Through a real process: one line on stderr, exit code 2, no traceback."""
@@ -293,6 +295,7 @@ def test_convert_a_head_between_layouts_and_generate_with_it(tiny_dir, tiny_head
     assert outputs[0]["stats"]["acceptance_per_position"] == outputs[1]["stats"]["acceptance_per_position"]
 
 
+@pytest.mark.slow
 def test_bench_forced_acceptance_is_labelled_and_chain_only(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
     from jaxspec.bench import cli as bench
     from jaxspec import prompts as prompts_mod
@@ -334,7 +337,8 @@ def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path
     assert exc.value.code == 2 and "is not an orbax target; make one with" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra", [["--num-speculative-tokens", "3"], ["--tree", "6,3,2"]])
+@pytest.mark.parametrize("extra", [pytest.param(["--num-speculative-tokens", "3"], marks=pytest.mark.slow),
+                                   ["--tree", "6,3,2"]])
 def test_kernels_pallas_gives_the_references_output_and_the_log_says_which(extra, tiny_dir, tiny_head, capsys,
                                                                            monkeypatch):
     """`--kernels pallas` on CPU runs the attention and verification kernels in interpret mode: same tokens as the

@@ -150,6 +150,7 @@ def test_a_target_without_tokenizer_gets_the_whole_reason(tiny_dir, capsys):
     assert "cannot load a tokenizer" in err and "needs the model's tokenizer files" in err
 
 
+@pytest.mark.slow
 def test_the_closing_line_names_the_method_and_tokens_per_verify(tiny_dir, tiny_head, tmp_path, capsys):
     import shutil
 

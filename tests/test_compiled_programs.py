@@ -54,6 +54,7 @@ def test_release_frees_maps_and_keeps_output(model, monkeypatch):
     assert [c.token_ids for c in again] == [c.token_ids for c in want[:3]]
 
 
+@pytest.mark.slow
 def test_no_release_below_the_limit(model, monkeypatch):
     monkeypatch.setattr(compiled_programs, "map_limit", lambda: 10**9)
     releases = compiled_programs.release_count()

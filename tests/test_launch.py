@@ -239,6 +239,7 @@ def test_a_stop_signal_saves_a_checkpoint_even_when_it_arrives_twice(setup, sign
     assert any(p.name.isdigit() for p in (setup / name / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_an_exported_head(setup, tmp_path):
     """`head.init_from`: a run continues an exported head (its weights and draft vocabulary), e.g. in a new sitting."""
     import jax
@@ -337,6 +338,7 @@ def _one_row_hits(target, head, sequences, num_steps):
     return right, counted
 
 
+@pytest.mark.slow
 def test_heldout_acceptance_sums_exactly_over_batches(setup, monkeypatch):
     """train.heldout: a step is right where the head's greedy draft is the token the data hold; the rates over many
     small batches (the last one wrapping into the next epoch, its repeats dropped) equal one batch holding every
@@ -405,6 +407,7 @@ def test_heldout_replay_counts_runs_of_draftable_tokens(setup):
     assert got["chain_3"] > got["chain_1"] > 1.0
 
 
+@pytest.mark.slow
 def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     """train.eval_data: held-out shard directories scored teacher-forced every eval_every steps, in the log."""
     launch(config(setup, "heldout", 4), "train.eval_every=2", f"train.eval_data=[{setup / 'data'}]")
@@ -438,6 +441,7 @@ def test_a_run_scores_held_out_shards_at_each_evaluation(setup):
     assert done.returncode == 2 and done.stderr.startswith("error:") and "nowhere" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_resumed_run_exports_the_profile_of_its_earlier_evaluation(setup):
     """A run stopped after its last evaluation resumes without a new one: its head still records that evaluation
     (read back from the run's log), not no profile at all."""

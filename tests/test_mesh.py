@@ -72,8 +72,8 @@ def test_target_only_on_the_mesh_equals_one_device():
     assert _ids(sharded) == _ids(single)
 
 
-@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow),
-                                  TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
+@pytest.mark.slow  # CI: the tree on a mesh whose model axis repeats the KV heads (below)
+@pytest.mark.parametrize("tree", [None, TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
 def test_speculative_on_the_mesh_equals_one_device(tree):
     reference = Generator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
     gen = SpeculativeGenerator(target(), head(), num_draft=4, tree=tree, batch_size=4, mesh=mesh())

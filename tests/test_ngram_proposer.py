@@ -39,7 +39,7 @@ def target_joint(prompt: list[int], sampling: SamplingConfig) -> np.ndarray:
     return probs[0, n - 1][:, None] * probs[:, n]
 
 
-@pytest.mark.parametrize("k, batch, min_n, max_n", [(3, 1, 1, 3), (5, 4, 2, 4)])
+@pytest.mark.parametrize("k, batch, min_n, max_n", [pytest.param(3, 1, 1, 3, marks=pytest.mark.slow), (5, 4, 2, 4)])
 def test_greedy_equals_target_only(k, batch, min_n, max_n):
     prompts = PROMPTS + REPEATING
     want = [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(prompts, max_new_tokens=40)]
@@ -117,6 +117,7 @@ def test_cli_errors(extra, message, tiny_dir, capsys):
 
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless_when_no_row_matches():
     """No 3-token suffix recurs in these rows, so the step runs the root alone (a one-token decode) and samples the
     target's token itself: the first two tokens still follow the target."""

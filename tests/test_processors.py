@@ -103,7 +103,9 @@ def reference(processors: LogitProcessors) -> list[list[int]]:
     "tree, k, batch",
     [
         pytest.param(None, 3, 1, marks=pytest.mark.slow), (None, 5, 4),
-        pytest.param(TreeConfig(10, 4, 3), None, 1, marks=pytest.mark.slow), (TreeConfig(10, 4, 3), None, 4),
+        pytest.param(TreeConfig(10, 4, 3), None, 1, marks=pytest.mark.slow),
+        # a tree's processors in CI: test_sampling_with_processors_is_lossless[tree]
+        pytest.param(TreeConfig(10, 4, 3), None, 4, marks=pytest.mark.slow),
     ],
     ids=["chain3-b1", "chain5-b4", "tree-b1", "tree-b4"],
 )
