@@ -125,6 +125,7 @@ def test_a_foreign_file_is_refused(tmp_path):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # ~100 s on SmolLM2; the tiny-target tests above cover the writer
 def test_the_builtin_target_writes_prompts_that_generate_reads(tmp_path):
     """End to end on SmolLM2-135M-Instruct: the CLI writes distinct chat prompts, generate's reader takes the file,
     and a rerun with a larger count continues it."""
