@@ -32,6 +32,7 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow  # 76 s: a venv at pyproject's lower bounds; run it when a bound moves
 def test_builtin_target_builds_with_the_oldest_allowed_dependencies(tmp_path):
     venv = tmp_path / "floor"
     run([sys.executable, "-m", "venv", str(venv)])

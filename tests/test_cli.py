@@ -80,6 +80,7 @@ def test_json_stats_with_a_draft_head(extra, positions, tiny_dir, tiny_head, cap
         assert "auto" not in stats
 
 
+@pytest.mark.slow  # the bench suite's CI case runs a chain and a tree
 def test_bench_chain_and_tree_side_by_side(tiny_dir, tiny_head, tmp_path, capsys, monkeypatch):
     from jaxspec.bench import cli as bench
     from jaxspec import prompts as prompts_mod

@@ -82,7 +82,8 @@ def test_speculative_on_the_mesh_equals_one_device(tree):
     assert np.mean([c.stats["mean_accepted_length"] for c in out]) > 1.5  # drafts were really accepted
 
 
-@pytest.mark.parametrize("batch", [pytest.param(2, marks=pytest.mark.slow), 4])
+@pytest.mark.slow  # 41 s; the n-gram proposer's exactness stays in CI on one device (test_ngram_proposer)
+@pytest.mark.parametrize("batch", [2, 4])
 def test_ngram_on_the_mesh_equals_one_device(batch):
     """Prompt lookup's on-device history and its root-only steps (`lax.cond` when no row matched) under the mesh."""
     from jaxspec.engine.proposers.ngram import NgramProposer

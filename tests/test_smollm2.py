@@ -242,7 +242,7 @@ def bf16_run(target_dir):
     return model, head, prompts, stops, [c.token_ids for c in ref]
 
 
-@pytest.mark.parametrize("tree", [None, "12,5,3"], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), "12,5,3"], ids=["chain", "tree"])
 def test_bfloat16_speculation_with_the_shipped_head_equals_target_only(bf16_run, tree):
     """bfloat16, the accelerators' default, where the same token used to get other bits in a verify than in a decode
     step and the texts parted (2/8 prompts identical before batch-invariant numerics): now token for token."""
