@@ -108,10 +108,8 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     (none when compiled)."""
     if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
         # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
-        if per_row:
-            visible = jnp.concatenate([visible, jnp.zeros_like(visible)], axis=-2)
-        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence,
-                                per_row=per_row)
+        # (per_row never meets one row: the reference's tiles have query_tile_rows >= 16)
+        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence)
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
