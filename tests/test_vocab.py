@@ -53,4 +53,4 @@ def test_coverage_report_compares_sizes_on_held_out_and_evaluation_shards(tmp_pa
     with pytest.raises(SystemExit) as exc:
         main(["--data", str(tmp_path / "train"), "--sizes", "8k"])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--sizes" in err and "expected positive integers separated by commas" in err
+    assert exc.value.code == 2 and "--sizes" in err and "expected positive integers" in err and "'8k'" in err
