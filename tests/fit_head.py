@@ -6,6 +6,7 @@ token), on continuations the target samples itself; the trainer proper (TTT) bel
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -33,32 +34,42 @@ def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int =
     seqs = jnp.asarray([p + c.token_ids for p, c in zip(prompts, gen)], jnp.int32)  # [N, L]
     n, length = seqs.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
-    out = target(seqs, positions, target.init_cache(n, length), return_aux=True)
-    labels = jnp.argmax(out.logits, -1)  # [N, L] the target's choice after each token
-    feats = out.aux[:, :-2]  # pair t = (g_t, x_{t+1}) predicts labels[t+1]; its second step reads x_{t+2}
+
+    @nnx.jit
+    def features(target, seqs, positions):  # one compiled forward, not hundreds of eager ops
+        out = target(seqs, positions, target.init_cache(n, length), return_aux=True)
+        return jnp.argmax(out.logits, -1), out.aux
+
+    labels, aux = features(target, seqs, positions)  # labels [N, L]: the target's choice after each token
+    feats = aux[:, :-2]  # pair t = (g_t, x_{t+1}) predicts labels[t+1]; its second step reads x_{t+2}
     tok1, lab1, tok2, lab2 = seqs[:, 1:-1], labels[:, 1:-1], seqs[:, 2:], labels[:, 2:]
     embed = target.embed_tokens[...]
 
     head = Eagle3Head(head_config_for(target), rngs=nnx.Rngs(seed))
     opt = nnx.Optimizer(head, optax.adam(3e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((head, opt))
 
-    @nnx.jit
-    def train_step(head, opt, idx):
-        def loss_fn(head):
-            # Two draft steps: the second feeds the head's own state back, as drafting does (its attention is
-            # simplified to causal over the second step's own keys: good enough for a test fixture).
-            b, t = tok1[idx].shape
-            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            logits1, state, _ = head(tok1[idx], head.project(feats[idx]), pos, head.init_cache(b, t), embed)
-            logits2, _, _ = head(tok2[idx], state, pos + 1, head.init_cache(b, t), embed)
-            ce = optax.softmax_cross_entropy_with_integer_labels
-            return ce(logits1, lab1[idx]).mean() + 0.8 * ce(logits2, lab2[idx]).mean()
+    def loss_fn(head, idx):
+        # Two draft steps: the second feeds the head's own state back, as drafting does (its attention is
+        # simplified to causal over the second step's own keys: good enough for a test fixture).
+        b, t = tok1[idx].shape
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        logits1, hstate, _ = head(tok1[idx], head.project(feats[idx]), pos, head.init_cache(b, t), embed)
+        logits2, _, _ = head(tok2[idx], hstate, pos + 1, head.init_cache(b, t), embed)
+        ce = optax.softmax_cross_entropy_with_integer_labels
+        return ce(logits1, lab1[idx]).mean() + 0.8 * ce(logits2, lab2[idx]).mean()
 
-        loss, grads = nnx.value_and_grad(loss_fn)(head)
-        opt.update(head, grads)
-        return loss
+    @jax.jit
+    def train(state, batches):  # all steps in one program: a Python loop of nnx.jit calls spends ~45 ms a step
+        def step(state, idx):
+            head, opt = nnx.merge(graphdef, state)
+            loss, grads = nnx.value_and_grad(loss_fn)(head, idx)
+            opt.update(head, grads)
+            return nnx.state((head, opt)), loss
+
+        return jax.lax.scan(step, state, batches)[0]
 
     key = np.random.default_rng(seed + 1)
-    for _ in range(steps):
-        train_step(head, opt, jnp.asarray(key.choice(n, 16, replace=False)))
+    batches = jnp.asarray(np.stack([key.choice(n, 16, replace=False) for _ in range(steps)]))  # [steps, 16]
+    nnx.update((head, opt), train(state, batches))
     return head

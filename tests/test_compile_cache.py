@@ -24,6 +24,7 @@ def tiny_dir(tmp_path_factory):
 def generate(tiny_dir: Path, cache, *extra: str) -> dict:
     """One generate run in a fresh process; its --json record (compile_seconds among the stats)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAXSPEC_COMPILE_CACHE": str(cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's own cache (conftest.py): not this CLI's
     cmd = [sys.executable, "-m", "jaxspec.generate", "--target", str(tiny_dir), "--no-draft", "--raw", "--json",
            "--prompt", "hello", "--max-new-tokens", "4", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)

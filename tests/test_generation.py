@@ -75,6 +75,7 @@ def test_compiles_once_per_bucket(tiny):
     gen.on_compile = messages.append
     # Different prompts, lengths within the same bucket, and many decode steps: nothing new to compile.
     gen.generate([[1, 2, 3], [9] * 13, [4] * 12, [8] * 10], max_new_tokens=8)  # capacity 32, prompt bucket 16
+    gen.generate([[1, 2, 3], [9] * 13], max_new_tokens=5)  # another budget, capacity 32 still: budgets are data
     assert messages == []
     gen.generate([[5] * 40], max_new_tokens=8)  # a longer prompt bucket compiles a new prefill
     assert any(m.startswith("compiling the prefill") for m in messages)

@@ -84,6 +84,7 @@ def test_step_compiles_once_per_bucket():
     messages = []
     gen.on_compile = messages.append
     gen.generate([[1, 2, 3], [9] * 12, [4] * 7, [8] * 9], max_new_tokens=16)  # new prompts, same buckets
+    gen.generate([[1, 2, 3], [9] * 12], max_new_tokens=9)  # another budget in the same cache bucket
     assert messages == []
     gen.generate([[5] * 40], max_new_tokens=16)  # a longer prompt bucket compiles a prefill and a step
     assert [m.split(" (")[0] for m in messages if m.startswith("compiling")] == [

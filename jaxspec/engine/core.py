@@ -66,7 +66,7 @@ class Stats(NamedTuple):
 class GenState(NamedTuple):
     cache: kvc.KVCache  # the target's
     last_token: jax.Array  # [B] x_m, emitted, not yet in the cache
-    tokens: jax.Array  # [B, max_new] generated tokens (padding past num_generated)
+    tokens: jax.Array  # [B, C] generated tokens, C the cache capacity >= any row's budget (padding past num_generated)
     num_generated: jax.Array  # [B]
     done: jax.Array  # [B] bool
     max_new: jax.Array  # [B] per-row budget (0 for padding rows)
@@ -106,10 +106,11 @@ def prefill(
     processor_values: procs.ProcessorValues | None,
     *,
     capacity: int,
-    max_new_tokens: int,
     sampling: SamplingConfig,
 ) -> GenState:
-    """The prompt through the target, the first token, and the proposer's initial state."""
+    """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
+    wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
+    so another --max-new-tokens in the same bucket runs the same compiled prefill and step."""
     target = nnx.merge(target_graphdef, target_params)
     b, t = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -130,7 +131,7 @@ def prefill(
     st = GenState(
         cache=kvc.advance(out.cache, prompt_lens),
         last_token=first,
-        tokens=jnp.zeros((b, max_new_tokens), jnp.int32),
+        tokens=jnp.zeros((b, capacity), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),
         done=max_new <= 0,
         max_new=max_new,

@@ -71,7 +71,7 @@ def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
 
 
 _prefill = jax.jit(
-    engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "max_new_tokens", "sampling")
+    engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "sampling")
 )
 _steps = jax.jit(
     engine.steps,
@@ -293,7 +293,7 @@ class Generator:
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key, processor_values)
-        static = dict(capacity=capacity, max_new_tokens=max_new_tokens, sampling=sampling)
+        static = dict(capacity=capacity, sampling=sampling)  # budgets are data (max_new): no compile per budget
         prefill = self._compiled_fn("prefill", _prefill, *args, **static)
         step = self._compiled_fn(
             "step", _steps, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
