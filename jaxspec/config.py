@@ -129,6 +129,83 @@ class HeadConfig:
         return cls(**{**base, **overrides})
 
 
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash block drafter (z-lab, arXiv 2602.06036; BLOCK_DRAFTERS.md §1): a stack of Qwen3-style decoder
+    layers with no embedding and no LM head of its own (the target's are shared). One forward drafts a block:
+    the last target token and `block_size - 1` mask tokens attend, bidirectionally, to each other and to the
+    context, the target's features at `target_layer_ids` projected by fc and hidden_norm and injected as extra
+    keys and values in every layer; slot k's logits are the draft for the token k positions after the root.
+
+    `target_layer_ids` are z-lab's: the OUTPUT of decoder layer i, Hugging Face hidden_states[i + 1], which is
+    what `aux_layer_ids` (the input of a layer, as the target returns features) gives."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (its embedding rows and LM head)
+    target_hidden_size: int
+    block_size: int  # B: one forward drafts B - 1 tokens
+    mask_token_id: int  # the block's filler token, embedded with the target's table
+    target_layer_ids: tuple[int, ...]  # z-lab ids: the output of these target decoder layers
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig(theta=1000000.0)
+    max_position_embeddings: int = 40960
+    # Shared with the target's layer code: DFlash layers are Qwen3's (q/k norms, no biases).
+    qk_norm: bool = True
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        check_sizes(self, "drafter config.json")
+        if self.num_heads % self.num_kv_heads:
+            raise JaxspecError(f"drafter num_attention_heads={self.num_heads} is not a multiple of "
+                               f"{self.num_kv_heads=}")
+        if self.block_size < 2:
+            raise JaxspecError(f"drafter block_size must be at least 2 (the root and one draft), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise JaxspecError("drafter dflash_config.target_layer_ids is empty: it names the target layers it reads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise JaxspecError(
+                f"drafter mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}; "
+                "the mask token must be a row of the target's embedding table"
+            )
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target features this drafter reads, as hidden_states indices (the input of layer i + 1)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, **overrides) -> DFlashConfig:
+        """A drafter shaped like its target's layers (z-lab's published drafters are), `num_layers` 5 or fewer,
+        reading 5 (or fewer) layers spread as z-lab's `build_target_layer_ids` spreads them."""
+        n = target.num_layers
+        count = min(5, max(n - 2, 1))
+        ids = (n // 2,) if count == 1 else tuple(round(1 + i * (n - 4) / (count - 1)) for i in range(count))
+        base = dict(
+            hidden_size=target.hidden_size, num_layers=min(5, n), num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=target.intermediate_size,
+            vocab_size=target.vocab_size, target_hidden_size=target.hidden_size, block_size=16,
+            mask_token_id=target.vocab_size - 1,
+            target_layer_ids=tuple(dict.fromkeys(min(max(i, 0), n - 2) for i in ids)),
+            rms_norm_eps=target.rms_norm_eps, rope=target.rope,
+        )
+        return cls(**{**base, **overrides})
+
 # Config fields that count something (and the Hugging Face names they are read from): each must be at least 1.
 SIZE_FIELDS = {
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",

@@ -12,7 +12,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxspec.config import HeadConfig
+from jaxspec.config import DFlashConfig, HeadConfig, RopeConfig
+from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
@@ -25,13 +26,18 @@ def head_config_for(target: LlamaModel, **overrides) -> HeadConfig:
     return HeadConfig.for_target(target.config, **{**defaults, **overrides})
 
 
-def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:
+def sampled_sequences(target: LlamaModel, seed: int, seq_len: int, n_seqs: int, temperature: float = 1.0) -> jax.Array:
+    """[N, L] continuations the target generates itself from random 4-token prompts (the prompts included)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, target.config.vocab_size, 4).tolist() for _ in range(n_seqs)]
     gen = Generator(target, batch_size=16).generate(
-        prompts, max_new_tokens=seq_len - 4, sampling=SamplingConfig(temperature=1.0), seed=seed
+        prompts, max_new_tokens=seq_len - 4, sampling=SamplingConfig(temperature=temperature), seed=seed
     )
-    seqs = jnp.asarray([p + c.token_ids for p, c in zip(prompts, gen)], jnp.int32)  # [N, L]
+    return jnp.asarray([p + c.token_ids for p, c in zip(prompts, gen)], jnp.int32)
+
+
+def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64) -> Eagle3Head:
+    seqs = sampled_sequences(target, seed, seq_len, n_seqs)  # [N, L]
     n, length = seqs.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
 
@@ -73,3 +79,56 @@ def fit_head(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int =
     batches = jnp.asarray(np.stack([key.choice(n, 16, replace=False) for _ in range(steps)]))  # [steps, 16]
     nnx.update((head, opt), train(state, batches))
     return head
+
+
+def dflash_config_for(target: LlamaModel, **overrides) -> DFlashConfig:
+    """A 2-layer drafter with blocks of 4 (3 drafts) reading the outputs of the layers whose inputs are the tiny
+    target's default features (so one target serves EAGLE-3 and DFlash tests)."""
+    ids = tuple(i - 1 for i in target.config.aux_layer_ids)
+    base = dict(num_layers=2, block_size=4, target_layer_ids=ids, intermediate_size=2 * target.config.hidden_size,
+                mask_token_id=target.config.vocab_size - 1, rope=RopeConfig(theta=10000.0))
+    return DFlashConfig.for_target(target.config, **{**base, **overrides})
+
+
+def fit_dflash(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int = 48, n_seqs: int = 64,
+               **overrides) -> DFlashDrafter:
+    """A DFlash drafter fitted to a tiny target with the training objective (`train.dflash.block_loss`) on the
+    target's own greedy continuations (self-distilled, as DFlash drafters are trained: a block's labels are the
+    tokens themselves, and the tiny target's samples are near-uniform), every position an anchor, all steps in one
+    scanned program."""
+    from train.dflash import block_loss
+
+    seqs = sampled_sequences(target, seed, seq_len, n_seqs, temperature=0.0)  # [N, L]
+    n, length = seqs.shape
+
+    @nnx.jit
+    def features(target, seqs):
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
+        return target(seqs, positions, target.init_cache(n, length), return_aux=True).aux
+
+    feats = features(target, seqs)  # [N, L, F]
+    anchors = jnp.broadcast_to(jnp.arange(length - 1, dtype=jnp.int32), (16, length - 1))
+    loss_mask = jnp.ones((16, length), jnp.int32)
+    drafter = DFlashDrafter(dflash_config_for(target, **overrides), rngs=nnx.Rngs(seed))
+    opt = nnx.Optimizer(drafter, optax.adam(3e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((drafter, opt))
+    frozen = nnx.clone(target)
+    frozen.numerics = None  # the objective needs values, not the verifier's bits
+
+    @jax.jit
+    def train(state, batches):
+        def step(state, idx):
+            drafter, opt = nnx.merge(graphdef, state)
+            def loss_fn(drafter):  # the frozen target is a constant of the program, not an argument
+                return block_loss(drafter, frozen, feats[idx], seqs[idx], loss_mask, anchors, gamma=4.0)
+
+            loss, grads = nnx.value_and_grad(loss_fn)(drafter)
+            opt.update(drafter, grads)
+            return nnx.state((drafter, opt)), loss
+
+        return jax.lax.scan(step, state, batches)
+
+    key = np.random.default_rng(seed + 1)
+    batches = jnp.asarray(np.stack([key.choice(n, 16, replace=False) for _ in range(steps)]))  # [steps, 16]
+    nnx.update((drafter, opt), train(state, batches)[0])
+    return drafter

@@ -40,3 +40,20 @@ def fitted_head(vocab: int = 101, embed_scale: float = 20.0, logit_scale: float 
 @functools.cache
 def random_head(vocab: int = 101) -> Eagle3Head:
     return Eagle3Head(head_config_for(tiny_target(vocab)), rngs=nnx.Rngs(7))
+
+
+@functools.cache
+def fitted_drafter(vocab: int = 101, embed_scale: float = 20.0, logit_scale: float = 1.0):
+    """A DFlash drafter (blocks of 4) fitted to `tiny_target` with the training objective."""
+    from fit_head import fit_dflash
+
+    return fit_dflash(tiny_target(vocab, embed_scale, logit_scale), steps=300)
+
+
+@functools.cache
+def random_drafter(vocab: int = 101):
+    from fit_head import dflash_config_for
+
+    from jaxspec.models.dflash import DFlashDrafter
+
+    return DFlashDrafter(dflash_config_for(tiny_target(vocab)), rngs=nnx.Rngs(7))

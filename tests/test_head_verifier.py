@@ -84,7 +84,7 @@ def test_a_head_for_another_target_is_refused_before_weights_load(models, tmp_pa
                        verifier="org/other-model")
     from jaxspec.checkpoints import heads
 
-    monkeypatch.setattr(heads, "_read_tensors", lambda *_: pytest.fail("head weights were read"))
+    monkeypatch.setattr(heads, "read_tensors", lambda *_: pytest.fail("head weights were read"))
     want = ("draft head was exported for the verifier 'org/other-model' with hidden size 48, vocabulary 120, 8 layers, "
             "aux layers (2, 4, 5); this target has hidden size 64, vocabulary 97, 4 layers, aux layers (2, 2, 1): "
             "run it with that verifier (--target DIR), or use a head exported for this target")

@@ -152,7 +152,7 @@ def head_params(head: Eagle3Head) -> dict[str, tuple[nnx.Variable, bool]]:
     return out
 
 
-def _read_tensors(path: Path, allow_pickle: bool) -> dict[str, np.ndarray]:
+def read_tensors(path: Path, allow_pickle: bool) -> dict[str, np.ndarray]:
     from safetensors import SafetensorError, safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -193,7 +193,7 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
     mismatch = verifier_mismatch(verifier, head_config_from_hf(raw)[1], target)  # before any tensor is read
     if mismatch:
         raise JaxspecError(mismatch)
-    tensors = _read_tensors(path, allow_pickle)
+    tensors = read_tensors(path, allow_pickle)
     tensors = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
     layout, cfg = head_config_from_hf(raw, set(tensors))
     validate_head(cfg, target, verifier)

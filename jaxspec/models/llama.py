@@ -273,13 +273,18 @@ class LlamaModel(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on pre-norm hidden states [..., H] → float32 logits [..., V]."""
         nm = None if self.numerics is None else self.numerics.narrow()  # wide tiles are measured for the layers
-        h = self.norm(hidden, nm is not None)
+        return self.vocab_logits(self.norm(hidden, nm is not None), nm)
+
+    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        """The LM head alone (the tied embedding table when there is none) on states already normed [..., H] →
+        float32 logits [..., V]: what a drafter that shares the target's head (DFlash) reads after its own norm.
+        numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed)."""
         if self.lm_head is None:
-            if nm is not None:
+            if numerics is not None:
                 table = self.embed_tokens[...]  # [V, H]
-                return tiled_matmul(h, table, nm.row_tile, w_out_in=True).astype(jnp.float32)
-            return contract(h, self.embed_tokens[...], ((h.ndim - 1,), (1,))).astype(jnp.float32)
-        return self.lm_head(h, nm).astype(jnp.float32)
+                return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True).astype(jnp.float32)
+            return contract(normed, self.embed_tokens[...], ((normed.ndim - 1,), (1,))).astype(jnp.float32)
+        return self.lm_head(normed, numerics).astype(jnp.float32)
 
     def __call__(
         self,

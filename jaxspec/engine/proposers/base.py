@@ -75,8 +75,9 @@ class Verified(NamedTuple):
 
 
 class ChainDrafts:
-    """The shape of a proposer that drafts one chain of `num_draft` tokens per step (no tree, no KV cache of its
-    own): mixed into such proposers (n-gram lookup, an MTP head) so they state only what they draft."""
+    """The shape of a proposer that drafts one chain of `num_draft` tokens per step (no tree): mixed into such
+    proposers (n-gram lookup, a DFlash block drafter, an MTP head) so they state only what they draft. One with a
+    KV cache of its own (DFlash) overrides `kv_cache`."""
 
     tree = None
 

@@ -1,0 +1,274 @@
+"""DFlash block drafters: one drafter forward drafts a chain of up to B - 1 tokens; the output is the target's.
+
+- A z-lab-format checkpoint (config.json + safetensors with exactly z-lab's keys, written here by hand) loads, and
+  its first block's logits equal a direct numpy reimplementation of the published description, on target features
+  from transformers (`hidden_states[i + 1]`: the output of layer i).
+- Greedy output equals target-only with a random drafter (drafts rejected) and a fitted one (most accepted).
+- Sampling is lossless: the joint distribution of the first two tokens is the target's (chi-square).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_tiny import make_tiny
+from spec_fixtures import PROMPTS, fitted_drafter, random_drafter, tiny_target
+
+from jaxspec.checkpoints.dflash import export_dflash, load_dflash
+from jaxspec.checkpoints.hf import load_target
+from jaxspec.engine.generation import Generator
+from jaxspec.engine.proposers.base import PrefillView, StepView
+from jaxspec.engine.proposers.dflash import DFlashProposer, check_drafter_fits
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingConfig
+
+TARGET_LAYER_IDS = [0, 2]  # z-lab ids: the outputs of layers 0 and 2 (hidden_states 1 and 3)
+BLOCK, MASK = 4, 95
+
+
+def zlab_config(**extra) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": BLOCK, "num_target_layers": 4,
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TARGET_LAYER_IDS},
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 48, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "vocab_size": 97, "tie_word_embeddings": False,
+        "layer_types": ["full_attention", "full_attention"], **extra,
+    }
+
+
+def zlab_weights(rng, cfg: dict, target_hidden: int) -> dict[str, np.ndarray]:
+    """Random weights under z-lab's names, torch layout [out, in]; norms away from 1 so a missed one shows."""
+    h, d, hq, hkv, i = (cfg[k] for k in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads",
+                                          "intermediate_size"))
+    w = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+    norm = lambda n: (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    out = {"fc.weight": w(h, len(TARGET_LAYER_IDS) * target_hidden), "hidden_norm.weight": norm(h),
+           "norm.weight": norm(h)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"layers.{layer}."
+        out |= {
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": w(hq * d, h), p + "self_attn.k_proj.weight": w(hkv * d, h),
+            p + "self_attn.v_proj.weight": w(hkv * d, h), p + "self_attn.o_proj.weight": w(h, hq * d),
+            p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
+            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h), p + "mlp.down_proj.weight": w(h, i),
+        }
+    return out
+
+
+def write_zlab(path, cfg: dict, weights: dict) -> None:
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(weights, str(path / "model.safetensors"))
+
+
+def reference_block_logits(weights, cfg, ctx_feats, root, lm_head) -> np.ndarray:
+    """The published description in numpy (float64): ctx = hidden_norm(fc(features)); the block [root, MASK...]
+    at positions n .. n + B - 1 attends without a mask to the context's keys (positions 0 .. n - 1) and its own;
+    logits = lm_head(norm(x)) at slots 1 .. B - 1."""
+    eps, d, hq, hkv = cfg["rms_norm_eps"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    W = {k: v.astype(np.float64) for k, v in weights.items()}
+
+    def rms(x, wt):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * wt
+
+    def rope(x, pos):  # x [T, heads, d]
+        inv = 1.0 / (cfg["rope_theta"] ** (np.arange(0, d, 2) / d))
+        ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], -1)[:, None, :]
+        rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+        return x * np.cos(ang) + rot * np.sin(ang)
+
+    n = ctx_feats.shape[0]
+    ctx = rms(ctx_feats @ W["fc.weight"].T, W["hidden_norm.weight"])  # [n, H]
+    x = lm_head[[root] + [MASK] * (BLOCK - 1)].astype(np.float64)  # the tied test target: embedding = LM head
+    pos_ctx, pos_blk = np.arange(n, dtype=np.float64), np.arange(n, n + BLOCK, dtype=np.float64)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"layers.{layer}."
+        xn = rms(x, W[p + "input_layernorm.weight"])
+        q = (xn @ W[p + "self_attn.q_proj.weight"].T).reshape(BLOCK, hq, d)
+        q = rope(rms(q, W[p + "self_attn.q_norm.weight"]), pos_blk)
+
+        def kv(src, pos):
+            k = (src @ W[p + "self_attn.k_proj.weight"].T).reshape(len(src), hkv, d)
+            v = (src @ W[p + "self_attn.v_proj.weight"].T).reshape(len(src), hkv, d)
+            return rope(rms(k, W[p + "self_attn.k_norm.weight"]), pos), v
+
+        (kc, vc), (kb, vb) = kv(ctx, pos_ctx), kv(xn, pos_blk)
+        k, v = np.concatenate([kc, kb]), np.concatenate([vc, vb])  # [n + B, hkv, d]
+        g = hq // hkv
+        scores = np.einsum("thd,shd->hts", q, np.repeat(k, g, axis=1)) / np.sqrt(d)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        att = np.einsum("hts,shd->thd", probs, np.repeat(v, g, axis=1)).reshape(BLOCK, hq * d)
+        x = x + att @ W[p + "self_attn.o_proj.weight"].T
+        xn = rms(x, W[p + "post_attention_layernorm.weight"])
+        gate, up = xn @ W[p + "mlp.gate_proj.weight"].T, xn @ W[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ W[p + "mlp.down_proj.weight"].T
+    return rms(x, W["norm.weight"])[1:] @ lm_head.T.astype(np.float64)  # [B - 1, V]
+
+
+def test_a_zlab_checkpoint_drafts_as_the_published_description(tmp_path):
+    torch_target = make_tiny("smollm2_tied", tmp_path / "target", seed=3)
+    cfg = zlab_config()
+    weights = zlab_weights(np.random.default_rng(0), cfg, target_hidden=64)
+    write_zlab(tmp_path / "drafter", cfg, weights)
+    prompt = [5, 17, 3, 9, 44, 2, 61]
+    with torch.no_grad():
+        hs = torch_target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    feats = np.concatenate([hs[i + 1][0].double().numpy() for i in TARGET_LAYER_IDS], -1)  # outputs of layers i
+    lm_head = torch_target.lm_head.weight.detach().double().numpy()  # tied: the embedding table too
+
+    target = load_target(tmp_path / "target", aux_layer_ids=tuple(i + 1 for i in TARGET_LAYER_IDS))
+    drafter = load_dflash(tmp_path / "drafter", target.config)
+    check_drafter_fits(drafter.config, target.config)
+    proposer, params = DFlashProposer.of(drafter)
+    t = len(prompt)
+    tokens = jnp.asarray([prompt], jnp.int32)
+    out = target(tokens, jnp.arange(t, dtype=jnp.int32)[None], target.init_cache(1, 32), return_aux=True)
+    np.testing.assert_allclose(np.asarray(out.aux[0]), feats, rtol=1e-4, atol=1e-4)  # the taps: hidden_states[i + 1]
+    root = 23
+    view = PrefillView(tokens, jnp.asarray([t]), jnp.asarray([root]), out.aux, None)
+    state = proposer.init(params, target, view, 32)
+    step = StepView(jnp.asarray([root]), jnp.asarray([t]), jnp.asarray([1]), None)
+    proposal, _ = proposer.propose(params, target, state, step, SamplingConfig(), jax.random.key(0))
+    want = reference_block_logits(weights, cfg, feats, root, lm_head)
+    np.testing.assert_array_equal(np.asarray(proposal.tokens[0, 1:]), want.argmax(-1))
+    drafter_states = nnx.merge(proposer.drafter_graphdef, params)(
+        target.embed(jnp.asarray([[root] + [MASK] * (BLOCK - 1)])), jnp.arange(t, t + BLOCK)[None],
+        state.cache,
+    )
+    np.testing.assert_allclose(np.asarray(target.vocab_logits(drafter_states)[0, 1:]), want, rtol=2e-4, atol=2e-4)
+
+    again = load_dflash(export_dflash(drafter, tmp_path / "exported", target=target.config, dtype="float32"),
+                        target.config)
+    for a, b in zip(jax.tree.leaves(nnx.state(drafter)), jax.tree.leaves(nnx.state(again))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.pop("block_size"), "names no block_size"),
+    (lambda c: c["dflash_config"].pop("mask_token_id"), "names no mask token"),
+    (lambda c: c["dflash_config"].update(mask_token_id=97), "mask_token_id 97 is outside the vocabulary"),
+    (lambda c: c.update(num_target_layers=36), "trained on a target of 36 layers"),
+    (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), "sliding-window drafter layers"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 3]), "reads the output of target layer 3"),
+])
+def test_drafters_that_do_not_fit_are_one_line_errors(tmp_path, change, message):
+    make_tiny("smollm2_tied", tmp_path / "target", seed=3)
+    cfg = zlab_config()
+    weights = zlab_weights(np.random.default_rng(0), cfg, target_hidden=64)
+    change(cfg)
+    write_zlab(tmp_path / "drafter", cfg, weights)
+    target = load_target(tmp_path / "target")
+    with pytest.raises(JaxspecError, match=message):
+        load_dflash(tmp_path / "drafter", target.config)
+
+
+def test_extra_tensors_are_refused(tmp_path):
+    make_tiny("smollm2_tied", tmp_path / "target", seed=3)
+    cfg = zlab_config()
+    weights = zlab_weights(np.random.default_rng(0), cfg, target_hidden=64)
+    weights["layers.0.attention_conv.weight"] = np.zeros((4, 4), np.float32)  # a DFlash2 drafter's
+    write_zlab(tmp_path / "drafter", cfg, weights)
+    with pytest.raises(JaxspecError, match="tensors a DFlash-1 drafter does not: layers.0.attention_conv.weight"):
+        load_dflash(tmp_path / "drafter", load_target(tmp_path / "target").config)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+
+
+# CI: a random drafter (drafts rejected) drafting one token alone, a fitted one drafting its whole block in a batch
+# of 4 rows; the others under -m slow.
+GREEDY_CI = {("random", 1, 1), ("fitted", 3, 4)}
+
+
+@pytest.mark.parametrize("kind,k,batch", [
+    pytest.param(kind, k, b, marks=() if (kind, k, b) in GREEDY_CI else pytest.mark.slow)
+    for b in (1, 4) for k in (1, 3) for kind in ("random", "fitted")
+])
+def test_greedy_equals_target_only(kind, k, batch, reference):
+    drafter = random_drafter() if kind == "random" else fitted_drafter()
+    proposer, params = DFlashProposer.of(drafter, k)
+    gen = Generator(tiny_target(), proposer=proposer, proposer_params=params, batch_size=batch)
+    got = gen.generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    mean = np.mean([c.stats["mean_accepted_length"] for c in got])
+    if kind == "random":
+        assert mean < 1.2
+    elif k == 3:
+        assert mean > 2.5  # blocks really are accepted several tokens at a time
+    for c in got:
+        assert len(c.stats["acceptance_per_position"]) == k and c.stats["proposer"] == "dflash"
+        assert c.stats["draft_calls"] == c.stats["verify_calls"] + 1  # one drafter forward per step
+
+
+def test_the_drafter_context_follows_the_target_after_every_step():
+    """Crop semantics (BLOCK_DRAFTERS.md §6.3): after each step the drafter's committed context plus its pending
+    features is the target's committed length, whatever was accepted; the engine's prefill and one step at a time."""
+    from jaxspec.engine import core
+
+    target, drafter = tiny_target(), fitted_drafter()
+    proposer, params = DFlashProposer.of(drafter)
+    graphdef, target_params = nnx.split(target)
+    b, t = len(PROMPTS), max(map(len, PROMPTS))
+    prompt = np.zeros((b, t), np.int32)
+    for i, p in enumerate(PROMPTS):
+        prompt[i, : len(p)] = p
+    lens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    eos = jnp.asarray([-1], jnp.int32)
+    prefill = jax.jit(core.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "sampling"))
+    one_step = jax.jit(core.steps, static_argnames=("target_graphdef", "proposer", "num_steps", "sampling"))
+    st = prefill(graphdef, target_params, proposer, params, jnp.asarray(prompt), lens, jnp.full((b,), 24), eos,
+                 jax.random.key(0), None, capacity=64, sampling=SamplingConfig())
+    accepted = set()
+    while not np.all(np.asarray(st.done)):
+        before = np.asarray(st.cache.lengths)
+        st = one_step(graphdef, target_params, proposer, params, st, eos, num_steps=1, sampling=SamplingConfig())
+        live = ~np.asarray(st.done)
+        context = np.asarray(st.proposer.cache.lengths) + np.asarray(st.proposer.num_pending)
+        np.testing.assert_array_equal(context[live], np.asarray(st.cache.lengths)[live])
+        accepted |= set((np.asarray(st.cache.lengths) - before)[live].tolist())
+    assert len(accepted) >= 2  # steps that accepted different numbers of drafts
+
+
+SAMPLING_VOCAB, SAMPLING_N = 16, 20000
+SAMPLING_SHAPE = dict(vocab=SAMPLING_VOCAB, embed_scale=20.0, logit_scale=15.0)
+
+
+def test_sampling_is_lossless():
+    from scipy import stats
+
+    target = nnx.clone(tiny_target(**SAMPLING_SHAPE))
+    target.numerics = None  # the algorithm, not bits: plain numerics keep 20 000 draws fast
+    prompt = [3, 7, 1, 12]
+    sampling = SamplingConfig(1.0)
+    n = len(prompt)
+    seqs = jnp.asarray([prompt + [x1] for x1 in range(SAMPLING_VOCAB)], jnp.int32)
+    out = target(seqs, jnp.broadcast_to(jnp.arange(n + 1), seqs.shape), target.init_cache(SAMPLING_VOCAB, n + 1))
+    probs = np.asarray(jax.nn.softmax(out.logits, axis=-1), np.float64)
+    joint = probs[0, n - 1][:, None] * probs[:, n]  # P(x1, x2)
+
+    proposer, params = DFlashProposer.of(random_drafter(SAMPLING_VOCAB))  # accepted as often as the target picks it
+    gen = Generator(target, proposer=proposer, proposer_params=params, batch_size=SAMPLING_N)
+    got = gen.generate([prompt] * SAMPLING_N, max_new_tokens=2, sampling=sampling, seed=5)
+    counts = np.zeros((SAMPLING_VOCAB, SAMPLING_VOCAB))
+    for c in got:
+        counts[c.token_ids[0], c.token_ids[1]] += 1
+    expected = joint.ravel() / joint.sum() * SAMPLING_N
+    big = expected >= 5
+    observed = counts.ravel()
+    assert observed[expected == 0].sum() == 0
+    p = stats.chisquare(np.append(observed[big], observed[~big].sum()),
+                        np.append(expected[big], expected[~big].sum())).pvalue
+    assert p > 0.01
+    accepted = np.mean([c.stats["acceptance_per_position"][0] for c in got])
+    assert 0.05 < accepted < 0.98  # both branches of the verifier ran
