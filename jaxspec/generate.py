@@ -25,7 +25,9 @@ from jaxspec.cli.args import (
 )
 from jaxspec.cli.loading import (
     check_before_loading,
+    dflash_generator,
     head_aux_layer_ids,
+    is_dflash_draft,
     kernels_impl,
     load_head_for,
     load_target_and_tokenizer,
@@ -147,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     ngram = ngram_proposer(args)
-    if draft:
+    if is_dflash_draft(draft):
+        generator = dflash_generator(
+            model, draft, args.num_speculative_tokens, args.tree, dtype=args.dtype, batch_size=args.batch_size,
+            mesh=mesh, kernels=kernels,
+        )
+    elif draft:
         head = load_head_for(draft, model, args.dtype, args.allow_pickle)
         generator = speculative_generator(
             model, head, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,

@@ -272,3 +272,28 @@ def test_sampling_is_lossless():
     assert p > 0.01
     accepted = np.mean([c.stats["acceptance_per_position"][0] for c in got])
     assert 0.05 < accepted < 0.98  # both branches of the verifier ran
+
+
+def test_generate_with_a_dflash_drafter_equals_no_draft(tmp_path, capsys):
+    """`jaxspec.generate --draft DIR` recognizes a z-lab drafter: its chains, one drafter forward per step, give
+    the target's own text; --tree is a one-line error."""
+    from hf_tiny import write_char_tokenizer
+
+    from jaxspec import generate
+
+    make_tiny("smollm2_tied", tmp_path / "target", seed=3)
+    write_char_tokenizer(tmp_path / "target")
+    cfg = zlab_config()
+    write_zlab(tmp_path / "drafter", cfg, zlab_weights(np.random.default_rng(0), cfg, target_hidden=64))
+    common = ["--target", str(tmp_path / "target"), "--raw", "--json", "--prompt", "hello there",
+              "--max-new-tokens", "12"]
+    runs = {}
+    for name, extra in (("none", ["--no-draft"]), ("dflash", ["--draft", str(tmp_path / "drafter")])):
+        assert generate.main([*common, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["dflash"]["token_ids"] == runs["none"]["token_ids"]
+    stats = runs["dflash"]["stats"]
+    assert stats["proposer"] == "dflash" and len(stats["acceptance_per_position"]) == BLOCK - 1
+    with pytest.raises(SystemExit) as exc:
+        generate.main([*common, "--draft", str(tmp_path / "drafter"), "--tree", "6,3,2"])
+    assert exc.value.code == 2 and "drafts one chain per step" in capsys.readouterr().err

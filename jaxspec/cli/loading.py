@@ -71,9 +71,32 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     from jaxspec.config import load_target_config
 
     raw = read_head_config(draft)
+    if is_dflash(raw):
+        from jaxspec.checkpoints.dflash import dflash_config_from_hf
+        from jaxspec.engine.proposers.dflash import check_drafter_fits
+
+        target = load_target_config(target_dir)
+        drafter = dflash_config_from_hf(raw, target)
+        check_drafter_fits(drafter, target, built=False)
+        return drafter.aux_layer_ids
     head = head_config_from_hf(raw)[1]
     validate_head(head, load_target_config(target_dir), head_record(raw)[0])
     return head.aux_layer_ids
+
+
+def is_dflash_draft(draft: str | None) -> bool:
+    """Whether --draft names a DFlash block drafter (z-lab's layout) rather than an EAGLE-3 head."""
+    if draft is None:
+        return False
+    from jaxspec.checkpoints.heads import read_head_config
+
+    return is_dflash(read_head_config(draft))
+
+
+def is_dflash(raw) -> bool:
+    from jaxspec.checkpoints.dflash import is_dflash as describes_dflash
+
+    return describes_dflash(raw)
 
 
 def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
@@ -96,7 +119,13 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
         if draft is not None:
             from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config
 
-            configs["draft head"] = head_config_from_hf(read_head_config(draft))[1]
+            raw = read_head_config(draft)
+            if is_dflash(raw):
+                from jaxspec.checkpoints.dflash import dflash_config_from_hf
+
+                configs["drafter"] = dflash_config_from_hf(raw, config)
+            else:
+                configs["draft head"] = head_config_from_hf(raw)[1]
         for batch_size in batch_sizes:
             sharding.check_fits(mesh, configs, batch_size)
     check_weight_files(target_dir)
@@ -164,6 +193,22 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
         kernels=kernels, forced_accept_prob=forced_accept_prob,
     )
+
+
+def dflash_generator(model, draft: str, num_draft: int | str, tree, *, dtype: str | None, batch_size: int,
+                     mesh=None, kernels: str | None = None):
+    """The generator of a DFlash drafter: chains of --num-speculative-tokens drafts (auto: the drafter's whole
+    block, B - 1), one drafter forward per step."""
+    from jaxspec.checkpoints.dflash import load_dflash
+    from jaxspec.engine.generation import Generator, default_dtype
+    from jaxspec.engine.proposers.dflash import DFlashProposer
+
+    if tree is not None:
+        raise JaxspecError("a DFlash drafter drafts one chain per step (its block); drop --tree")
+    drafter = load_dflash(draft, model.config, dtype=dtype or default_dtype())
+    proposer, params = DFlashProposer.of(drafter, None if num_draft == AUTO else num_draft)
+    return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
+                     kernels=kernels)
 
 
 def ngram_proposer(args):
