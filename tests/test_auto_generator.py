@@ -212,7 +212,7 @@ def test_a_recorded_tree_is_chosen_where_it_pays_and_its_counts_are_its_own(targ
     assert chosen(plain.generate(PROMPTS[:1], max_new_tokens=MAX_NEW), 1) == {4: 1}
 
 
-@pytest.mark.parametrize("worth", [True, False])
+@pytest.mark.parametrize("worth", [pytest.param(True, marks=pytest.mark.slow), False])  # True: ~40 s of timing
 def test_trees_are_timed_only_where_the_chain_costs_say_they_could_win(worth, monkeypatch):
     from jaxspec.engine.auto import generator as auto_generator
 

@@ -57,6 +57,7 @@ def test_greedy_equals_target_only(k, batch, min_n, max_n):
         assert sum(s["accepted_per_position"]) + s["verify_calls"] >= c.num_generated - 1  # EOS/budget may cut
 
 
+@pytest.mark.slow  # processors with speculation stay in CI: test_processors
 def test_with_logit_processors_equals_target_only():
     penalties = LogitProcessors(repetition_penalty=1.2, frequency_penalty=0.2)
     prompts = PROMPTS + REPEATING

@@ -73,6 +73,7 @@ def test_logits_match_transformers(model, hf_model):
     np.testing.assert_allclose(np.asarray(out.aux), want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.slow  # ~1 min; in CI SmolLM2's logits equal transformers' (above), its greedy text: the bench's HF check
 def test_greedy_mt_bench_equals_transformers(target_dir, model, hf_model):
     tok = load_tokenizer(target_dir)
     stops = stop_token_ids(tok, target_dir, model.config.eos_token_ids)
@@ -186,12 +187,11 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     from jaxspec.engine.auto.config import profile_from_record
 
     assert (builtin.default_head_dir() / "config.json").is_file()
-    runs = {}
-    for name, extra in (("auto", []), ("none", ["--no-draft"]), ("chain", ["--num-speculative-tokens", "5"])):
-        assert generate.main(["--prompt", QUESTIONS[2], "--max-new-tokens", "48", "--json", *extra]) == 0
+    runs = {}  # the head's chains on SmolLM2 (a trained head: > 1.2 tokens per verify): the bfloat16 tests below
+    for name, extra in (("auto", []), ("none", ["--no-draft"])):
+        assert generate.main(["--prompt", QUESTIONS[2], "--max-new-tokens", "32", "--json", *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"] == runs["chain"]["token_ids"]
-    assert runs["chain"]["stats"]["mean_accepted_length"] > 1.5  # a trained head, not a random one
+    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"]
     assert "mean_accepted_length" not in runs["none"]["stats"]
     auto = runs["auto"]["stats"]["auto"]
     config = json.loads((builtin.default_head_dir() / "config.json").read_text())
@@ -229,12 +229,13 @@ def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch)
 
 @pytest.fixture(scope="module")
 def bf16_run(target_dir):
-    """SmolLM2 and the shipped head in bfloat16, 10 shipped prompts (5 MT-Bench, 5 GSM8K), target-only output."""
+    """SmolLM2 and the shipped head in bfloat16, 4 shipped prompts (2 MT-Bench, 2 GSM8K: one batch), target-only
+    output (10 prompts took ~3 minutes of CI; the 160-prompt comparison is the bench's, BENCHMARKS.md)."""
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.prompts import suite_prompts
 
     tok = load_tokenizer(target_dir)
-    texts = [t for _, t in suite_prompts("mt_bench")[:5]] + [t for _, t in suite_prompts("gsm8k")[:5]]
+    texts = [t for _, t in suite_prompts("mt_bench")[:2]] + [t for _, t in suite_prompts("gsm8k")[:2]]
     prompts, stops = [encode_prompt(tok, text, raw=False) for text in texts], stop_token_ids(tok, target_dir)
     model = load_target(target_dir, dtype="bfloat16")
     head = load_head(builtin.default_head_dir(), model.config, dtype="bfloat16")

@@ -53,7 +53,7 @@ def test_eos_and_budget_inside_a_window(reference):
         assert [c.token_ids for c in got] == [ref[:budget] for ref in reference]
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig(8, 3, 2)], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), TreeConfig(8, 3, 2)], ids=["chain", "tree"])
 def test_a_prompt_that_fills_the_context_speculates_to_its_last_token(tree):
     """Prompt + new tokens = the context length: target-only runs it, so speculation must too, and equal it (the
     verify window's slots past the context are scratch, never committed)."""
@@ -95,14 +95,14 @@ def test_step_compiles_once_per_bucket():
 @pytest.mark.parametrize(
     "variant",
     [
-        dict(norm_before_residual=True),
-        dict(norm_before_fc=True),
-        dict(fc_norm=True),
+        pytest.param(dict(norm_before_residual=True), marks=pytest.mark.slow),
+        pytest.param(dict(norm_before_fc=True), marks=pytest.mark.slow),
+        pytest.param(dict(fc_norm=True), marks=pytest.mark.slow),
         # A narrower head with its own embeddings and a reduced draft vocabulary mapped by d2t.
         dict(hidden_size=48, head_dim=12, intermediate_size=96, has_embed_tokens=True, draft_vocab_size=40),
     ],
     ids=["norm_before_residual", "norm_before_fc", "fc_norm", "narrow_own_embed_reduced_vocab"],
-)
+)  # CI: the narrow head (its own embeddings, a reduced vocabulary); the norm variants: -m slow (and test_heads)
 def test_head_variants_keep_output_exact(variant, reference):
     from fit_head import head_config_for
 
@@ -117,7 +117,8 @@ def test_head_variants_keep_output_exact(variant, reference):
     assert [c.token_ids for c in got] == reference
 
 
-@pytest.mark.parametrize("prob, k", [(0.6, 4), (1.0, 4), (0.0, 3)])
+@pytest.mark.parametrize("prob, k", [(0.6, 4), pytest.param(1.0, 4, marks=pytest.mark.slow),
+                                     pytest.param(0.0, 3, marks=pytest.mark.slow)])
 def test_forced_acceptance_sets_the_mean_accepted_length(prob, k):
     """Benchmark-only forced acceptance: a chain accepts 1 + p + ... + p^K tokens per verify on average, whatever the
     head (here a random one, which accepts ~nothing on its own)."""

@@ -16,8 +16,14 @@ CFG = HeadConfig(
 )
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}])
-@pytest.mark.parametrize("t", [1, 9, 16])
+VARIANTS = [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}]
+EFFICIENT_CI = {(0, 9), (1, 16), (2, 1)}  # each variant once, the lengths spread over them; the rest: -m slow
+
+
+@pytest.mark.parametrize("variant,t", [
+    pytest.param(v, t, id=f"{t}-variant{i}", marks=() if (i, t) in EFFICIENT_CI else pytest.mark.slow)
+    for t in (1, 9, 16) for i, v in enumerate(VARIANTS)
+])
 def test_efficient_attention_equals_explicit_masks(variant, t):
     cfg = HeadConfig(**{**CFG.__dict__, **variant})
     head = Eagle3Head(cfg, rngs=nnx.Rngs(0))
@@ -184,7 +190,7 @@ def _packed_case(rng, lengths, t, prompt=3):
     return seqs, feats, ids, f, pos, seg, mask
 
 
-@pytest.mark.parametrize("lengths,t", [((7, 9), 16), ((5, 4, 6), 20), ((12,), 12)])
+@pytest.mark.parametrize("lengths,t", [pytest.param((7, 9), 16, marks=pytest.mark.slow), ((5, 4, 6), 20), ((12,), 12)])
 def test_packed_rows_equal_each_sequence_alone(lengths, t):
     """A row holding several sequences gives each the logits it gets alone (attention never crosses a boundary,
     positions restart), efficient form against the explicit-mask reference, on a subset of rows."""
