@@ -22,7 +22,8 @@ from jaxspec.checkpoints.dflash import export_dflash, load_dflash
 from jaxspec.checkpoints.hf import load_target
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.proposers.base import PrefillView, StepView
-from jaxspec.engine.proposers.dflash import DFlashProposer, check_drafter_fits
+from jaxspec.checkpoints.dflash import check_drafter_fits
+from jaxspec.engine.proposers.dflash import DFlashProposer
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig
 

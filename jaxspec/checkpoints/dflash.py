@@ -94,10 +94,32 @@ def dflash_config_from_hf(raw: dict[str, Any], target: TargetConfig) -> DFlashCo
         )
 
 
+def check_drafter_fits(drafter: DFlashConfig, target: TargetConfig, *, built: bool = True) -> None:
+    """The drafter reads the target's vocabulary and hidden size, and layers the target has; `built`: the target
+    was also built to return those layers' features (a loader checks before the target is built for it)."""
+    if drafter.vocab_size != target.vocab_size:
+        raise JaxspecError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
+    if drafter.target_hidden_size != target.hidden_size:
+        raise JaxspecError(f"drafter expects target hidden size {drafter.target_hidden_size}, the target has "
+                           f"{target.hidden_size}")
+    if drafter.hidden_size != target.hidden_size:
+        raise JaxspecError(f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size} (a "
+                           "DFlash drafter embeds with the target's table and drafts with its LM head)")
+    for i in drafter.target_layer_ids:
+        if not 0 <= i < target.num_layers - 1:
+            raise JaxspecError(
+                f"drafter reads the output of target layer {i}; jaxspec reads the outputs of layers "
+                f"0..{target.num_layers - 2} (the last layer's output is the final norm's input)"
+            )
+    if built and tuple(drafter.aux_layer_ids) != tuple(target.aux_layer_ids):
+        raise JaxspecError(
+            f"drafter reads the outputs of target layers {drafter.target_layer_ids}, but the target was built to "
+            f"return hidden_states {target.aux_layer_ids} (load it with aux_layer_ids={drafter.aux_layer_ids})"
+        )
+
+
 def load_dflash(path: str | Path, target: TargetConfig, *, dtype=jnp.float32) -> DFlashDrafter:
     """A z-lab DFlash drafter directory, checked against the target's config before any weight is read."""
-    from jaxspec.engine.proposers.dflash import check_drafter_fits
-
     path = Path(path)
     raw = read_head_config(path)
     if not is_dflash(raw):

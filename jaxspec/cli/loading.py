@@ -73,7 +73,7 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     raw = read_head_config(draft)
     if is_dflash(raw):
         from jaxspec.checkpoints.dflash import dflash_config_from_hf
-        from jaxspec.engine.proposers.dflash import check_drafter_fits
+        from jaxspec.checkpoints.dflash import check_drafter_fits
 
         target = load_target_config(target_dir)
         drafter = dflash_config_from_hf(raw, target)
@@ -199,13 +199,14 @@ def dflash_generator(model, draft: str, num_draft: int | str, tree, *, dtype: st
                      mesh=None, kernels: str | None = None):
     """The generator of a DFlash drafter: chains of --num-speculative-tokens drafts (auto: the drafter's whole
     block, B - 1), one drafter forward per step."""
-    from jaxspec.checkpoints.dflash import load_dflash
+    from jaxspec.checkpoints.dflash import check_drafter_fits, load_dflash
     from jaxspec.engine.generation import Generator, default_dtype
     from jaxspec.engine.proposers.dflash import DFlashProposer
 
     if tree is not None:
         raise JaxspecError("a DFlash drafter drafts one chain per step (its block); drop --tree")
     drafter = load_dflash(draft, model.config, dtype=dtype or default_dtype())
+    check_drafter_fits(drafter.config, model.config)  # and the target returns the features it reads
     proposer, params = DFlashProposer.of(drafter, None if num_draft == AUTO else num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)

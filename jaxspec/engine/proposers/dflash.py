@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import DFlashConfig, TargetConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.dflash import DFlashDrafter
@@ -35,30 +34,6 @@ class DFlashState(NamedTuple):
     cache: kvc.KVCache  # the context's keys and values, every drafter layer; lengths = context committed
     pending_feat: jax.Array  # [B, K+1, n_aux * Ht] target features of the tokens verified last, not yet context
     num_pending: jax.Array  # [B] in 0..K+1 (0 after the prefill, whose context is written whole)
-
-
-def check_drafter_fits(drafter: DFlashConfig, target: TargetConfig, *, built: bool = True) -> None:
-    """The drafter reads the target's vocabulary and hidden size, and layers the target has; `built`: the target
-    was also built to return those layers' features (a loader checks before the target is built for it)."""
-    if drafter.vocab_size != target.vocab_size:
-        raise JaxspecError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {target.vocab_size}")
-    if drafter.target_hidden_size != target.hidden_size:
-        raise JaxspecError(f"drafter expects target hidden size {drafter.target_hidden_size}, the target has "
-                           f"{target.hidden_size}")
-    if drafter.hidden_size != target.hidden_size:
-        raise JaxspecError(f"drafter hidden size {drafter.hidden_size} != target hidden size {target.hidden_size} (a "
-                           "DFlash drafter embeds with the target's table and drafts with its LM head)")
-    for i in drafter.target_layer_ids:
-        if not 0 <= i < target.num_layers - 1:
-            raise JaxspecError(
-                f"drafter reads the output of target layer {i}; jaxspec reads the outputs of layers "
-                f"0..{target.num_layers - 2} (the last layer's output is the final norm's input)"
-            )
-    if built and tuple(drafter.aux_layer_ids) != tuple(target.aux_layer_ids):
-        raise JaxspecError(
-            f"drafter reads the outputs of target layers {drafter.target_layer_ids}, but the target was built to "
-            f"return hidden_states {target.aux_layer_ids} (load it with aux_layer_ids={drafter.aux_layer_ids})"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
