@@ -297,3 +297,16 @@ def test_generate_with_a_dflash_drafter_equals_no_draft(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         generate.main([*common, "--draft", str(tmp_path / "drafter"), "--tree", "6,3,2"])
     assert exc.value.code == 2 and "drafts one chain per step" in capsys.readouterr().err
+
+
+def test_on_a_mesh_equals_one_device(reference):
+    """data=2 x model=2: the drafter's parameters and context cache split as the target's are; the text is the
+    target's (tiny_target: 4 query and 2 KV heads)."""
+    from jaxspec import sharding
+
+    proposer, params = DFlashProposer.of(fitted_drafter())
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    gen = Generator(tiny_target(), proposer=proposer, proposer_params=params, batch_size=4, mesh=mesh)
+    got = gen.generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.5
