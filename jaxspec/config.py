@@ -194,8 +194,7 @@ class DFlashConfig:
         """A drafter shaped like its target's layers (z-lab's published drafters are), `num_layers` 5 or fewer,
         reading 5 (or fewer) layers spread as z-lab's `build_target_layer_ids` spreads them."""
         n = target.num_layers
-        count = min(5, max(n - 2, 1))
-        ids = (n // 2,) if count == 1 else tuple(round(1 + i * (n - 4) / (count - 1)) for i in range(count))
+        ids = build_target_layer_ids(n, min(5, max(n - 2, 1)))
         base = dict(
             hidden_size=target.hidden_size, num_layers=min(5, n), num_heads=target.num_heads,
             num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=target.intermediate_size,
@@ -251,6 +250,13 @@ def hf_fields(what: str) -> Iterator[None]:
     except (TypeError, ValueError, AttributeError) as e:
         raise JaxspecError(f"{what} has a field of the wrong type ({e}); compare it with the model's published "
                            "config.json") from None
+
+
+def build_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """z-lab's DFlash feature layers (outputs of decoder layers): the middle one, or `count` spread over 1..N-3."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxspec.checkpoints.heads import head_params, read_head_config, read_tensors
 from jaxspec.checkpoints.hf import assign, numpy_dtype
-from jaxspec.config import DFlashConfig, TargetConfig, _rope_from_hf, hf_fields, hf_int
+from jaxspec.config import DFlashConfig, TargetConfig, _rope_from_hf, build_target_layer_ids, hf_fields, hf_int
 from jaxspec.errors import JaxspecError
 from jaxspec.files import make_dir
 from jaxspec.models.dflash import DFlashDrafter
@@ -40,13 +40,6 @@ MASK_ID_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_tok
 def is_dflash(raw: dict[str, Any]) -> bool:
     """Whether a draft's config.json describes a DFlash drafter (and not an EAGLE-3 head)."""
     return ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict)
-
-
-def build_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """z-lab's default feature layers when a config names none: the middle one, or `count` spread over 1..N-3."""
-    if count == 1:
-        return (num_target_layers // 2,)
-    return tuple(round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))
 
 
 def dflash_config_from_hf(raw: dict[str, Any], target: TargetConfig) -> DFlashConfig:

@@ -70,10 +70,11 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     from jaxspec.checkpoints.verifier import head_record
     from jaxspec.config import load_target_config
 
+    from jaxspec.checkpoints.dflash import is_dflash
+
     raw = read_head_config(draft)
     if is_dflash(raw):
-        from jaxspec.checkpoints.dflash import dflash_config_from_hf
-        from jaxspec.checkpoints.dflash import check_drafter_fits
+        from jaxspec.checkpoints.dflash import check_drafter_fits, dflash_config_from_hf
 
         target = load_target_config(target_dir)
         drafter = dflash_config_from_hf(raw, target)
@@ -88,15 +89,10 @@ def is_dflash_draft(draft: str | None) -> bool:
     """Whether --draft names a DFlash block drafter (z-lab's layout) rather than an EAGLE-3 head."""
     if draft is None:
         return False
+    from jaxspec.checkpoints.dflash import is_dflash
     from jaxspec.checkpoints.heads import read_head_config
 
     return is_dflash(read_head_config(draft))
-
-
-def is_dflash(raw) -> bool:
-    from jaxspec.checkpoints.dflash import is_dflash as describes_dflash
-
-    return describes_dflash(raw)
 
 
 def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
@@ -119,10 +115,10 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
         if draft is not None:
             from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config
 
+            from jaxspec.checkpoints.dflash import dflash_config_from_hf, is_dflash
+
             raw = read_head_config(draft)
             if is_dflash(raw):
-                from jaxspec.checkpoints.dflash import dflash_config_from_hf
-
                 configs["drafter"] = dflash_config_from_hf(raw, config)
             else:
                 configs["draft head"] = head_config_from_hf(raw)[1]
