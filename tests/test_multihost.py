@@ -1,5 +1,6 @@
 """--distributed on one machine: two processes with two CPU devices each join through jax.distributed and shard
-one data=2 × model=2 mesh across both; the output must equal one device's, and only process 0 prints it."""
+one data=2 × model=2 mesh across both; the greedy output must equal one device's target-only output, and only
+process 0 prints it."""
 
 import json
 import os
@@ -72,13 +73,14 @@ def test_two_processes_equal_one_device(draft, target_and_head, tmp_path, capsys
     prompts = tmp_path / "p.jsonl"
     texts = ["abc", "hello there"] + (["zz top", "a b c d"] if "auto" in draft else [])  # auto: a second batch
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(texts)))
-    argv = ["--target", str(target), "--prompts-file", str(prompts), "--raw", "--json", "--max-new-tokens", "10",
-            "--batch-size", "2", *(["--draft", str(head), *draft] if draft else [])]
+    target_only = ["--target", str(target), "--prompts-file", str(prompts), "--raw", "--json", "--max-new-tokens", "10",
+                   "--batch-size", "2"]
+    argv = [*target_only, *(["--draft", str(head), *draft] if draft else [])]
 
     from jaxspec import prompts as prompts_mod
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ByteTokenizer())
-    assert generate.main(argv) == 0
+    assert generate.main(target_only) == 0  # one device, target-only: what greedy speculation must give
     out = capsys.readouterr().out
     want = [json.loads(line)["token_ids"] for line in out.strip().splitlines()]
 

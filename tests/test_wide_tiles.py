@@ -55,16 +55,23 @@ def test_wide_tiles_give_narrow_tiles_bits(k, n, dtype):
     np.testing.assert_array_equal(wide(x, w, b), narrow(x, w, b), err_msg="[2, 70] rows")
 
 
-def test_the_measurement_decides(monkeypatch):
-    """default_numerics turns wide tiles on for CPU only when every layer matmul agrees, and never without any."""
-    answers = {}
-    monkeypatch.setattr(numerics, "wide_tiles_agree", lambda k, n, *rest: answers[(k, n)])
-    answers.update({(64, 96): True, (96, 64): True})
-    assert default_numerics("cpu", matmuls=((64, 96), (96, 64))).wide_row_tile == WIDE
-    answers[(96, 64)] = False
-    assert default_numerics("cpu", matmuls=((64, 96), (96, 64))).wide_row_tile is None
-    assert default_numerics("cpu").wide_row_tile is None
-    assert default_numerics("cpu", matmuls=((64, 96),)).narrow().wide_row_tile is None
+def test_the_measurement_decides_per_matmul_and_only_for_long_inputs(monkeypatch):
+    """Numerics.wide_tile: a matmul gets wide tiles when its input fills one and its own [K, N] shape agrees; an
+    input too short for a wide tile (a decode step, a chain) never triggers the measurement."""
+    answers, asked = {(64, 96): True, (96, 64): False}, []
+    monkeypatch.setattr(numerics, "wide_tiles_agree", lambda k, n, *rest: asked.append((k, n)) or answers[(k, n)])
+    nm = default_numerics("cpu")
+    assert nm.wide_row_tile == WIDE
+    x64, x96 = jnp.zeros((2, 20, 64)), jnp.zeros((50, 96))  # 40 and 50 rows: each fills a wide tile
+    assert nm.wide_tile(x64, jnp.zeros((64, 96))) == WIDE
+    assert nm.wide_tile(x96, jnp.zeros((96, 64))) is None  # this shape gives 64 rows other bits
+    assert asked == [(64, 96), (96, 64)]
+    assert nm.wide_tile(jnp.zeros((39, 64)), jnp.zeros((64, 96))) is None and len(asked) == 2  # too few rows
+    assert nm.narrow().wide_tile(x64, jnp.zeros((64, 96))) is None and len(asked) == 2
+    assert default_numerics("gpu").wide_tile(x64, jnp.zeros((64, 96))) is None and len(asked) == 2
+    if jax.device_count() >= 8:  # a model axis splits w: its per-device shape was not measured
+        with sharding.mesh_context(sharding.make_mesh(sharding.MeshConfig(data=4, model=2))):
+            assert nm.wide_tile(jnp.zeros((4 * 40, 64)), jnp.zeros((64, 96))) is None and len(asked) == 2
 
 
 def _dot_rows(fn, *args) -> set[int]:

@@ -232,7 +232,7 @@ def compile_forward(case: CostCase, layers: int, device):
         cfg = reference_config(case.shape, num_layers=layers, aux_layer_ids=None)
         numerics = None
         if case.numerics == "invariant":
-            numerics = default_numerics(backend, case.kernels, dtype=jnp.bfloat16)
+            numerics = default_numerics(backend, case.kernels)
         model = LlamaModel(cfg, dtype=jnp.bfloat16, rngs=None, numerics=numerics)  # rngs=None: shapes only
         graphdef, params = nnx.split(model)
         b, t = case.batch, case.tokens

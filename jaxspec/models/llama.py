@@ -59,7 +59,8 @@ class Linear(nnx.Module):
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
         if numerics is not None:
-            return tiled_matmul(x, self.kernel[...], numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
+            kernel = self.kernel[...]
+            return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel))
         if self.accumulate is not None:
             y = accumulating_matmul(x, self.kernel[...].astype(x.dtype), self.accumulate)
         else:
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         inv = numerics is not None
         if inv and numerics.fused_qkv and not model_sharded():  # one dot (Numerics.fused_qkv)
             kernel, bias = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
-            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_row_tile)
+            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel))
             nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             q, k, v = jnp.split(qkv, (nq, nq + nkv), axis=-1)  # [B, T, Nq], [B, T, Nkv] x 2
         else:
@@ -225,18 +226,9 @@ class LlamaModel(nnx.Module):
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
 
-    def layer_matmuls(self) -> tuple[tuple[int, int], ...]:
-        """The [K, N] shapes of the decoder layers' weights (q, k, v, q/k/v side by side, o, gate, up, down), each
-        once."""
-        cfg = self.config
-        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return tuple(dict.fromkeys((
-            (h, q), (h, kv), (h, q + 2 * kv), (q, h), (h, cfg.intermediate_size), (cfg.intermediate_size, h)
-        )))
-
     def invariant_numerics(self, kernels: str | None = None) -> Numerics:
-        """`default_numerics` of this backend for this model's matmuls and dtype (kernels: the user's choice)."""
-        return default_numerics(kernels=kernels, matmuls=self.layer_matmuls(), dtype=self.dtype)
+        """`default_numerics` of this backend (kernels: the user's choice)."""
+        return default_numerics(kernels=kernels)
 
     def hold_fused_qkv(self) -> LlamaModel:
         """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows,
@@ -272,7 +264,7 @@ class LlamaModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head on pre-norm hidden states [..., H] → float32 logits [..., V]."""
-        nm = None if self.numerics is None else self.numerics.narrow()  # wide tiles are measured for the layers
+        nm = None if self.numerics is None else self.numerics.narrow()  # wide tiles measure [K, N] weights only
         return self.vocab_logits(self.norm(hidden, nm is not None), nm)
 
     def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:

@@ -53,6 +53,7 @@ class Numerics:
 
     row_tile: int = 8  # rows per matmul call; every target matmul is a [row_tile, K] x [K, N] dot ...
     wide_row_tile: int | None = None  # ... or, for the bulk of many rows, [wide_row_tile, K] x [K, N] (tile_split)
+    # where that shape was measured to give a row the narrow tiles' bits (`wide_tile`)
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
     kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
     prefill_row_tile: int | None = None  # a prefill's rows, all of them, on [prefill_row_tile, K] dots; None: as above
@@ -63,8 +64,27 @@ class Numerics:
             raise ValueError(f"Numerics.kernels must be one of {', '.join(IMPLEMENTATIONS)}, got {self.kernels!r}")
 
     def narrow(self) -> Numerics:
-        """These numerics without wide tiles (for a matmul `wide_tiles_agree` did not measure)."""
+        """These numerics without wide tiles (for a matmul `wide_tiles_agree` does not measure)."""
         return dataclasses.replace(self, wide_row_tile=None)
+
+    def wide_tile(self, x: jax.Array, w: jax.Array) -> int | None:
+        """The wide_row_tile for `tiled_matmul(x, w, ...)` with w [K, N]: these numerics' wide tile where x has rows
+        enough to fill one (per data shard, `tile_split`), no `model` mesh axis splits w, and `wide_tiles_agree` for
+        w's shape and x's dtype on this backend; else None (narrow tiles only).
+
+        Why at trace time, per matmul, and not when the model is built: the measurement compiles and runs 4 small
+        programs per weight shape (~2-3 s each shape on a 2-core CPU, ~10 s per model), and only a program with a
+        long verify block (40 rows or more: a large tree) can use its answer. Decode steps, chains and prefills
+        (`for_prefill`) never pay it; a process measures each shape once (`wide_tiles_agree` is cached)."""
+        if self.wide_row_tile is None or model_sharded():
+            return None
+        rows = math.prod(x.shape[:-1]) // data_shards()
+        if tile_split(rows, self.row_tile, self.wide_row_tile)[0] == 0:
+            return None
+        k, n = w.shape
+        agree = wide_tiles_agree(k, n, jnp.dtype(x.dtype).name, self.row_tile, self.wide_row_tile,
+                                 jax.default_backend())
+        return self.wide_row_tile if agree else None
 
     def compiler_options(self, backend: str | None = None) -> dict[str, int]:
         """XLA options for a program that runs a target with these numerics on `backend` (default: JAX's).
@@ -91,15 +111,13 @@ class Numerics:
         return dataclasses.replace(self, row_tile=self.prefill_row_tile, wide_row_tile=None, fused_qkv=False)
 
 
-def default_numerics(
-    backend: str | None = None, kernels: str | None = None, matmuls: tuple[tuple[int, int], ...] = (), dtype=jnp.float32
-) -> Numerics:
+def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
     """One-row tiles on CPU, where a dot's cost grows with its rows and a one-row dot is XLA:CPU's fastest
     (measured, SmolLM2-135M float32 decode step on 2 cores: 26-30 ms with 1-row tiles, as fast as plain XLA; 47 ms
     with 4-row and 56 ms with 8-row tiles); a verify then pays one weight pass per row (a verify of 6 tokens: 77-93
     ms vs 52-55 ms plain). Long verify blocks (40 rows or more: large trees) run the bulk of their rows on 64-row
-    tiles when every matmul in `matmuls` ([K, N] weights computing in `dtype`) gives a row of a 64-row dot the
-    one-row dot's bits on this machine (`wide_tiles_agree`). 64-row tiles on accelerators, where a [64, 4096] x [4096,
+    tiles in each matmul whose 64-row dot gives a row the one-row dot's bits on this machine (`Numerics.wide_tile`,
+    measured when a program first has such a block). 64-row tiles on accelerators, where a [64, 4096] x [4096,
     14336] bfloat16 dot takes what a one-row dot takes (0.13 ms on an H100: both read the weights once). kernels:
     the user's choice (auto / pallas / reference, `pallas_kernels.dispatch.resolve_kernels`); None is auto.
 
@@ -117,10 +135,8 @@ def default_numerics(
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
-        name = jnp.dtype(dtype).name
-        wide = bool(matmuls) and all(wide_tiles_agree(k, n, name, 1, CPU_WIDE_ROW_TILE, backend) for k, n in matmuls)
-        return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE if wide else None,
-                        prefill_row_tile=CPU_PREFILL_ROW_TILE, kernels=impl, fused_qkv=True)
+        return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE, prefill_row_tile=CPU_PREFILL_ROW_TILE,
+                        kernels=impl, fused_qkv=True)
     return Numerics(row_tile=64, kernels=impl)
 
 
