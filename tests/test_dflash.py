@@ -211,6 +211,29 @@ def test_greedy_equals_target_only(kind, k, batch, reference):
         assert c.stats["draft_calls"] == c.stats["verify_calls"] + 1  # one drafter forward per step
 
 
+def _in_dtype(module, dtype):
+    """The same weights in another dtype, held as a loaded model holds them (a fresh skeleton filled with the cast
+    parameters)."""
+    from jaxspec.models.numerics import hold
+
+    out = type(module)(module.config, dtype=dtype, rngs=None)
+    nnx.update(out, jax.tree.map(lambda x: hold(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                 nnx.state(module, nnx.Param)))
+    return out
+
+
+def test_bfloat16_greedy_equals_target_only():
+    """bfloat16 target and drafter, a batch of 4 with ragged acceptance: every verify of a drafted block gives the
+    bits the target's own decode steps give (batch-invariant numerics), so the text is the target's."""
+    target = _in_dtype(tiny_target(), jnp.bfloat16)
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+    proposer, params = DFlashProposer.of(_in_dtype(fitted_drafter(), jnp.bfloat16), 3)
+    got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4).generate(PROMPTS,
+                                                                                              max_new_tokens=30)
+    assert [c.token_ids for c in got] == want
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.0  # blocks are accepted in bfloat16 too
+
+
 def test_the_drafter_context_follows_the_target_after_every_step():
     """Crop semantics (BLOCK_DRAFTERS.md §6.3): after each step the drafter's committed context plus its pending
     features is the target's committed length, whatever was accepted; the engine's prefill and one step at a time."""
