@@ -120,7 +120,7 @@ def fit_dflash(target: LlamaModel, steps: int = 300, seed: int = 0, seq_len: int
         def step(state, idx):
             drafter, opt = nnx.merge(graphdef, state)
             def loss_fn(drafter):  # the frozen target is a constant of the program, not an argument
-                return block_loss(drafter, frozen, feats[idx], seqs[idx], loss_mask, anchors, gamma=4.0)
+                return block_loss(drafter, frozen, feats[idx], seqs[idx], loss_mask, anchors, gamma=4.0)[0]
 
             loss, grads = nnx.value_and_grad(loss_fn)(drafter)
             opt.update(drafter, grads)

@@ -94,3 +94,19 @@ def write_char_tokenizer(out_dir: str | Path) -> None:
     backend.decoder = decoders.Fuse()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
     tokenizer.save_pretrained(str(out_dir))
+
+
+def make_training_setup(base: Path, target_seed: int = 1) -> Path:
+    """A tiny SmolLM2-shaped target at base/target and one training shard at base/data: 24 random sequences of
+    12-29 tokens, the first 5 the prompt (what `train.launch` tests train on); returns base."""
+    import numpy as np
+
+    from train.data import write_shard
+
+    make_tiny("smollm2_tied", base / "target", seed=target_seed)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 97, rng.integers(12, 30)).tolist() for _ in range(24)]
+    (base / "data").mkdir()
+    write_shard(base / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
+                [True] * len(seqs))
+    return base

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from hf_tiny import make_tiny
+from hf_tiny import make_training_setup
 
-from train.data import read_shards, write_shard
+from train.data import read_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,12 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("launch")
-    make_tiny("smollm2_tied", base / "target", seed=1)
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, 97, rng.integers(12, 30)).tolist() for _ in range(24)]
-    (base / "data").mkdir()
-    write_shard(base / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
-                [True] * len(seqs))
+    make_training_setup(base)
     return base
 
 
@@ -276,7 +271,8 @@ def test_evaluation_gives_the_profile_automatic_speculation_reads(setup, tmp_pat
     from jaxspec.checkpoints.verifier import check_acceptance
     from jaxspec.engine.auto.config import profile_from_record
     from train.config import HeadSection, TrainSection
-    from train.launch import _acceptance, build_head, evaluate
+    from train.launch import build_head, evaluate
+    from train.run_io import acceptance_records as _acceptance
 
     class ChatBytes(ByteTokenizer):
         chat_template = "the text itself"
@@ -462,7 +458,7 @@ def test_a_resume_keeps_only_evaluations_its_config_would_have_made(tmp_path):
     this run (after its step 0), on what its config evaluates; not a killed attempt's later records, a cut line,
     another run's, or engine figures on other prompts or with engine evaluation off."""
     from train.config import TrainSection
-    from train.launch import _eval_on, _evaluations_before
+    from train.run_io import eval_on as _eval_on, evaluations_before as _evaluations_before
 
     t = TrainSection(num_draft_steps=2, batch_size=1, seq_len=8, steps=20, eval_every=4, eval_prompts="mt_bench",
                      eval_data=("EVAL/mt_bench",), eval_trees=("6,3,2",))

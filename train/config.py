@@ -45,10 +45,25 @@ class HeadSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DFlashSection:
+    """`dflash:` a block drafter's shape and objective (`drafter: dflash`); null: as `DFlashConfig.for_target`
+    shapes it for the target (its layers' widths, z-lab's feature layers)."""
+
+    num_layers: int = _setting(1, at_least=1)  # decoder layers (z-lab's drafters: 5 for 8B targets)
+    block_size: int = _setting(8, at_least=2)  # B: one forward drafts B - 1 tokens
+    intermediate_size: int | None = _setting(None, at_least=1)  # null: the target's
+    target_layer_ids: tuple[int, ...] | None = None  # z-lab ids (the outputs of these decoder layers); null: default
+    mask_token_id: int | None = _setting(None, at_least=0)  # the block's filler token; null: the last vocabulary id
+    num_anchors: int = _setting(16, at_least=1)  # blocks trained per sequence and step
+    # slot k >= 1 weighs exp(-(k - 1) / loss_decay) (train/dflash.py): 7 for blocks of 16 in SpecForge, 4 for 7-8
+    loss_decay: float = _setting(4.0, at_least=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSection:
     """`train:` the loop, its data, checkpoints, logs and evaluation."""
 
-    num_draft_steps: int = _setting(at_least=1)  # TTT steps K
+    num_draft_steps: int = _setting(at_least=1)  # TTT steps K (dflash: the chain evaluated, at most block_size - 1)
     batch_size: int = _setting(at_least=1)
     seq_len: int = _setting(at_least=2)  # packed row length: sequences go back to back; longer ones are cut
     steps: int = _setting(at_least=1)
@@ -116,7 +131,9 @@ class RunConfig:
     out: str  # the run directory: checkpoints, metrics, exported heads
     train: TrainSection
     target: str | None = None  # null: the built-in SmolLM2-135M-Instruct
-    head: HeadSection = HeadSection()
+    drafter: Literal["eagle3", "dflash"] = "eagle3"  # what is trained: an EAGLE-3 head or a DFlash block drafter
+    head: HeadSection = HeadSection()  # drafter: eagle3
+    dflash: DFlashSection = DFlashSection()  # drafter: dflash
     optim: OptimConfig = OptimConfig()
     mesh: MeshSection = MeshSection()
     distributed: bool = False  # multi-host: jax.distributed.initialize() first
@@ -168,12 +185,37 @@ def parse_config(raw: dict, where: str = "config") -> RunConfig:
     if len(set(names)) < len(names):
         raise JaxspecError(f"{where}: train.eval_data directories need distinct names (their scores are logged by "
                            f"name), got {', '.join(names)}")
+    if cfg.drafter == "dflash":
+        _check_dflash(cfg, raw, where)
+    elif "dflash" in raw:
+        raise JaxspecError(f"{where}: the dflash: section shapes a block drafter; set drafter: dflash to train one, or "
+                           "remove it")
     if t.trained_positions > t.seq_len:
         raise JaxspecError(
             f"{where}: train.trained_positions = {t.trained_positions} exceeds train.seq_len = {t.seq_len} "
             "(0 means seq_len)"
         )
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, total_steps=t.steps))
+
+
+def _check_dflash(cfg: RunConfig, raw: dict, where: str) -> None:
+    """What a DFlash run does not do (yet), refused before anything loads rather than ignored."""
+    t, d = cfg.train, cfg.dflash
+    if t.num_draft_steps > d.block_size - 1:
+        raise JaxspecError(f"{where}: train.num_draft_steps = {t.num_draft_steps} exceeds what a block of "
+                           f"dflash.block_size = {d.block_size} drafts ({d.block_size - 1})")
+    unsupported = {
+        "head": "head" in raw and "the head: section shapes an EAGLE-3 head; a DFlash drafter's is dflash:",
+        "train.features": t.features != "online" and "offline features are EAGLE-3's; DFlash computes them online",
+        "train.compute_dtype": t.compute_dtype == "bfloat16" and "DFlash steps compute in float32 for now",
+        "train.eval_data": bool(t.eval_data) and "held-out replay is EAGLE-3's; evaluate with train.eval_prompts",
+        "train.eval_trees": bool(t.eval_trees) and "a DFlash drafter drafts chains, not trees",
+        "train.trained_positions": bool(t.trained_positions) and "DFlash trains dflash.num_anchors blocks per row "
+                                                                 "instead",
+    }
+    for key, why in unsupported.items():
+        if why:
+            raise JaxspecError(f"{where}: {key} is not for drafter: dflash ({why}); remove it")
 
 
 # --- checking ---------------------------------------------------------------------------------------------------

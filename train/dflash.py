@@ -54,10 +54,10 @@ def slot_weights(anchors, loss_mask, block_size: int, gamma: float) -> jax.Array
     return decay * (inside & (mask > 0))
 
 
-def block_loss(drafter: DFlashDrafter, target, features, tokens, loss_mask, anchors, gamma: float) -> jax.Array:
-    """The weighted cross-entropy of every anchor's block: features [N, S, n_aux·Ht] (the target's, at the
-    drafter's layers), tokens and loss_mask [N, S], anchors [N, A] int32 (< S). target: the frozen target module
-    (its embedding table and LM head)."""
+def block_logits(drafter: DFlashDrafter, target, features, tokens, anchors) -> tuple[jax.Array, jax.Array]:
+    """(logits [N, A, B, V] float32, labels [N, A, B]) of every anchor's block: features [N, S, n_aux·Ht] (the
+    target's, at the drafter's layers), tokens [N, S], anchors [N, A] int32 (< S). target: the frozen target
+    module (its embedding table and LM head)."""
     cfg = drafter.config
     n, s = tokens.shape
     block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id)
@@ -65,7 +65,29 @@ def block_loss(drafter: DFlashDrafter, target, features, tokens, loss_mask, anch
     cache = drafter.init_cache(n, s)
     cache = drafter.write_context(features, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s)), cache)
     states = drafter(target.embed(block), positions, kvc.advance(cache, s), ctx_mask, own)  # [N, A·B, H]
-    logits = target.vocab_logits(states).reshape(n, anchors.shape[1], cfg.block_size, -1)
+    return target.vocab_logits(states).reshape(n, anchors.shape[1], cfg.block_size, -1), labels
+
+
+def block_loss(
+    drafter: DFlashDrafter, target, features, tokens, loss_mask, anchors, gamma: float,
+    anchor_valid: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(the weighted cross-entropy of every anchor's block, metrics): `block_logits`' inputs, loss_mask [N, S] (1
+    on trained tokens), anchor_valid [N, A] bool (False: a padding anchor, weightless; None: all valid).
+
+    Metrics, over valid anchors whose first slot is trained: `acc_1`, the first draft's top-1 accuracy, and
+    `accepted_length`, 1 + the drafts in a row whose argmax is the label (inside the trained tokens). A block's
+    drafts depend on its context and its anchor token only, never on each other, so on the target's own greedy
+    text this is the tokens per verify the engine would accept at that anchor with chains of B - 1."""
+    logits, labels = block_logits(drafter, target, features, tokens, anchors)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [N, A, B]
-    w = slot_weights(anchors, loss_mask, cfg.block_size, gamma)
-    return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
+    w = slot_weights(anchors, loss_mask, drafter.config.block_size, gamma)  # [N, A, B]
+    if anchor_valid is not None:
+        w = w * anchor_valid[:, :, None]
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-9)
+    hit = (jnp.argmax(logits, axis=-1) == labels) & (w > 0)  # [N, A, B]; slot 0 (the anchor itself) has w = 0
+    scored = w[:, :, 1] > 0  # [N, A]
+    run = jnp.cumprod(hit[:, :, 1:], axis=-1).sum(-1)  # [N, A] drafts accepted in a row
+    count = jnp.maximum(scored.sum(), 1)
+    metrics = {"acc_1": jnp.sum(hit[:, :, 1] & scored) / count, "accepted_length": jnp.sum((1 + run) * scored) / count}
+    return loss, jax.lax.stop_gradient(metrics)

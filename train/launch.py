@@ -1,4 +1,7 @@
-"""python -m train.launch --config configs/NAME.yaml [key.sub=value ...]: train an EAGLE-3 head with TTT.
+"""python -m train.launch --config configs/NAME.yaml [key.sub=value ...]: train an EAGLE-3 head or a DFlash drafter.
+
+`drafter: dflash` trains a DFlash block drafter instead (train/dflash_run.py, the same data, checkpoints, logs and
+evaluation); what follows is the EAGLE-3 head's run.
 
 Reads self-distilled shards (train/data.py), packs them into fixed-length rows (train/packing.py), builds the draft
 vocabulary from their response tokens, trains with the frozen target computing features online (or reading
@@ -15,7 +18,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -25,8 +27,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxspec.errors import JaxspecError
-from train.config import HeadSection, MeshSection, RunConfig, TrainSection, load_config
+from train.config import HeadSection, RunConfig, TrainSection, load_config
 from train.packing import PackedBatches
+from train.run_io import (
+    acceptance_of,
+    acceptance_records,
+    close_run,
+    eval_on,
+    evaluations_before,
+    heldout_key,
+    tree_keys,
+    check_inputs,
+    eval_prompts,
+    open_metrics,
+    read_sequences,
+    stop_on_nonfinite,
+)
 
 if TYPE_CHECKING:
     from jaxspec.engine.tree import TreeConfig
@@ -83,116 +99,11 @@ def evaluate(target, head, tokenizer, target_dir, t: TrainSection, tree: TreeCon
     draft position, or each tree depth) on the first prompts of the eval file, with a chain of `num_draft_steps`
     or `tree` (a TreeConfig): the held-out curve, and the profile an exported head records for automatic
     speculation (`jaxspec.engine.auto.config.profile_from_record`, `trees_from_record`)."""
-    from jaxspec.engine.generation import tokens_per_verify
-    from jaxspec.prompts import encode_prompt, prompt_set_path, read_prompts_file, stop_token_ids
     from jaxspec.engine.generator import SpeculativeGenerator
 
-    prompts = read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))[: t.eval_num_prompts]
-    encoded = [encode_prompt(tokenizer, text, raw=False) for _, text in prompts]
-    stops = stop_token_ids(tokenizer, target_dir, target.config.eos_token_ids)
+    encoded, stops = eval_prompts(tokenizer, target_dir, target, t)
     gen = SpeculativeGenerator(target, head, num_draft=t.num_draft_steps, tree=tree, batch_size=len(encoded))
-    out = gen.generate(encoded, max_new_tokens=t.eval_max_new_tokens, stop_ids=stops)
-    calls = sum(c.stats["verify_calls"] for c in out)
-    accepted = np.sum([c.stats["accepted_per_position"] for c in out], axis=0)
-    return tokens_per_verify(out) or 1.0, [round(float(a) / max(calls, 1), 4) for a in accepted]
-
-
-def _acceptance(t: TrainSection, last_eval: tuple[int, float, list[float]] | None,
-                last_heldout: dict[str, tuple[int, dict]] | None = None,
-                last_trees: dict[str, tuple[int, float, list[float]]] | None = None) -> list[dict] | None:
-    """The exported head's acceptance profile: the run's last evaluations (`eval_every`), if it made any — the
-    engine's on `eval_prompts` (the chain, and each of `eval_trees`), and the chain replayed on each `eval_data`
-    set (train/heldout.py)."""
-    records = []
-    engine = [(f"chain K={t.num_draft_steps}", t.num_draft_steps, last_eval)] if last_eval is not None else []
-    engine += [(f"tree {spec}", t.trees[spec].depth, e) for spec, e in (last_trees or {}).items()]
-    for method, depth, (step, mean, rates) in engine:
-        records.append({
-            "prompts": Path(t.eval_prompts).stem, "num_prompts": t.eval_num_prompts,
-            "method": method, "num_speculative_tokens": depth,
-            "max_new_tokens": t.eval_max_new_tokens, "temperature": 0.0,
-            "mean_accepted_length": max(1.0, mean), "acceptance_per_position": rates,
-            "measured_by": f"train.launch evaluation after step {step}",
-        })
-    for eval_dir, (step, scored) in (last_heldout or {}).items():
-        k = t.num_draft_steps
-        records.append({
-            "prompts": Path(eval_dir).name, "num_prompts": scored["sequences"], "method": f"chain K={k}",
-            "num_speculative_tokens": k, "temperature": 0.0,
-            "mean_accepted_length": max(1.0, scored[f"chain_{k}"]),
-            "acceptance_per_position": scored[f"chain_{k}_acceptance_per_position"],
-            "measured_by": f"train.heldout replay (teacher-forced) after step {step}",
-        })
-    return records or None
-
-
-def _evaluations_before(metrics: Path, start: int, t: TrainSection):
-    """(last_eval, last_heldout, last_trees) as the loop keeps them, rebuilt from the run's own log for the steps
-    before `start`: a resumed run that makes no new evaluation still exports the profile its earlier one measured
-    (auto's prior), instead of none. Kept only what the current config would have measured: engine evaluations
-    on the same eval_prompts, count and length (`eval_on`), the held-out sets and trees it still names. Records
-    of steps at or past `start` were logged by an attempt killed before its checkpoint (those steps run again),
-    and a step-0 record begins another run in the same out (its checkpoints deleted): neither is kept."""
-    last_eval, last_heldout, last_trees = None, {}, {}
-    if not start or not metrics.is_file():
-        return last_eval, last_heldout, last_trees
-    engine_on = _eval_on(t) if t.eval_every and t.eval_prompts else None
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill mid-write
-            continue
-        if record.get("step") == 0:  # every run logs its step 0: what came before was another run
-            last_eval, last_heldout, last_trees = None, {}, {}
-        done = record.get("step", start) + 1
-        if done > start:
-            continue
-        for eval_dir in t.eval_data or ():
-            scored = record.get(_heldout_key(eval_dir))
-            if scored is not None:
-                last_heldout[eval_dir] = (done, scored)
-        if engine_on is None or record.get("eval_on") != engine_on:
-            continue
-        if "eval_mean_accepted_length" in record:
-            last_eval = (done, record["eval_mean_accepted_length"], record["eval_acceptance_per_position"])
-        for spec in t.trees:
-            mean_key, rates_key = _tree_keys(spec)
-            if mean_key in record:
-                last_trees[spec] = (done, record[mean_key], record[rates_key])
-    return last_eval, last_heldout, last_trees
-
-
-def _heldout_key(eval_dir: str) -> str:
-    """The metrics record's key of a held-out set's scores (written at evaluations, read back on resume)."""
-    return f"heldout_{Path(eval_dir).name}"
-
-
-def _tree_keys(spec: str) -> tuple[str, str]:
-    """The metrics record's keys of a tree's engine evaluation (mean accepted length, acceptance per position):
-    written at evaluations, read back on resume."""
-    return f"eval_tree_{spec}_mean_accepted_length", f"eval_tree_{spec}_acceptance_per_position"
-
-
-def _ends_mid_line(path: Path) -> bool:
-    if not path.is_file() or not path.stat().st_size:
-        return False
-    with path.open("rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
-
-
-def _eval_on(t: TrainSection) -> list:
-    """What an engine evaluation ran on, logged beside its figures: a resumed run keeps only figures of its own."""
-    return [t.eval_prompts, t.eval_num_prompts, t.eval_max_new_tokens]
-
-
-def _tensorboard(out: Path):
-    """A TensorBoard writer on <out>/tensorboard when tensorboardX is installed (the JSONL log is always written)."""
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(out / "tensorboard"))
+    return acceptance_of(gen.generate(encoded, max_new_tokens=t.eval_max_new_tokens, stop_ids=stops))
 
 
 def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
@@ -203,11 +114,9 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.heads import export_head
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.verifier import verifier_name
-    from jaxspec.cli.loading import resolve_target
     from jaxspec.engine.generation import default_dtype
-    from jaxspec.files import check_writable_dir, make_dir
     from train.checkpointing import RunCheckpoints
-    from train.data import read_shards, require_shards
+    from train.data import read_shards
     from train.precision import computing_in, resolve_compute_dtype
     from train.step import (
         Batch,
@@ -221,32 +130,12 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from train.vocab import coverage, training_counts
 
     t = cfg.train
-    if cfg.distributed:  # multi-host (a TPU slice, several GPU hosts): one process per host
-        try:
-            jax.distributed.initialize()
-        except ValueError as e:  # no cluster environment found
-            raise JaxspecError(f"distributed: true cannot join a job here ({e}); run it on a TPU slice or under "
-                               "SLURM or Open MPI, or set distributed: false") from None
-    # Inputs named by the config are checked before the target loads and anything is written.
-    check_mesh_devices(cfg.mesh, jax.device_count(), jax.default_backend())
-    out = check_writable_dir(Path(cfg.out).expanduser(), "out")
-    data_dirs = [Path(d).expanduser() for d in ((cfg.data,) if isinstance(cfg.data, str) else cfg.data)]
-    for data_dir in data_dirs:
-        require_shards(data_dir, "training shards")
-    if cfg.head.init_from:
-        from jaxspec.checkpoints.heads import read_head_config
+    inputs = check_inputs(cfg)  # before the target loads and anything is written
+    if cfg.drafter == "dflash":
+        from train.dflash_run import run_dflash
 
-        read_head_config(Path(cfg.head.init_from).expanduser())  # a missing head fails now, not after loading
-    eval_dirs = list(t.eval_data or ()) if t.eval_every else []  # scored only at evaluations
-    for eval_dir in eval_dirs:
-        require_shards(Path(eval_dir).expanduser(), "held-out shards (train.eval_data)")
-    if t.eval_every and t.eval_prompts:
-        from jaxspec.prompts import prompt_set_path, read_prompts_file
-
-        # a missing file fails now, not after eval_every steps
-        read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))
-    make_dir(out, "out")
-    target_dir = resolve_target(cfg.target)
+        return run_dflash(cfg, inputs, stop)
+    out, data_dirs, eval_dirs, target_dir = inputs.out, inputs.data_dirs, inputs.eval_dirs, inputs.target_dir
     # The target in the dtype generation runs it in (bfloat16 on GPU/TPU, float32 on CPU): the evaluation measures
     # what inference would, and a step computing in that dtype uses it as it is, with no second copy (an 8B target
     # held in float32 beside its bfloat16 copy was 48 GB)
@@ -258,12 +147,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     for eval_dir, found in heldout.items():
         if not found:
             raise JaxspecError(f"the held-out shards in {eval_dir!r} (train.eval_data) hold no sequences")
-    sequences = []
-    for data_dir in data_dirs:  # several datasets are one mix: the packing shuffles them together
-        found = read_shards(data_dir, with_features=t.features == "offline")
-        if not found:
-            raise JaxspecError(f"the training shards in {str(data_dir)!r} hold no sequences")
-        sequences += found
+    sequences = read_sequences(data_dirs, with_features=t.features == "offline")
     # The draft vocabulary comes from all but every 20th sequence; its coverage of those held out says how often
     # a target token cannot be drafted at all (a cap on acceptance). Prompt tokens too rank the tokens responses
     # never used (a small dataset leaves many such ties).
@@ -328,13 +212,10 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
                           compute_dtype=compute if mixed else None, teacher_temperature=t.teacher_temperature),
         donate_argnames=("params", "opt_state"),
     )
-    metrics_file = (out / "metrics.jsonl").open("a")
-    if _ends_mid_line(out / "metrics.jsonl"):
-        metrics_file.write("\n")  # a line cut by a kill stays alone: the next record is not glued onto it
-    board = _tensorboard(out)
+    metrics_file, board = open_metrics(out)
     params, opt_state = state["params"], state["opt_state"]
     last, interrupted = {}, False
-    last_eval, last_heldout, last_trees = _evaluations_before(out / "metrics.jsonl", start, t)
+    last_eval, last_heldout, last_trees = evaluations_before(out / "metrics.jsonl", start, t)
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         packed = batches(step)
         batch = jax.device_put(
@@ -348,7 +229,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         )
         loss = float(loss)
         if not math.isfinite(loss):
-            _stop_on_nonfinite(loss, step, metrics_file, ckpt)
+            stop_on_nonfinite(loss, step, metrics_file, ckpt)
         record = {
             "step": step,
             "loss": loss,
@@ -362,20 +243,20 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
             merged = computing_in(nnx.merge(hgd, params, frozen), target.dtype)
             for eval_dir in eval_dirs:
                 scored = heldout_acceptance(target, merged, heldout[eval_dir], t.num_draft_steps)
-                record[_heldout_key(eval_dir)] = scored
+                record[heldout_key(eval_dir)] = scored
                 last_heldout[eval_dir] = (step + 1, scored)
         if evaluating and t.eval_prompts:
             from jaxspec.prompts import load_tokenizer
 
             tokenizer = load_tokenizer(target_dir)
             mean, rates = evaluate(target, merged, tokenizer, target_dir, t)
-            record["eval_on"] = _eval_on(t)
+            record["eval_on"] = eval_on(t)
             record["eval_mean_accepted_length"] = round(mean, 4)
             record["eval_acceptance_per_position"] = rates
             last_eval = (step + 1, record["eval_mean_accepted_length"], rates)
             for spec, tree in t.trees.items():
                 mean, rates = evaluate(target, merged, tokenizer, target_dir, t, tree)
-                mean_key, rates_key = _tree_keys(spec)
+                mean_key, rates_key = tree_keys(spec)
                 record[mean_key] = round(mean, 4)
                 record[rates_key] = rates
                 last_trees[spec] = (step + 1, round(mean, 4), rates)
@@ -398,10 +279,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         if interrupted:
             print(f"saved step {step + 1}; the same command resumes from it", file=sys.stderr)
             break
-    metrics_file.close()
-    if board is not None:
-        board.close()
-    ckpt.close()
+    close_run(metrics_file, board, ckpt)
     if interrupted:
         return {**last, "interrupted": True}
     head = nnx.merge(hgd, params, frozen)
@@ -409,38 +287,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         head_dir = out / f"head-{layout}"
         export_head(head, head_dir, layout=layout, target=target.config, dtype="bfloat16",
                     verifier=verifier_name(cfg.target, head_dir),
-                    acceptance=_acceptance(t, last_eval, last_heldout, last_trees))
+                    acceptance=acceptance_records(t, last_eval, last_heldout, last_trees))
     return last
-
-
-def check_mesh_devices(mesh: MeshSection, available: int, backend: str) -> None:
-    """The `mesh:` section must fit the devices there are (checked before the target loads: jax.make_mesh's own
-    error came after it)."""
-    wanted = mesh.data * mesh.fsdp
-    if wanted > available:
-        hint = f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={wanted} simulates them" \
-            if backend == "cpu" else ""
-        raise JaxspecError(f"mesh data={mesh.data} x fsdp={mesh.fsdp} needs {wanted} devices, but {available} are "
-                           f"visible ({backend}); lower mesh.data or mesh.fsdp{hint}")
-
-
-def _stop_on_nonfinite(loss: float, step: int, metrics_file, ckpt) -> None:
-    """A step whose loss is NaN or infinite ends the run: its update is not saved and no head is exported (a NaN
-    learning rate once trained to NaN losses, exited 0 and exported a NaN head). A step's loss is computed from the
-    parameters before its update, so a checkpoint saved at this step holds the parameters that gave it: that one is
-    removed, and a resume starts from the last checkpoint whose parameters gave a finite loss. The log gets the
-    step's loss; the error says where a resume starts."""
-    metrics_file.write(json.dumps({"step": step, "loss": str(loss), "stopped": "non-finite loss"}) + "\n")
-    metrics_file.close()
-    removed = ckpt.latest_step() == step
-    if removed:
-        ckpt.delete(step)
-    kept = ckpt.latest_step()
-    ckpt.close()
-    where = f"the checkpoint of step {step} held these parameters and was removed; " if removed else ""
-    where += f"a resume starts from step {kept}" if kept is not None else "no checkpoint is left: a resume starts over"
-    raise JaxspecError(f"step {step}: the loss is {loss}, so training stopped without saving or exporting ({where}); "
-                       "lower optim.learning_rate or optim.grad_clip, or check the data")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxspec.checkpoints.heads import head_params, read_head_config, read_tensors
 from jaxspec.checkpoints.hf import assign, numpy_dtype
+from jaxspec.checkpoints.verifier import RECORD_KEY, check_acceptance, verifier_record
 from jaxspec.config import DFlashConfig, TargetConfig, _rope_from_hf, build_target_layer_ids, hf_fields, hf_int
 from jaxspec.errors import JaxspecError
 from jaxspec.files import make_dir
@@ -136,9 +137,14 @@ def load_dflash(path: str | Path, target: TargetConfig, *, dtype=jnp.float32) ->
     return drafter
 
 
-def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target: TargetConfig, dtype="bfloat16") -> Path:
+def export_dflash(
+    drafter: DFlashDrafter, out_dir: str | Path, *, target: TargetConfig, dtype="bfloat16",
+    verifier: str | None = None, acceptance: list[dict] | None = None,
+) -> Path:
     """Write a drafter in z-lab's layout (config.json and model.safetensors), loadable by `load_dflash` and by
-    the z-lab/vLLM/SGLang loaders."""
+    the z-lab/vLLM/SGLang loaders, with jaxspec's record (the `jaxspec` key the published layouts have no field for,
+    as `export_head` writes it): the verifier it was trained for (`verifier`: a Hub id, a path or the built-in
+    target's name) and, optionally, its acceptance profile (`check_acceptance`)."""
     from safetensors.numpy import save_file
 
     cfg = drafter.config
@@ -164,5 +170,7 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target: Target
         "layer_types": ["full_attention"] * cfg.num_layers, "tie_word_embeddings": False,
         "attention_bias": cfg.attention_bias, "torch_dtype": str(np.dtype(np_dtype)),
     }
+    record = verifier_record(target, verifier, cfg.aux_layer_ids)
+    config[RECORD_KEY] = {"verifier": record, **({"acceptance": check_acceptance(acceptance)} if acceptance else {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -1,0 +1,200 @@
+"""Training a DFlash block drafter (`train.launch` with `drafter: dflash`): the objective's many blocks per row are
+what inference drafts one block at a time; batches are a pure function of (seed, step); a run checkpoints,
+resumes exactly, evaluates with the engine and exports a drafter `jaxspec.generate --draft` loads."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+from hf_tiny import ByteTokenizer, make_training_setup
+
+from jaxspec.errors import JaxspecError
+from train.block_batches import BlockBatches, anchor_positions
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dflash_train")
+    make_training_setup(base)
+    (base / "prompts.jsonl").write_text('{"id": "a", "prompt": "abcabc"}\n{"id": "b", "prompt": "hello there"}\n')
+    return base
+
+
+def test_the_objective_drafts_each_block_as_inference_does(setup):
+    """block_logits runs every anchor's block in one forward (context mask: positions before the anchor; block
+    mask: its own block). Each block's logits equal the drafter run on that block alone, its cache holding the
+    context up to the anchor: what the proposer does at inference."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.config import DFlashConfig
+    from jaxspec.models.dflash import DFlashDrafter
+    from train.dflash import block_inputs, block_logits
+
+    cfg0 = DFlashConfig.for_target(load_target(setup / "target").config, num_layers=2, block_size=4)
+    target = load_target(setup / "target", aux_layer_ids=cfg0.aux_layer_ids)
+    target.numerics = None
+    drafter = DFlashDrafter(cfg0, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(1)
+    n, s = 2, 20
+    tokens = jnp.asarray(rng.integers(0, 97, (n, s)), jnp.int32)
+    anchors = jnp.asarray([[0, 5, 17], [3, 9, 19]], jnp.int32)  # blocks running past the end included
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (n, s))
+    features = target(tokens, positions, target.init_cache(n, s), return_aux=True).aux
+    logits, labels = block_logits(drafter, target, features, tokens, anchors)
+    block, block_pos, _ = block_inputs(tokens, anchors, cfg0.block_size, cfg0.mask_token_id)
+    b = cfg0.block_size
+
+    @jax.jit
+    def alone(row_features, row_positions, anchor, tokens, positions):  # one block against its context
+        cache = drafter.write_context(row_features, row_positions, drafter.init_cache(1, s))  # every position ...
+        cache = cache._replace(lengths=jnp.full((1,), anchor, jnp.int32))  # ... and those before the anchor committed
+        return target.vocab_logits(drafter(target.embed(tokens), positions, cache))[0]  # [B, V]
+
+    for row in range(n):
+        for j, a in enumerate(np.asarray(anchors[row])):
+            got = alone(features[row : row + 1], positions[row : row + 1], a,
+                        block[row : row + 1, j * b : (j + 1) * b], block_pos[row : row + 1, j * b : (j + 1) * b])
+            np.testing.assert_allclose(np.asarray(logits[row, j]), np.asarray(got), atol=2e-5, rtol=1e-5,
+                                       err_msg=f"row {row} anchor {a}")
+            want = np.asarray(tokens[row, np.minimum(a + np.arange(b), s - 1)])
+            np.testing.assert_array_equal(np.asarray(labels[row, j]), want)
+
+
+def test_batches_are_a_function_of_seed_and_step(setup):
+    from train.data import read_shards
+
+    seqs = read_shards(setup / "data")
+    make = lambda: BlockBatches(seqs, seq_len=24, batch_size=4, num_anchors=8, seed=3)  # noqa: E731
+    first, again = make(), make()
+    seen = set()
+    for step in range(8):  # 32 rows: past the first epoch of 24
+        got, want = first(step), again(step)
+        for field in ("ids", "loss_mask", "anchors", "anchor_valid"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+        for r, i in enumerate(first.rows_of_step(step)):
+            ids, mask, positions = first.rows[i]
+            valid = got.anchors[r][got.anchor_valid[r]]
+            assert len(valid) == min(8, len(positions)) and np.all(np.diff(valid) > 0)
+            assert np.all(got.loss_mask[r, valid + 1] == 1)  # every real anchor's next token is trained
+            np.testing.assert_array_equal(got.ids[r, : len(ids)], ids)
+            if step < 6:
+                seen.add(i)
+    assert seen == set(range(len(seqs)))  # the first epoch is a permutation of every sequence
+    np.testing.assert_array_equal(anchor_positions(np.array([0, 0, 1, 1, 0, 1])), [1, 2, 4])
+
+
+def _config(setup, name: str, steps: int, **train) -> dict:
+    return {
+        "target": str(setup / "target"), "data": str(setup / "data"), "out": str(setup / name), "drafter": "dflash",
+        "dflash": {"num_layers": 1, "block_size": 4, "num_anchors": 6, "loss_decay": 4.0},
+        "train": {"num_draft_steps": 3, "batch_size": 4, "seq_len": 24, "steps": steps, "seed": 0,
+                  "checkpoint_every": 2, "keep_checkpoints": 2, "log_every": 1, "compute_dtype": "float32", **train},
+        "optim": {"learning_rate": 0.003, "warmup_steps": 2},
+    }
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(setup, monkeypatch, capsys):
+    from train.config import parse_config
+    from train.launch import run
+
+    class ChatBytes(ByteTokenizer):
+        chat_template = "the text itself"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return messages[0]["content"]
+
+    from jaxspec import prompts as prompts_mod
+
+    monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ChatBytes())
+    evals = {"eval_every": 3, "eval_prompts": str(setup / "prompts.jsonl"), "eval_num_prompts": 2,
+             "eval_max_new_tokens": 8}
+    class StopAfter:  # a stop request (Ctrl-C) that arrives during the given step
+        def __init__(self, steps: int):
+            self.left = steps
+
+        def is_set(self) -> bool:
+            self.left -= 1
+            return self.left == 0
+
+    run(parse_config(_config(setup, "straight", 6, **evals)))
+    stopped = run(parse_config(_config(setup, "resumed", 6, **evals)), stop=StopAfter(4))
+    assert stopped["interrupted"] and stopped["step"] == 3
+    assert not (setup / "resumed" / "drafter-zlab").exists()  # an interrupted run exports nothing
+    last = run(parse_config(_config(setup, "resumed", 6, **evals)))  # the same command again
+    assert "resumed from step 4" in capsys.readouterr().err
+    straight, resumed = _losses(setup / "straight"), _losses(setup / "resumed")
+    assert sorted(straight) == sorted(resumed) == list(range(6))
+    for step in range(6):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6, abs=1e-6)
+    # random tokens: nothing to learn here (that the objective trains: tests/fit_head.py's fit_dflash, test_dflash)
+    assert 1.0 <= last["accepted_length"] <= 4.0 and 0 <= last["acc_1"] <= 1
+    assert last["eval_mean_accepted_length"] >= 1.0 and len(last["eval_acceptance_per_position"]) == 3
+
+    # the export: z-lab's layout with the acceptance it measured, and the target's own text with it
+    from jaxspec import generate
+    from jaxspec.checkpoints.verifier import head_record
+
+    drafter_dir = setup / "resumed" / "drafter-zlab"
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    verifier, acceptance = head_record(config)
+    assert verifier["num_hidden_layers"] == 4
+    assert acceptance[0]["mean_accepted_length"] == max(1.0, last["eval_mean_accepted_length"])
+    common = ["--target", str(setup / "target"), "--raw", "--json", "--prompt", "hello", "--max-new-tokens", "10"]
+    outs = {}
+    for name, extra in (("none", ["--no-draft"]), ("dflash", ["--draft", str(drafter_dir)])):
+        assert generate.main([*common, *extra]) == 0
+        outs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outs["dflash"]["token_ids"] == outs["none"]["token_ids"] and outs["dflash"]["stats"]["proposer"] == "dflash"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"train": {"num_draft_steps": 4}}, "train.num_draft_steps = 4 exceeds what a block of dflash.block_size = 4"),
+    ({"head": {"draft_vocab_size": 48}}, "head is not for drafter: dflash"),
+    ({"train": {"eval_every": 1, "eval_prompts": "mt_bench", "eval_trees": ["6,3,2"]}},
+     "train.eval_trees is not for drafter: dflash"),
+    ({"train": {"features": "offline"}}, "train.features is not for drafter: dflash"),
+    ({"drafter": "eagle3"}, "the dflash: section shapes a block drafter; set drafter: dflash"),
+    ({"dflash": {"block_size": 1}}, "dflash.block_size must be at least 2"),
+])
+def test_what_a_dflash_run_cannot_do_is_a_one_line_error(setup, change, message):
+    from train.config import parse_config
+
+    raw = _config(setup, "refused", 2)
+    for key, value in change.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) and key in raw else value
+    with pytest.raises(JaxspecError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        parse_config(raw)
+
+
+def test_a_run_directory_of_another_drafter_is_refused(setup, tmp_path):
+    """An EAGLE-3 run's checkpoints would not restore into a drafter's state (and would be set aside as unreadable):
+    refused before anything loads."""
+    from train.config import parse_config
+    from train.launch import run
+
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # an EAGLE-3 run's checkpoint directory
+    raw = _config(setup, "unused", 2)
+    raw["out"] = str(tmp_path)
+    with pytest.raises(JaxspecError, match="holds the checkpoints of a eagle3 run, and this config trains drafter: "
+                                           "dflash; use another out"):
+        run(parse_config(raw))
+    assert (tmp_path / "checkpoints" / "4").is_dir()
+
+
+def test_dflash_yaml_of_the_builtin_target_parses():
+    """configs/smollm2-dflash.yaml (the built-in drafter's recipe) is a valid config."""
+    from pathlib import Path
+
+    from train.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "smollm2-dflash.yaml"
+    cfg = load_config(path)
+    assert cfg.drafter == "dflash" and cfg.dflash.block_size >= 2 and yaml.safe_load(path.read_text())["dflash"]
