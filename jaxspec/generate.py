@@ -25,16 +25,15 @@ from jaxspec.cli.args import (
 )
 from jaxspec.cli.loading import (
     check_before_loading,
-    dflash_generator,
+    draft_generator,
+    draft_model_proposer,
     head_aux_layer_ids,
-    is_dflash_draft,
     kernels_impl,
-    load_head_for,
+    load_draft_for,
     load_target_and_tokenizer,
     ngram_proposer,
     resolve_draft,
     resolve_target,
-    speculative_generator,
     step_cost_store,
 )
 from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
@@ -149,19 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     ngram = ngram_proposer(args)
-    if is_dflash_draft(draft):
-        generator = dflash_generator(
-            model, draft, args.num_speculative_tokens, args.tree, dtype=args.dtype, batch_size=args.batch_size,
-            mesh=mesh, kernels=kernels,
-        )
-    elif draft:
-        head = load_head_for(draft, model, args.dtype, args.allow_pickle)
-        generator = speculative_generator(
-            model, head, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,
+    if draft:  # an EAGLE-3 head or a DFlash drafter
+        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
+        generator = draft_generator(
+            model, drafter, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,
             kernels=kernels, store=step_cost_store(args),
         )
-    else:  # target-only, or drafts by prompt lookup
-        generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
+    else:  # target-only, or drafts by prompt lookup or by a small draft model
+        proposer, proposer_params = draft_model_proposer(args, model, tokenizer)
+        generator = Generator(model, proposer=proposer or ngram, proposer_params=proposer_params,
+                              batch_size=args.batch_size, mesh=mesh, kernels=kernels)
     generator.on_compile = lambda msg: print(msg, file=sys.stderr)
 
     stream = not args.json and args.batch_size == 1
@@ -208,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         total = sum(c.num_generated for c in completions)
         seconds = _wall(completions, args.batch_size)
-        method = _method_summary(args, draft or ngram, completions, ngram)
+        method = _method_summary(args, draft or ngram or generator.proposer, completions, ngram or generator.proposer)
         print(f"[{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s; {method}]", file=sys.stderr)
     return 0
 

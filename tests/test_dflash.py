@@ -234,6 +234,38 @@ def test_bfloat16_greedy_equals_target_only():
     assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.0  # blocks are accepted in bfloat16 too
 
 
+def test_auto_prices_one_drafter_forward_per_step_and_keeps_the_targets_text(reference):
+    """`--num-speculative-tokens auto` with a DFlash drafter: a chain of K costs one drafter forward and a verify of
+    K + 1 tokens (not K head steps), which changes the choice; whatever it chooses, the text is the target's."""
+    import dataclasses
+
+    from jaxspec.engine.auto.config import AcceptanceProfile, StepCosts, choose, step_seconds
+    from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+
+    block = StepCosts(decode=0.01, verify=(0.0, 0.011, 0.012, 0.013), draft=0.01, block_draft=True)
+    per_draft = dataclasses.replace(block, block_draft=False)  # the same numbers priced as an EAGLE-3 head's
+    assert step_seconds(block, 3) == pytest.approx(0.013 + 0.01) and step_seconds(per_draft, 3) == pytest.approx(0.043)
+    prior = AcceptanceProfile((0.9, 0.8, 0.7), 100)
+    assert choose(block, prior).method == 3 and choose(per_draft, prior).method == 0
+
+    gen = AutoSpeculativeGenerator(tiny_target(), fitted_drafter(), prior=prior, batch_size=4)
+    assert gen.depth == BLOCK - 1  # chains up to the block, from one forward
+    for start in range(0, len(PROMPTS), 4):  # the timing's result, fixed so that the choice is the test's
+        gen.step_costs[gen.cost_capacity(PROMPTS[start : start + 4], 30)] = block
+    got = gen.generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    assert all(c.stats["auto"]["num_speculative_tokens"] == 3 and c.stats["proposer"] == "dflash" for c in got)
+    # timed as the engine runs it: the proposer's whole draft (context written, one forward, the longest chain)
+    from jaxspec.engine.auto.step_costs import measure_step_costs
+
+    timed = measure_step_costs(tiny_target(), fitted_drafter(), 4, 64, BLOCK - 1, repeats=1)
+    assert timed.block_draft and timed.draft > 0 and timed.max_draft == BLOCK - 1
+    with pytest.raises(JaxspecError, match="a DFlash drafter drafts chains, not trees"):
+        from jaxspec.engine.tree import TreeConfig
+
+        AutoSpeculativeGenerator(tiny_target(), fitted_drafter(), prior=prior, trees={TreeConfig(6, 3, 2): 2.0})
+
+
 def test_the_drafter_context_follows_the_target_after_every_step():
     """Crop semantics (BLOCK_DRAFTERS.md §6.3): after each step the drafter's committed context plus its pending
     features is the target's committed length, whatever was accepted; the engine's prefill and one step at a time."""
@@ -317,9 +349,21 @@ def test_generate_with_a_dflash_drafter_equals_no_draft(tmp_path, capsys):
     assert runs["dflash"]["token_ids"] == runs["none"]["token_ids"]
     stats = runs["dflash"]["stats"]
     assert stats["proposer"] == "dflash" and len(stats["acceptance_per_position"]) == BLOCK - 1
+    assert stats["auto"]["basis"] == "first batch"  # auto, the default: no record, so the whole block is measured
     with pytest.raises(SystemExit) as exc:
         generate.main([*common, "--draft", str(tmp_path / "drafter"), "--tree", "6,3,2"])
     assert exc.value.code == 2 and "drafts one chain per step" in capsys.readouterr().err
+
+    # the benchmark takes a drafter too: target-only and its chains, interleaved, the same text
+    from jaxspec.bench import cli as bench
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello there"}\n{"id": "b", "prompt": "abcabc"}\n')
+    assert bench.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"), "--raw",
+                       "--prompts-file", str(prompts), "--max-new-tokens", "8", "--num-speculative-tokens", "3",
+                       "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["speculative"]
+    assert row["identical_outputs"] == "2/2" and row["method"] == "chain K=3"
 
 
 def test_on_a_mesh_equals_one_device(reference):

@@ -47,12 +47,12 @@ from jaxspec.cli.loading import (
     check_before_loading,
     head_aux_layer_ids,
     kernels_impl,
-    load_head_for,
+    load_draft_for,
     load_target_and_tokenizer,
     ngram_proposer,
     resolve_draft,
     resolve_target,
-    speculative_generator,
+    draft_generator,
     step_cost_store,
 )
 from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    head = load_head_for(draft, model, args.dtype, args.allow_pickle) if draft else None
+    head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else None  # or a DFlash drafter
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = []
     if head is not None:
         for tree in [None, *args.tree]:
-            spec = speculative_generator(
+            spec = draft_generator(
                 model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
                 kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
             )
@@ -373,7 +373,7 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
             if method == "target-only":
                 gen = Generator(model, batch_size=args.batch_size, mesh=mesh)
             else:
-                gen = speculative_generator(
+                gen = draft_generator(
                     model, head, draft, args.num_speculative_tokens, tree,
                     batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args),
                     forced_accept_prob=args.accept_prob, store=step_cost_store(args),
@@ -487,7 +487,10 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     from jaxspec.engine.tree import TreeConfig
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
-    trees = [] if head is None or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
+    from jaxspec.models.dflash import DFlashDrafter
+
+    drafts_trees = head is not None and not isinstance(head, DFlashDrafter)  # a DFlash drafter drafts chains
+    trees = [] if not drafts_trees or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:
         methods.append((AUTO, None))
@@ -537,7 +540,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
                 depth = ngram.depth
             else:
                 name = method_name(num_draft, tree, args.accept_prob)
-                spec = speculative_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
+                spec = draft_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
                                              kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
                                              store=step_cost_store(args))
                 depth = spec.num_draft

@@ -115,7 +115,7 @@ def add_step_cost_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-PROPOSERS = ("eagle3", "ngram")
+PROPOSERS = ("eagle3", "ngram", "draft-model")
 
 
 def add_draft_args(parser: argparse.ArgumentParser) -> None:
@@ -141,9 +141,14 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--proposer", choices=PROPOSERS, default="eagle3",
-        help="how drafts are made: eagle3 (an EAGLE-3 head, --draft, chains or --tree) or ngram (prompt lookup: "
-        "the K tokens that followed the latest earlier occurrence of the text's last n tokens; no model) "
-        "(default: eagle3)",
+        help="how drafts are made: eagle3 (an EAGLE-3 head or a DFlash drafter, --draft), ngram (prompt lookup: "
+        "the K tokens that followed the latest earlier occurrence of the text's last n tokens; no model) or "
+        "draft-model (an independent small model with the target's tokenizer, --draft-model) (default: eagle3)",
+    )
+    parser.add_argument(
+        "--draft-model", metavar="DIR",
+        help="--proposer draft-model: a Hugging Face model directory of any supported architecture whose tokenizer "
+        "is the target's (e.g. Llama-3.2-1B for Llama-3.1-8B); it drafts K tokens per step with its own KV cache",
     )
     parser.add_argument(
         "--ngram-min", type=integer(None), default=1, metavar="N",
@@ -173,6 +178,8 @@ def method_name(num_draft: int | str, tree, accept_prob: float | None = None, pr
     """How the CLIs and the bench report name a speculative method: `chain K=5`, `tree 12,5,3`, `ngram K=5 n=1..3`."""
     if proposer is not None and proposer.name == "ngram":
         return f"ngram K={num_draft} n={proposer.min_n}..{proposer.max_n}"
+    if proposer is not None and proposer.name == "draft-model":
+        return f"draft model K={num_draft}"
     if tree is None and num_draft == AUTO:
         return "auto"
     name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
@@ -208,13 +215,28 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
             raise JaxspecError(
                 f"--ngram-min and --ngram-max need 1 <= min <= max, got {args.ngram_min} and {args.ngram_max}"
             )
+    proposer = getattr(args, "proposer", "eagle3")
+    if proposer == "draft-model":
+        if args.no_draft or args.draft:
+            given = "--no-draft" if args.no_draft else "--draft"
+            raise JaxspecError(f"--proposer draft-model drafts with --draft-model DIR; drop {given}")
+        if not args.draft_model:
+            raise JaxspecError("--proposer draft-model needs --draft-model DIR (a small model with the target's "
+                               "tokenizer)")
+        if args.tree:
+            raise JaxspecError("--proposer draft-model drafts chains; drop --tree")
+        if k == AUTO:
+            raise JaxspecError("--num-speculative-tokens auto chooses from an EAGLE-3 head's acceptance; give "
+                               f"--proposer draft-model a number (default {DEFAULT_SPECULATIVE_TOKENS})")
+    elif getattr(args, "draft_model", None):
+        raise JaxspecError("--draft-model drafts with --proposer draft-model; add it")
     if tree_sets_depth and args.tree and k is not None:  # auto included: --tree fixes every batch's method
         raise JaxspecError(
             f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
         )
     if k is None:
-        ngram = getattr(args, "proposer", "eagle3") == "ngram"
+        fixed = getattr(args, "proposer", "eagle3") in ("ngram", "draft-model")  # no acceptance record to price
         forced = getattr(args, "accept_prob", None) is not None  # bench's forced acceptance: a fixed chain
-        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if ngram or forced else AUTO
+        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if fixed or forced else AUTO
     elif k == AUTO and getattr(args, "accept_prob", None) is not None:
         raise JaxspecError("--accept-prob forces acceptance of a fixed chain; give --num-speculative-tokens a number")

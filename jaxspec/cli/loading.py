@@ -191,19 +191,48 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
     )
 
 
-def dflash_generator(model, draft: str, num_draft: int | str, tree, *, dtype: str | None, batch_size: int,
-                     mesh=None, kernels: str | None = None):
-    """The generator of a DFlash drafter: chains of --num-speculative-tokens drafts (auto: the drafter's whole
-    block, B - 1), one drafter forward per step."""
+def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool):
+    """What a --draft directory holds, loaded for this target: a DFlash block drafter (z-lab's layout; checked to
+    read features the target returns) or an EAGLE-3 head."""
+    if not is_dflash_draft(draft):
+        return load_head_for(draft, target, dtype, allow_pickle)
     from jaxspec.checkpoints.dflash import check_drafter_fits, load_dflash
-    from jaxspec.engine.generation import Generator, default_dtype
+    from jaxspec.engine.generation import default_dtype
+
+    drafter = load_dflash(draft, target.config, dtype=dtype or default_dtype())
+    check_drafter_fits(drafter.config, target.config)  # and the target returns the features it reads
+    return drafter
+
+
+def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
+                    kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
+    """The generator the flags ask for with a loaded draft (`load_draft_for`): an EAGLE-3 head's
+    (`speculative_generator`), or a DFlash drafter's chains of --num-speculative-tokens drafts, one drafter forward
+    per step; auto: the chain length (or target-only) chosen per batch as for a head (`AutoSpeculativeGenerator`),
+    from the acceptance the drafter's config records (a jaxspec export's) and this machine's step costs."""
+    from jaxspec.models.dflash import DFlashDrafter
+
+    if not isinstance(drafter, DFlashDrafter):
+        return speculative_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
+                                     kernels=kernels, forced_accept_prob=forced_accept_prob, store=store)
+    from jaxspec.engine.generation import Generator
     from jaxspec.engine.proposers.dflash import DFlashProposer
 
     if tree is not None:
         raise JaxspecError("a DFlash drafter drafts one chain per step (its block); drop --tree")
-    drafter = load_dflash(draft, model.config, dtype=dtype or default_dtype())
-    check_drafter_fits(drafter.config, model.config)  # and the target returns the features it reads
-    proposer, params = DFlashProposer.of(drafter, None if num_draft == AUTO else num_draft)
+    if forced_accept_prob is not None:
+        raise JaxspecError("--accept-prob forces an EAGLE-3 head's acceptance; drop it for a DFlash drafter")
+    if num_draft == AUTO:
+        from jaxspec.checkpoints.heads import read_head_config
+        from jaxspec.checkpoints.verifier import check_acceptance, head_record
+        from jaxspec.engine.auto.config import profile_from_record
+        from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+
+        record = head_record(read_head_config(draft))[1]
+        record = check_acceptance(record) if record else None  # a bad record: one-line error
+        return AutoSpeculativeGenerator(model, drafter, prior=profile_from_record(record), batch_size=batch_size,
+                                        mesh=mesh, kernels=kernels, store=store)
+    proposer, params = DFlashProposer.of(drafter, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)
 
@@ -215,6 +244,33 @@ def ngram_proposer(args):
     from jaxspec.engine.proposers.ngram import NgramProposer
 
     return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
+
+
+def draft_model_proposer(args, target, tokenizer):
+    """(the proposer, its parameters) of `--proposer draft-model --draft-model DIR`, or (None, None). The draft must
+    share the target's tokenizer (the same vocabulary; its embedding may be padded past it)."""
+    if getattr(args, "proposer", "eagle3") != "draft-model":
+        return None, None
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generation import default_dtype
+    from jaxspec.engine.proposers.draft_model import DraftModelProposer, check_draft_model_fits
+    from jaxspec.prompts import load_tokenizer
+
+    where = Path(args.draft_model).expanduser()
+    if not (where / "config.json").is_file():
+        raise JaxspecError(f"--draft-model {args.draft_model!r} has no config.json: give a Hugging Face model "
+                           "directory")
+    try:
+        theirs = load_tokenizer(where).get_vocab()
+    except (OSError, ValueError) as e:
+        raise JaxspecError(f"--draft-model {args.draft_model!r}: its tokenizer cannot be read ({e}); a draft model "
+                           "must ship the target's tokenizer") from None
+    if theirs != tokenizer.get_vocab():
+        raise JaxspecError(f"--draft-model {args.draft_model!r} has another tokenizer than the target: a draft model "
+                           "must share the target's vocabulary (pick one of the target's family)")
+    draft = load_target(where, dtype=args.dtype or default_dtype())
+    check_draft_model_fits(draft, target)
+    return DraftModelProposer.of(draft, args.num_speculative_tokens)
 
 
 def step_cost_store(args):

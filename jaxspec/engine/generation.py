@@ -154,6 +154,11 @@ class Generator:
         self.memory: MemoryReport | None = None  # of the last batch generated (`--memory-report`)
 
     @property
+    def num_draft(self) -> int:
+        """The longest acceptable run of drafts: a chain's K, a tree's depth (0 without a proposer)."""
+        return 0 if self.proposer is None else self.proposer.depth
+
+    @property
     def extra_capacity(self) -> int:
         """Cache slots needed beyond prompt + max-new-tokens (a verify block writes ahead)."""
         return 0 if self.proposer is None else self.proposer.extra_capacity()

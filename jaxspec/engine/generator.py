@@ -63,10 +63,5 @@ class SpeculativeGenerator(Generator):
         return self.proposer_params
 
     @property
-    def num_draft(self) -> int:
-        """The longest acceptable run of drafts: a chain's K, a tree's depth."""
-        return self.proposer.depth
-
-    @property
     def tree(self) -> TreeConfig | None:
         return self.proposer.tree

@@ -74,8 +74,11 @@ class StepCosts:
 
     decode: float  # target forward of 1 token per row (target-only step)
     verify: tuple[float, ...]  # verify[k]: target forward of k+1 tokens per row (a chain of k drafts); [0] unused
-    draft: float  # one head step (EAGLE-3: its forward over one new token per row)
+    draft: float  # one head step (EAGLE-3: its forward over one new token per row); a block drafter's forward
     tree_drafts: tuple[tuple[TreeConfig, float], ...] = ()  # per timed tree: its expansion (`tree.draft_tree`)
+    # a block drafter (DFlash): one forward drafts a chain of any length up to its block, so a chain's drafting
+    # costs `draft` once; else (EAGLE-3) once per draft
+    block_draft: bool = False
 
     def __post_init__(self):
         if (self.decode <= 0 or self.draft < 0 or any(v <= 0 for v in self.verify[1:])
@@ -171,11 +174,13 @@ def expected_tokens(rates: Sequence[float], num_draft: int) -> float:
 
 
 def step_seconds(costs: StepCosts, method: Method) -> float:
-    """Seconds of one step: a target-only decode (0), a chain's K head steps and its verify of K+1 tokens, or a
-    tree's head step after the root, its expansion and its verify of TOTAL tokens."""
+    """Seconds of one step: a target-only decode (0), a chain's K head steps (a block drafter's one forward) and
+    its verify of K+1 tokens, or a tree's head step after the root, its expansion and its verify of TOTAL tokens."""
     if isinstance(method, TreeConfig):
         return costs.verify[method.total_tokens - 1] + costs.draft + costs.tree_draft(method)
-    return costs.decode if method == 0 else costs.verify[method] + method * costs.draft
+    if method == 0:
+        return costs.decode
+    return costs.verify[method] + (costs.draft if costs.block_draft else method * costs.draft)
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from jaxspec import sharding
 from jaxspec.errors import JaxspecError
 from jaxspec.engine.generation import Completion, Generator, capacity_bucket
+from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.auto.config import (
@@ -48,12 +49,14 @@ from jaxspec.engine.auto.config import (
     tree_worth_timing,
 )
 from jaxspec.engine.generator import SpeculativeGenerator, check_head_fits
+from jaxspec.engine.proposers.dflash import DFlashProposer
 from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
 from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
 from jaxspec.engine.tree import TreeConfig
 
 FIRST_CHAIN = 5  # drafts of the first batch when the head records no acceptance profile
-MAX_AUTO_DRAFT = 8  # the longest chain considered (its verify of 9 tokens is timed once per cache bucket)
+MAX_AUTO_DRAFT = 8  # an EAGLE-3 head's longest chain considered (its verify of 9 tokens is timed once per cache
+# bucket); a DFlash drafter's is its block's B - 1 drafts, all from one forward
 PROBE_EVERY = 16  # while target-only is chosen, its 16th, 32nd, 64th, .. batch drafts one token to keep measuring,
 # unless the counts so far rule drafting out (`auto.config.drafting_could_win`). A probe costs up to 1/PROBE_EVERY
 # of the run so far where target-only is right (at 8, the probe batch took 1.24x a target-only one: ~3% of the
@@ -70,32 +73,50 @@ class AutoSpeculativeGenerator(Generator):
     PROBE_EVERY-th, drafts one token (basis "probe"): a head that does better on these prompts than its record says
     gets chosen, and one that does not costs less and less. A probe is skipped where it cannot change the choice:
     when one draft could not beat target-only even at a first-draft rate of 1.0, or at the optimistic end of the
-    rate the probes so far observed (`auto.config.drafting_could_win`)."""
+    rate the probes so far observed (`auto.config.drafting_could_win`).
+
+    `head` may be a DFlash block drafter (chains only): one forward drafts any chain up to its block, so a chain of
+    K costs that forward and a verify of K + 1 tokens (`StepCosts.block_draft`), and chains up to B - 1 are
+    candidates."""
 
     def __init__(
         self,
         model: LlamaModel,
-        head: Eagle3Head,
+        head: Eagle3Head | DFlashDrafter,
         *,
         prior: AcceptanceProfile | None,
         trees: Mapping[TreeConfig, float] | None = None,
-        max_draft: int = MAX_AUTO_DRAFT,
+        max_draft: int | None = None,  # None: MAX_AUTO_DRAFT for a head, the block's B - 1 for a DFlash drafter
         batch_size: int = 1,
         mesh: jax.sharding.Mesh | None = None,
         kernels: str | None = None,
         store: StepCostStore | None = None,
     ):
+        self.block = isinstance(head, DFlashDrafter)
+        if self.block:
+            from jaxspec.checkpoints.dflash import check_drafter_fits
+
+            check_drafter_fits(head.config, model.config)
+            if trees:
+                raise JaxspecError("a DFlash drafter drafts chains, not trees: its record's trees cannot be candidates")
+            blocks = head.config.max_drafts
+            max_draft = blocks if max_draft is None else min(max_draft, blocks)
+        else:
+            check_head_fits(model, head)
+            max_draft = MAX_AUTO_DRAFT if max_draft is None else max_draft
         if max_draft < 1:
             raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
-        check_head_fits(model, head)
         super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # batching; choices run elsewhere
         if mesh is not None:  # placed once: the chains built later find it on the mesh and share it
-            sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
+            sharding.check_fits(mesh, {"drafter" if self.block else "draft head": head.config}, batch_size)
             graphdef, params = nnx.split(head)
             head = nnx.merge(graphdef, sharding.shard_params(params, mesh))
         self.model, self.head = model, head
         self.prior = prior if prior is not None and prior.rates else None
-        self.depth = min(max_draft, len(self.prior.rates) if self.prior else FIRST_CHAIN)  # longest chain considered
+        # the longest chain considered; without a prior the first batch measures this many positions (a block
+        # drafter drafts its whole block for the price of a shorter chain's drafting)
+        first = max_draft if self.block else FIRST_CHAIN
+        self.depth = min(max_draft, len(self.prior.rates) if self.prior else first)
         # trees need a chain prior too: a tree's record is scaled by the chain's counts on these prompts
         self.trees = {t: (trees or {})[t] for t in sorted(trees or {}, key=method_order)} if self.prior else {}
         for tree in self.trees:
@@ -193,7 +214,8 @@ class AutoSpeculativeGenerator(Generator):
             trees = "".join(f", tree {t.spec} {step_seconds(c, t) * 1e3:.1f} ms" for t in c.trees)
             self.on_compile(
                 f"{how}: decode {c.decode * 1e3:.1f} ms, verify of {self.depth + 1} tokens "
-                f"{c.verify[self.depth] * 1e3:.1f} ms, head step {c.draft * 1e3:.2f} ms{trees}"
+                f"{c.verify[self.depth] * 1e3:.1f} ms, {'drafter forward' if self.block else 'head step'} "
+                f"{c.draft * 1e3:.2f} ms{trees}"
             )
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
@@ -201,7 +223,7 @@ class AutoSpeculativeGenerator(Generator):
         batch — no profile yet, so the default chain drafts to measure one)."""
         profile = self.acceptance()
         if not profile.rates:
-            k = min(FIRST_CHAIN, self.depth)
+            k = self.depth if self.block else min(FIRST_CHAIN, self.depth)
             return Choice(k, 0.0, 0.0, ()), "first batch"
         observed = self.running.profile().verify_steps > 0 or bool(self.running_trees.steps)
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
@@ -286,6 +308,10 @@ class AutoSpeculativeGenerator(Generator):
         if method not in self._generators:
             if method == 0:
                 gen = Generator(self.model, batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
+            elif self.block:
+                proposer, params = DFlashProposer.of(self.head, method)
+                gen = Generator(self.model, proposer=proposer, proposer_params=params, batch_size=self.batch_size,
+                                mesh=self.mesh, kernels=self.kernels)
             else:
                 tree = method if isinstance(method, TreeConfig) else None
                 gen = SpeculativeGenerator(

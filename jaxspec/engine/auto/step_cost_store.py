@@ -70,14 +70,14 @@ class StepCostStore:
         try:
             trees = tuple((TreeConfig.parse(k), float(v)) for k, v in entry.get("tree_drafts", {}).items())
             return StepCosts(float(entry["decode"]), tuple(float(v) for v in entry["verify"]), float(entry["draft"]),
-                             trees)
+                             trees, bool(entry.get("block_draft", False)))
         except (TypeError, KeyError, ValueError, AttributeError, JaxspecError):  # JaxspecError: not positive
             return None
 
     def put(self, key: str, costs: StepCosts, what: dict) -> None:
         """Store `costs` under `key` (`what`: the key's parts, for a reader of the file)."""
         self._write(key, {"decode": costs.decode, "verify": list(costs.verify), "draft": costs.draft,
-                          "tree_drafts": {t.spec: v for t, v in costs.tree_drafts},
+                          "tree_drafts": {t.spec: v for t, v in costs.tree_drafts}, "block_draft": costs.block_draft,
                           "timed": datetime.date.today().isoformat(), "what": what})
 
     def get_calibration(self, key: str) -> StepCalibration | None:

@@ -22,10 +22,14 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.models import kv_cache as kvc
+from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.auto.config import StepCosts
+from jaxspec.engine.proposers.base import StepView
+from jaxspec.engine.proposers.dflash import DFlashProposer, DFlashState
 from jaxspec.engine.tree import TreeConfig, draft_tree
+from jaxspec.sampling import SamplingConfig
 
 ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
 TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
@@ -58,7 +62,7 @@ def verify_lengths(max_draft: int) -> list[int]:
 
 def time_forwards(
     model: LlamaModel,
-    head: Eagle3Head | None,
+    head: Eagle3Head | DFlashDrafter | None,
     batch: int,
     capacity: int,
     lengths: list[int],
@@ -67,7 +71,8 @@ def time_forwards(
 ) -> tuple[dict[int, float], float, dict[TreeConfig, float]]:
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step (0 without a head),
     {tree: seconds of its expansion}), at this batch size and cache capacity, the caches half full, with the model's
-    own numerics, timed in interleaved rounds (`best_seconds_interleaved`)."""
+    own numerics, timed in interleaved rounds (`best_seconds_interleaved`). A DFlash drafter's step is its
+    proposer's whole draft (the pending context written, one forward over the block, the longest chain's logits)."""
     tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
 
     options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
@@ -81,7 +86,9 @@ def time_forwards(
 
     cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
     calls = {t: (target_forward, (tp, cache, jnp.zeros((batch, t), jnp.int32))) for t in lengths}
-    if head is not None:
+    if isinstance(head, DFlashDrafter):
+        calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
+    elif head is not None:
         hg, hp = nnx.split(head)
         table = model.embed_tokens[...]
 
@@ -104,22 +111,48 @@ def time_forwards(
     return {t: best[t] for t in lengths}, best.get("head", 0.0), {t: best[t] for t in trees}
 
 
-def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float]) -> StepCosts:
+def _block_draft_call(model: LlamaModel, target_params, drafter: DFlashDrafter, batch: int, capacity: int,
+                      num_draft: int) -> tuple:
+    """(fn, args) of one DFlash draft as the engine runs it: `DFlashProposer.propose` for chains of num_draft, its
+    context half full and a whole chain's features pending."""
+    tg = nnx.graphdef(model)
+    proposer, params = DFlashProposer.of(drafter, num_draft)
+    cfg = drafter.config
+    state = DFlashState(
+        cache=kvc.advance(drafter.init_cache(batch, capacity), capacity // 2 - (num_draft + 1)),
+        pending_feat=jnp.zeros((batch, num_draft + 1, cfg.num_aux * cfg.target_hidden_size), model.dtype),
+        num_pending=jnp.full((batch,), num_draft + 1, jnp.int32),
+    )
+    ones = jnp.ones((batch,), jnp.int32)
+    view = StepView(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), capacity // 2, jnp.int32), ones, None)
+
+    @jax.jit
+    def block_draft(target_params, params, state, view):
+        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(), None)
+        return proposal.tokens
+
+    return block_draft, (target_params, params, state, view)
+
+
+def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float],
+           block_draft: bool = False) -> StepCosts:
     """StepCosts from forwards timed at some token counts T (1 among them): every T up to the largest, the ones
     between interpolated."""
     measured = sorted(seconds)
     per_t = np.interp(np.arange(1, measured[-1] + 1), measured, [seconds[t] for t in measured])  # [T = 1..]
     return StepCosts(decode=float(per_t[0]), verify=(0.0, *(float(x) for x in per_t[1:])), draft=draft,
-                     tree_drafts=tuple(expansions.items()))
+                     tree_drafts=tuple(expansions.items()), block_draft=block_draft)
 
 
 def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | None, batch: int, capacity: int, max_draft: int, repeats: int = ROUNDS
+    model: LlamaModel, head: Eagle3Head | DFlashDrafter | None, batch: int, capacity: int, max_draft: int,
+    repeats: int = ROUNDS,
 ) -> StepCosts:
     """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
-    lengths between interpolated, and one head step."""
+    lengths between interpolated, and one head step (a DFlash drafter: one draft of the longest chain, which every
+    chain's step then costs: `StepCosts.block_draft`)."""
     seconds, draft, _ = time_forwards(model, head, batch, capacity, verify_lengths(max_draft), repeats)
-    return _costs(seconds, draft, {})
+    return _costs(seconds, draft, {}, block_draft=isinstance(head, DFlashDrafter))
 
 
 def add_tree_costs(
@@ -135,4 +168,4 @@ def add_tree_costs(
     scale = costs.decode / seconds[1]
     points = {t: costs.verify[t - 1] if t > 1 else costs.decode for t in range(1, costs.max_draft + 2)}
     points.update({t: scale * s for t, s in seconds.items() if t > costs.max_draft + 1})
-    return _costs(points, costs.draft, {t: scale * s for t, s in expansions.items()})
+    return _costs(points, costs.draft, {t: scale * s for t, s in expansions.items()}, costs.block_draft)

@@ -1,0 +1,142 @@
+"""`--proposer draft-model`: an independent small model drafts K tokens per step with its own KV cache (the original
+speculative sampling; transformers' assistant_model). Greedy output equals target-only with drafts rejected (a
+random draft) and accepted (the target as its own draft), ragged batches, bfloat16 and a mesh; sampling with the
+draft's real distribution as q is lossless; the CLI's flags."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_tiny import make_tiny, write_char_tokenizer
+from spec_fixtures import PROMPTS, tiny_target
+from test_spec_sampling import SHAPE, chi_square_p, first_two, plain_target
+from test_ngram_proposer import target_joint
+
+from jaxspec.config import TargetConfig
+from jaxspec.engine.generation import Generator
+from jaxspec.engine.proposers.draft_model import DraftModelProposer
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import LlamaModel
+from jaxspec.sampling import SamplingConfig
+
+
+def small_draft(vocab: int = 101, seed: int = 3) -> LlamaModel:
+    """A 2-layer draft narrower than the tiny target, its vocabulary padded by 3 rows (as released models pad
+    theirs): its drafts are mostly rejected."""
+    cfg = TargetConfig(vocab_size=vocab + 3, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                       num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+    return LlamaModel(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(PROMPTS, max_new_tokens=24)]
+
+
+# CI: whole chains accepted (the target as its own draft); rejections run in CI in the CLI test (another random
+# model); a smaller draft with a padded vocabulary under -m slow
+@pytest.mark.parametrize("draft,k,batch", [("self", 4, 4), pytest.param("small", 3, 4, marks=pytest.mark.slow),
+                                           pytest.param("small", 1, 1, marks=pytest.mark.slow)])
+def test_greedy_equals_target_only(draft, k, batch, reference):
+    model = tiny_target() if draft == "self" else small_draft()
+    proposer, params = DraftModelProposer.of(model, k)
+    got = Generator(tiny_target(), proposer=proposer, proposer_params=params, batch_size=batch).generate(
+        PROMPTS, max_new_tokens=24)
+    assert [c.token_ids for c in got] == reference
+    mean = np.mean([c.stats["mean_accepted_length"] for c in got])
+    if draft == "self":
+        assert mean > k  # its own drafts (plain numerics) are nearly always the target's tokens: whole chains accepted
+    for c in got:
+        assert c.stats["proposer"] == "draft-model" and len(c.stats["acceptance_per_position"]) == k
+        # per step the catch-up plus K - 1 one-token forwards; and the prompt's forward
+        assert c.stats["draft_calls"] == k * c.stats["verify_calls"] + 1
+
+
+@pytest.mark.slow  # ~30 s; CI: bfloat16 and meshes with the other drafters (test_invariance, test_dflash)
+def test_bfloat16_and_a_mesh_equal_target_only():
+    from jaxspec import sharding
+    from test_invariance import _as_dtype
+
+    target = _as_dtype(tiny_target(), jnp.bfloat16)
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=24)]
+    proposer, params = DraftModelProposer.of(_as_dtype(tiny_target(), jnp.bfloat16), 3)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4, mesh=mesh).generate(
+        PROMPTS, max_new_tokens=24)
+    assert [c.token_ids for c in got] == want
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.0
+
+
+@pytest.mark.slow  # ~30 s; CI: rejection sampling with a draft's q (test_spec_sampling, EAGLE-3's chains)
+def test_sampling_with_the_drafts_distribution_is_lossless():
+    """Drafts sampled from another model's distribution (q, not one-hot): the first two tokens follow the target."""
+    n, prompt, sampling = 20000, [3, 7, 1, 12], SamplingConfig(1.0)
+    joint = target_joint(prompt, sampling)
+    draft = nnx.clone(tiny_target(**{**SHAPE, "seed": 1}))  # same shape, other weights: often, not always, agrees
+    proposer, params = DraftModelProposer.of(draft, 2)
+    gen = Generator(plain_target(), proposer=proposer, proposer_params=params, batch_size=n)
+    out = gen.generate([prompt] * n, max_new_tokens=2, sampling=sampling, seed=5)
+    assert chi_square_p(first_two(out), joint) > 0.01
+    accepted = np.mean([c.stats["accepted_per_position"][0] for c in out])
+    assert 0.05 < accepted < 0.95  # both branches of the rejection rule ran
+
+
+def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
+    from jaxspec import generate
+
+    for name, seed in (("target", 5), ("draft", 6)):
+        make_tiny("smollm2_tied", tmp_path / name, seed=seed)
+        write_char_tokenizer(tmp_path / name)
+    common = ["--target", str(tmp_path / "target"), "--prompt", "hello there", "--raw", "--json",
+              "--max-new-tokens", "12"]
+    runs = {}
+    for name, extra in (("none", ["--no-draft"]), ("draft", ["--proposer", "draft-model", "--draft-model",
+                                                           str(tmp_path / "draft"), "--num-speculative-tokens", "3"])):
+        assert generate.main([*common, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["draft"]["token_ids"] == runs["none"]["token_ids"]
+    stats = runs["draft"]["stats"]
+    assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 4  # another model: rejections
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--proposer", "draft-model"], "--proposer draft-model needs --draft-model DIR"),
+    (["--draft-model", "x"], "--draft-model drafts with --proposer draft-model; add it"),
+    (["--proposer", "draft-model", "--draft-model", "x", "--tree", "6,3,2"], "--proposer draft-model drafts chains"),
+    (["--proposer", "draft-model", "--draft-model", "x", "--num-speculative-tokens", "auto"],
+     "give --proposer draft-model a number"),
+    (["--proposer", "draft-model", "--draft-model", "NOWHERE"], "has no config.json"),
+])
+def test_bad_flags_are_one_line_errors(extra, message, tmp_path, capsys):
+    from jaxspec import generate
+
+    make_tiny("smollm2_tied", tmp_path / "target", seed=5)
+    write_char_tokenizer(tmp_path / "target")
+    extra = [str(tmp_path / "nowhere") if e == "NOWHERE" else e for e in extra]
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--target", str(tmp_path / "target"), "--prompt", "hi", "--raw", "--max-new-tokens", "4", *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
+    from jaxspec import generate
+
+    for name in ("target", "draft"):
+        make_tiny("smollm2_tied", tmp_path / name, seed=5)
+        write_char_tokenizer(tmp_path / name)
+    vocab_file = tmp_path / "draft" / "tokenizer.json"
+    tok = json.loads(vocab_file.read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped: another tokenizer
+    vocab_file.write_text(json.dumps(tok))
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--target", str(tmp_path / "target"), "--prompt", "hi", "--raw", "--max-new-tokens", "4",
+                       "--proposer", "draft-model", "--draft-model", str(tmp_path / "draft")])
+    assert exc.value.code == 2 and "has another tokenizer than the target" in capsys.readouterr().err
+    with pytest.raises(JaxspecError, match="drafts at least 1 token"):
+        DraftModelProposer.of(small_draft(), 0)
