@@ -68,6 +68,7 @@ def test_with_logit_processors_equals_target_only():
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
 
 
+@pytest.mark.slow  # CI: the walk for deterministic drafts (q None) under sampling in test_dflash's sampling test
 def test_sampling_is_lossless():
     """Deterministic drafts are verified with the walk that needs no q: the first two tokens follow the target."""
     n = 20000

@@ -91,7 +91,9 @@ def check_walk(result, tokens, parents):
 
 
 @pytest.mark.parametrize("mode", ["greedy", "tree", "chain"])
-@pytest.mark.parametrize("batch,n,v,depth", [(1, 1, 7, 1), (3, 6, 13, 3), (4, 16, 50, 6), (2, 60, 257, 8)])
+@pytest.mark.parametrize("batch,n,v,depth", [  # CI: the smallest and the largest; the blocked cases below
+    (1, 1, 7, 1), pytest.param(3, 6, 13, 3, marks=pytest.mark.slow),  # cover the shapes between
+    pytest.param(4, 16, 50, 6, marks=pytest.mark.slow), (2, 60, 257, 8)])
 def test_kernel_equals_reference_exactly(mode, batch, n, v, depth):
     rng = np.random.default_rng(zlib.crc32(f"{mode}-{batch}-{n}-{v}".encode()))
     args, q, depth = draft_inputs(rng, mode, batch, n, v, depth)

@@ -243,7 +243,11 @@ def bf16_run(target_dir):
     return model, head, prompts, stops, [c.token_ids for c in ref]
 
 
-@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow), "12,5,3"], ids=["chain", "tree"])
+# ~3 minutes even at 4 prompts (30 unrolled layers in bfloat16 compile slowly on a CPU): slow. In CI bfloat16
+# speculation equals target-only on the tiny targets (test_invariance, test_dflash, test_draft_model), SmolLM2's
+# shipped head drafts in the README command's test above, and the 160-prompt comparison is the bench's
+@pytest.mark.parametrize("tree", [None, "12,5,3"], ids=["chain", "tree"])
+@pytest.mark.slow
 def test_bfloat16_speculation_with_the_shipped_head_equals_target_only(bf16_run, tree):
     """bfloat16, the accelerators' default, where the same token used to get other bits in a verify than in a decode
     step and the texts parted (2/8 prompts identical before batch-invariant numerics): now token for token."""

@@ -123,7 +123,9 @@ def test_eagle3_chain_candidates_start_with_the_draft():
     lens = jnp.full((b,), t, jnp.int32)
     st = proposer.init(params, target, PrefillView(prompt, lens, prompt[:, -1], aux, None), 64)
     view = StepView(prompt[:, -1], lens, jnp.ones((b,), jnp.int32), None)
-    proposal, _ = proposer.propose(params, target, st, view, SamplingConfig(), jax.random.key(0))
+    propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view, SamplingConfig(),
+                                                                jax.random.key(0))[0])  # one compile, not op by op
+    proposal = propose(params, st, view)
     cands = np.asarray(proposal.candidates)
     assert cands.shape == (b, 5, 8)
     np.testing.assert_array_equal(cands[:, :4, 0], np.asarray(proposal.tokens)[:, 1:])

@@ -219,6 +219,7 @@ def test_packed_rows_equal_each_sequence_alone(lengths, t):
         start += n
 
 
+@pytest.mark.slow  # CI: test_train_step's packed step gives the padded step's loss and update
 def test_packed_loss_equals_the_padded_batch():
     """The loss and metrics of packed rows (trained rows only) equal those of the same sequences padded one per
     row with every position computed: packing changes the cost, not the objective."""
