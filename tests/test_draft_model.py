@@ -122,6 +122,15 @@ def test_bad_flags_are_one_line_errors(extra, message, tmp_path, capsys):
     assert exc.value.code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
+def test_the_bench_says_it_does_not_run_a_draft_model_yet(tmp_path, capsys):
+    from jaxspec.bench import cli as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--prompts-file", str(tmp_path / "p.jsonl"), "--proposer", "draft-model", "--draft-model", "x"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "does not run --proposer draft-model yet" in err and "Traceback" not in err
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
     from jaxspec import generate
 

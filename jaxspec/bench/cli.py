@@ -180,6 +180,9 @@ def check_bench_args(args) -> None:
         raise JaxspecError(f"--accept-prob is a probability, between 0 and 1; got {args.accept_prob}")
     if args.accept_prob is not None and args.tree:
         raise JaxspecError("--accept-prob applies to chains only; drop --tree")
+    if getattr(args, "proposer", "eagle3") == "draft-model":
+        raise JaxspecError("jaxspec.bench does not run --proposer draft-model yet; time it with "
+                           "python -m jaxspec.generate --proposer draft-model --draft-model DIR beside --no-draft")
     if args.compare_numerics and args.suite:
         raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
     if args.compare_hf and importlib.util.find_spec("torch") is None:
