@@ -149,7 +149,9 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
     assert acceptance[0]["mean_accepted_length"] == max(1.0, last["eval_mean_accepted_length"])
     common = ["--target", str(setup / "target"), "--raw", "--json", "--prompt", "hello", "--max-new-tokens", "10"]
     outs = {}
-    for name, extra in (("none", ["--no-draft"]), ("dflash", ["--draft", str(drafter_dir)])):
+    # a fixed chain: with the acceptance this drafter records (random data), auto rightly runs target-only
+    for name, extra in (("none", ["--no-draft"]), ("dflash", ["--draft", str(drafter_dir), "--num-speculative-tokens",
+                                                            "3"])):
         assert generate.main([*common, *extra]) == 0
         outs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert outs["dflash"]["token_ids"] == outs["none"]["token_ids"] and outs["dflash"]["stats"]["proposer"] == "dflash"
