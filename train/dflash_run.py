@@ -26,6 +26,7 @@ import optax
 from flax import nnx
 
 from jaxspec.config import DFlashConfig, TargetConfig
+from jaxspec.errors import JaxspecError
 from jaxspec.models.dflash import DFlashDrafter
 from train.config import DFlashSection, RunConfig
 from train.dflash import block_loss
@@ -66,8 +67,6 @@ def drafter_config(target: TargetConfig, d: DFlashSection) -> DFlashConfig:
         overrides["target_layer_ids"] = tuple(d.target_layer_ids)
     cfg = DFlashConfig.for_target(target, **overrides)
     if not 0 <= cfg.mask_token_id < target.vocab_size:
-        from jaxspec.errors import JaxspecError
-
         raise JaxspecError(f"dflash.mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
                            f"(0..{target.vocab_size - 1})")
     check_drafter_fits(cfg, target, built=False)  # the target is then loaded to return these layers' features
@@ -115,7 +114,6 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import default_dtype
-    from jaxspec.errors import JaxspecError
     from train.block_batches import BlockBatches
     from train.checkpointing import RunCheckpoints
     from train.step import batch_sharding, make_mesh, make_optimizer, param_sharding

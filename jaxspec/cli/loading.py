@@ -168,6 +168,16 @@ def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
     return load_head(draft, target.config, dtype=dtype or default_dtype(), allow_pickle=allow_pickle)
 
 
+def recorded_acceptance(draft: str) -> list[dict] | None:
+    """The acceptance profile a draft's config records (a jaxspec export's), checked (a bad one: a one-line error),
+    or None: automatic speculation's prior, for a head and a DFlash drafter alike."""
+    from jaxspec.checkpoints.heads import read_head_config
+    from jaxspec.checkpoints.verifier import check_acceptance, head_record
+
+    record = head_record(read_head_config(draft))[1]
+    return check_acceptance(record) if record else None
+
+
 def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
                           kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
     """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length or
@@ -176,13 +186,10 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
     from jaxspec.engine.generator import SpeculativeGenerator
 
     if tree is None and num_draft == AUTO:
-        from jaxspec.checkpoints.heads import read_head_config
-        from jaxspec.checkpoints.verifier import check_acceptance, head_record
         from jaxspec.engine.auto.config import profile_from_record, trees_from_record
         from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
 
-        record = head_record(read_head_config(draft))[1]
-        record = check_acceptance(record) if record else None  # a bad record: one-line error
+        record = recorded_acceptance(draft)
         return AutoSpeculativeGenerator(model, head, prior=profile_from_record(record), trees=trees_from_record(record),
                                         batch_size=batch_size, mesh=mesh, kernels=kernels, store=store)
     return SpeculativeGenerator(
@@ -223,14 +230,10 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
     if forced_accept_prob is not None:
         raise JaxspecError("--accept-prob forces an EAGLE-3 head's acceptance; drop it for a DFlash drafter")
     if num_draft == AUTO:
-        from jaxspec.checkpoints.heads import read_head_config
-        from jaxspec.checkpoints.verifier import check_acceptance, head_record
         from jaxspec.engine.auto.config import profile_from_record
         from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
 
-        record = head_record(read_head_config(draft))[1]
-        record = check_acceptance(record) if record else None  # a bad record: one-line error
-        return AutoSpeculativeGenerator(model, drafter, prior=profile_from_record(record), batch_size=batch_size,
+        return AutoSpeculativeGenerator(model, drafter, prior=profile_from_record(recorded_acceptance(draft)), batch_size=batch_size,
                                         mesh=mesh, kernels=kernels, store=store)
     proposer, params = DFlashProposer.of(drafter, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
