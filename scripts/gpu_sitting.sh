@@ -9,7 +9,7 @@
 #                 tokenizer into .gpu-stage/ (ignored by git; the device call carries it)
 #   there:        bash scripts/gpu_sitting.sh run [PARTS]      (device call with carry [".gpu-stage"])
 #                 first call: PARTS "target tests1 bench1 profile" (DEADLINE 540); second call, at once on the warm
-#                 machine: "target tests2 bench8" with DEADLINE the time left (the target is kept in WORK)
+#                 machine: "target tests2 bench8 load" with DEADLINE the time left (the target is kept in WORK)
 #
 # Parts (default: all, in this order), each bounded by what is left of DEADLINE seconds (default 555):
 #   target  env (jax, GPU, driver) and the target: make_target.py at the 8B shape with LAYERS layers (default 4:
@@ -22,6 +22,8 @@
 #   bench1, bench8   `jaxspec.bench`, batch 1 (2 MT-Bench prompts) or 8 (8 prompts), 64 new tokens, kernels
 #           compiled: target-only and a forced-acceptance chain K=5 at p=0.84 (tau ~ 4) interleaved (the decode /
 #           verify / head-step component timings too with COMPONENTS=--components) -> bench-b1.json, bench-b8.json
+#   load     the target's load speed (#44: >= 1 GB/s): `convert target` to orbax, then `bench --load-time` (3 loads
+#           each of safetensors and orbax, weights placed on the GPU) -> its table appended to summary.txt
 #   profile  decode steps profiled (scripts/gpu_profile.py: device time per step, launches, top ops by time) with
 #           invariant numerics and the compiled kernels, then plain numerics -> profile.json (both)
 # summary.txt says what each part returned and how long it took; logs.txt the end of each part's log. At most 8
@@ -95,7 +97,7 @@ bench() {  # bench BATCH PROMPTS SECONDS
     log "$WORK/bench-b$1.log" 25
 }
 
-for part in ${2:-target tests1 tests2 bench1 profile bench8}; do
+for part in ${2:-target tests1 tests2 bench1 profile bench8 load}; do
     case $part in
     target)
         if [ ! -f "$T/config.json" ]; then
@@ -109,6 +111,12 @@ for part in ${2:-target tests1 tests2 bench1 profile bench8}; do
     tests2) tests tests2 tests/test_spec_tree.py tests/test_spec_sampling.py tests/test_invariance.py ;;
     bench1) bench 1 2 150 ;;
     bench8) bench 8 8 150 ;;
+    load)
+        [ -d "$WORK/target-orbax" ] || bounded "convert target to orbax" 120 $PY -m jaxspec.convert target --target "$T" \
+            --out "$WORK/target-orbax" --dtype bfloat16 >"$WORK/convert.log" 2>&1 || log "$WORK/convert.log"
+        bounded "load time" 120 $PY -m jaxspec.bench --load-time "$WORK/target-orbax" --target "$T" --dtype bfloat16 \
+            --repeats 3 >"$WORK/load.txt" 2>"$WORK/load.log" && grep -v "^load time: rc" "$WORK/load.txt" >>"$OUT/summary.txt"
+        log "$WORK/load.log" 10 ;;
     profile)
         for numerics in invariant plain; do
             PYTHONPATH=. bounded "profile $numerics" 60 $PY scripts/gpu_profile.py "$T" --kernels pallas --numerics "$numerics" \
