@@ -83,8 +83,10 @@ class TargetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
-    """An EAGLE-3 draft head: fc(n_aux·Ht → H), one decoder layer over concat(norm(embed), norm(state)) = 2H,
-    final norm, lm_head over `draft_vocab_size` tokens, mapped back to target ids by `d2t` offsets."""
+    """An EAGLE-3 draft head: fc(n_aux·Ht → H), a first decoder layer over concat(norm(embed), norm(state)) = 2H,
+    `num_layers - 1` plain decoder layers after it (multi-layer heads: speculators, vLLM), final norm, lm_head over
+    `draft_vocab_size` tokens, mapped back to target ids by `d2t` offsets. EAGLE 3.1's switches: `fc_norm` (one
+    norm per feature chunk before fc) and `norm_output` (the post-norm state is fed to the next step)."""
 
     hidden_size: int
     num_heads: int
@@ -103,6 +105,8 @@ class HeadConfig:
     has_embed_tokens: bool = False  # the checkpoint ships its own embedding table
     aux_layer_ids: tuple[int, ...] | None = None  # Hugging Face hidden_states indices; None = the target's default
     num_aux: int = 3
+    num_layers: int = 1  # decoder layers; only the first reads the 2H input
+    norm_output: bool = False  # EAGLE 3.1: the next step's state is norm(out), the lm_head's input, not out
     # Shared with the target's layer code, always off in EAGLE-3 heads.
     attention_bias: bool = False
     o_proj_bias: bool = False
@@ -111,6 +115,8 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         check_sizes(self, "head config.json")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise JaxspecError(f"head config.json: num_hidden_layers must be an integer >= 1, got {self.num_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:

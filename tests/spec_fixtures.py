@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
+
 from fit_head import fit_head, head_config_for
 from flax import nnx
 
@@ -57,3 +60,14 @@ def random_drafter(vocab: int = 101):
     from jaxspec.models.dflash import DFlashDrafter
 
     return DFlashDrafter(dflash_config_for(tiny_target(vocab)), rngs=nnx.Rngs(7))
+
+
+def in_dtype(module, dtype):
+    """The same weights in another dtype, held as a loaded model holds them (a fresh skeleton filled with the cast
+    parameters; buffers such as a head's d2t keep the skeleton's: identity for a full draft vocabulary)."""
+    from jaxspec.models.numerics import hold
+
+    out = type(module)(module.config, dtype=dtype, rngs=None)
+    nnx.update(out, jax.tree.map(lambda x: hold(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                 nnx.state(module, nnx.Param)))
+    return out

@@ -16,7 +16,7 @@ import pytest
 import torch
 from flax import nnx
 from hf_tiny import make_tiny
-from spec_fixtures import PROMPTS, fitted_drafter, random_drafter, tiny_target
+from spec_fixtures import PROMPTS, fitted_drafter, in_dtype, random_drafter, tiny_target
 
 from jaxspec.checkpoints.dflash import export_dflash, load_dflash
 from jaxspec.checkpoints.hf import load_target
@@ -211,23 +211,12 @@ def test_greedy_equals_target_only(kind, k, batch, reference):
         assert c.stats["draft_calls"] == c.stats["verify_calls"] + 1  # one drafter forward per step
 
 
-def _in_dtype(module, dtype):
-    """The same weights in another dtype, held as a loaded model holds them (a fresh skeleton filled with the cast
-    parameters)."""
-    from jaxspec.models.numerics import hold
-
-    out = type(module)(module.config, dtype=dtype, rngs=None)
-    nnx.update(out, jax.tree.map(lambda x: hold(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                 nnx.state(module, nnx.Param)))
-    return out
-
-
 def test_bfloat16_greedy_equals_target_only():
     """bfloat16 target and drafter, a batch of 4 with ragged acceptance: every verify of a drafted block gives the
     bits the target's own decode steps give (batch-invariant numerics), so the text is the target's."""
-    target = _in_dtype(tiny_target(), jnp.bfloat16)
+    target = in_dtype(tiny_target(), jnp.bfloat16)
     want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=30)]
-    proposer, params = DFlashProposer.of(_in_dtype(fitted_drafter(), jnp.bfloat16), 3)
+    proposer, params = DFlashProposer.of(in_dtype(fitted_drafter(), jnp.bfloat16), 3)
     got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4).generate(PROMPTS,
                                                                                               max_new_tokens=30)
     assert [c.token_ids for c in got] == want

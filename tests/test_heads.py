@@ -177,3 +177,118 @@ def test_the_eagle_layout_refuses_heads_reading_other_layers(tmp_path):
     head.config = dataclasses.replace(head.config, aux_layer_ids=(1, 2, 3))
     with pytest.raises(JaxspecError, match=r"reads \(1, 2, 3\) instead of the default \(2, 4, 5\).*'sglang'"):
         export_head(head, tmp_path / "out", layout="eagle", target=TARGET)
+
+
+def multi_layer_head(rng, layers: int) -> tuple[dict, dict[str, np.ndarray]]:
+    """A speculators-layout EAGLE 3.1 head of `layers` decoder layers (vLLM's multi-layer form: layers.0 reads
+    2H, layers.1.. are plain Llama layers), fc_norm and norm_output on; float32, norms away from 1."""
+    config = synthetic_config("speculators")
+    config["transformer_layer_config"]["num_hidden_layers"] = layers
+    config |= {"fc_norm": True, "norm_output": True, "norm_before_residual": False}
+    tensors = {k: v.astype(np.float32) for k, v in synthetic_tensors("speculators", rng).items() if k != "t2d"}
+    tensors["d2t"] = synthetic_tensors("speculators", np.random.default_rng(9))["d2t"]
+    w = lambda *shape: rng.normal(0, 0.2, shape).astype(np.float32)  # noqa: E731
+    norm = lambda n: (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    for k in [k for k in tensors if k.endswith("norm.weight")]:
+        tensors[k] = norm(H)
+    tensors |= {f"fc_norm.{i}.weight": norm(H) for i in range(3)}
+    for layer in range(1, layers):
+        p = f"layers.{layer}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+            p + "self_attn.q_proj.weight": w(4 * 8, H), p + "self_attn.k_proj.weight": w(2 * 8, H),
+            p + "self_attn.v_proj.weight": w(2 * 8, H), p + "self_attn.o_proj.weight": w(H, 4 * 8),
+            p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H), p + "mlp.down_proj.weight": w(H, I),
+        }
+    return config, tensors
+
+
+def reference_head(W: dict, layers: int, embed, feats, tokens, extra_token) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's multi-layer EAGLE-3 forward with EAGLE 3.1's switches (BLOCK_DRAFTERS.md §3.3, §4) in numpy float64:
+    the catch-up over T pairs (tokens[t], fc(fc_norm(features[t]))), then one draft step whose state is the normed
+    output of the last pair (norm_output) at position T; both in one causal pass (the same keys a cache holds).
+    → (logits of the last pair [V_d], logits of the draft step [V_d])."""
+    eps, d, hq, hkv, theta = 1e-5, 8, 4, 2, 500000.0
+    W = {k: v.astype(np.float64) for k, v in W.items()}
+    rms = lambda x, wt: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * wt  # noqa: E731
+
+    def rope(x, pos):  # x [T, heads, d]
+        inv = 1.0 / (theta ** (np.arange(0, d, 2) / d))
+        ang = np.concatenate([pos[:, None] * inv, pos[:, None] * inv], -1)[:, None, :]
+        return x * np.cos(ang) + np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1) * np.sin(ang)
+
+    def layer(p, u, residual, pos):
+        n = len(u)
+        q = rope((u @ W[p + "self_attn.q_proj.weight"].T).reshape(n, hq, d), pos)
+        k = rope((u @ W[p + "self_attn.k_proj.weight"].T).reshape(n, hkv, d), pos)
+        v = (u @ W[p + "self_attn.v_proj.weight"].T).reshape(n, hkv, d)
+        s = np.einsum("thd,shd->hts", q, np.repeat(k, hq // hkv, axis=1)) / np.sqrt(d)
+        s = np.where(np.tril(np.ones((n, n), bool))[None], s, -np.inf)
+        probs = np.exp(s - s.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        att = np.einsum("hts,shd->thd", probs, np.repeat(v, hq // hkv, axis=1)).reshape(n, hq * d)
+        y = residual + att @ W[p + "self_attn.o_proj.weight"].T
+        yn = rms(y, W[p + "post_attention_layernorm.weight"])
+        gate, up = yn @ W[p + "mlp.gate_proj.weight"].T, yn @ W[p + "mlp.up_proj.weight"].T
+        return y + (gate / (1 + np.exp(-gate)) * up) @ W[p + "mlp.down_proj.weight"].T
+
+    def run(token_ids, states):
+        pos = np.arange(len(token_ids), dtype=np.float64)
+        emb = embed[token_ids].astype(np.float64)
+        u = np.concatenate([rms(emb, W["layers.0.input_layernorm.weight"]),
+                            rms(states, W["layers.0.hidden_norm.weight"])], -1)
+        x = layer("layers.0.", u, states, pos)
+        for i in range(1, layers):
+            x = layer(f"layers.{i}.", rms(x, W[f"layers.{i}.input_layernorm.weight"]), x, pos)
+        normed = rms(x, W["norm.weight"])
+        return normed @ W["lm_head.weight"].T, normed
+
+    chunks = np.split(feats.astype(np.float64), 3, axis=-1)
+    states = np.concatenate([rms(c, W[f"fc_norm.{i}.weight"]) for i, c in enumerate(chunks)], -1) @ W["fc.weight"].T
+    logits, normed = run(tokens, states)
+    step, _ = run(np.append(tokens, extra_token), np.concatenate([states, normed[-1:]]))  # norm_output: the normed
+    return logits[-1], step[-1]
+
+
+def test_a_multi_layer_eagle31_head_drafts_as_vllm_describes(tmp_path):
+    """A 3-layer speculators head with fc_norm and norm_output: the catch-up's logits and a draft step fed the
+    normed state equal the numpy reference; exported in each layout it loads back the same."""
+    from jaxspec.models import kv_cache as kvc
+
+    rng = np.random.default_rng(7)
+    config, tensors = multi_layer_head(rng, layers=3)
+    head = load_head(write(tmp_path / "src", config, tensors), TARGET)
+    cfg = head.config
+    assert (cfg.num_layers, cfg.fc_norm, cfg.norm_output) == (3, True, True) and len(head.later_layers) == 2
+    embed = rng.normal(0, 0.5, (V, H)).astype(np.float32)
+    feats = rng.normal(0, 1.0, (6, 3 * H)).astype(np.float32)
+    tokens = rng.integers(0, V, 6)
+    want_last, want_step = reference_head(tensors, 3, embed, feats, tokens, extra_token=11)
+
+    pos = jnp.arange(6, dtype=jnp.int32)[None]
+    logits, state, cache = head(jnp.asarray(tokens[None], jnp.int32), head.project(jnp.asarray(feats[None])), pos,
+                                head.init_cache(1, 16), jnp.asarray(embed))
+    assert len(cache.k) == 3
+    np.testing.assert_allclose(np.asarray(logits[0, -1]), want_last, rtol=2e-4, atol=2e-4)
+    cache = kvc.advance(cache, 6)
+    step, _, _ = head(jnp.asarray([[11]], jnp.int32), state[:, -1:], cache.lengths[:, None], cache, jnp.asarray(embed))
+    np.testing.assert_allclose(np.asarray(step[0, 0]), want_step, rtol=2e-4, atol=2e-4)
+
+    for layout in ("speculators", "sglang", "eagle"):
+        out = export_head(head, tmp_path / layout, layout=layout, target=TARGET, dtype="float32")
+        written = json.loads((out / "config.json").read_text())
+        layer_config = written.get("transformer_layer_config", written)
+        assert layer_config["num_hidden_layers"] == 3 and written["norm_output"] and written["fc_norm"]
+        back = load_head(out, TARGET)
+        assert (back.config.num_layers, back.config.norm_output) == (3, True)
+        for (pa, a), (pb, b) in zip(nnx.iter_graph(head), nnx.iter_graph(back)):
+            if isinstance(a, nnx.Variable):
+                assert pa == pb
+                np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+
+
+def test_a_multi_layer_head_missing_a_layer_is_refused(tmp_path):
+    config, tensors = multi_layer_head(np.random.default_rng(8), layers=2)
+    del tensors["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(JaxspecError, match=r"lacks tensors layers\.1\.mlp\.up_proj\.weight"):
+        load_head(write(tmp_path / "h", config, tensors), TARGET)

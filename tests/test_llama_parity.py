@@ -104,7 +104,7 @@ def test_loaders_shape_only_build_matches_eval_shape(family, tmp_path):
         traced = nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
         assert _shapes(LlamaModel(cfg, dtype=dtype, rngs=None)) == _shapes(traced)
         target = load_target(tmp_path)
-        for variant in ({}, {"draft_vocab_size": 32, "fc_norm": True, "has_embed_tokens": True}):
+        for variant in ({}, {"draft_vocab_size": 32, "fc_norm": True, "has_embed_tokens": True, "num_layers": 2}):
             hcfg = head_config_for(target, **variant)
             traced = nnx.eval_shape(lambda: Eagle3Head(hcfg, dtype=dtype, rngs=nnx.Rngs(0)))
             assert _shapes(Eagle3Head(hcfg, dtype=dtype, rngs=None)) == _shapes(traced)

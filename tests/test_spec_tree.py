@@ -127,3 +127,50 @@ def test_compact_moves_the_accepted_path_to_contiguous_slots():
 def test_tree_config_errors(spec, message):
     with pytest.raises(JaxspecError, match=message):
         TreeConfig.parse(spec)
+
+
+EAGLE31_MULTI = dict(num_layers=3, norm_output=True, fc_norm=True)  # a multi-layer head with EAGLE 3.1's switches
+
+
+@pytest.mark.parametrize("variant", [{}, EAGLE31_MULTI], ids=["one-layer", "eagle31-3-layers"])
+def test_a_top1_tree_drafts_the_greedy_chain(variant):
+    """A tree of one child per node is a chain: its levels (each written at its offset in the window, seeing its
+    ancestors through the mask, in every layer of the head) draft exactly the tokens the head's chain steps do."""
+    from fit_head import head_config_for
+    from flax import nnx
+
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    target = tiny_target()
+    head = Eagle3Head(head_config_for(target, **variant), rngs=nnx.Rngs(5))
+    embed, depth, b = target.embed_tokens[...], 4, 2
+    rng = np.random.default_rng(3)
+    logits0 = jnp.asarray(rng.normal(size=(b, head.config.draft_vocab_size)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(b, 1, head.config.hidden_size)), jnp.float32)
+    cache = kvc.advance(head.init_cache(b, 64), jnp.asarray([5, 9]))
+    dt = draft_tree(head, embed, logits0, state[:, 0], cache, TreeConfig(depth + 1, depth, 1))
+    chain, logits = [], logits0
+    for _ in range(depth):
+        token = head.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32))  # [B]
+        chain.append(np.asarray(token))
+        step, state, cache = head(token[:, None], state, cache.lengths[:, None], cache, embed)
+        cache, logits = kvc.advance(cache, 1), step[:, 0]
+    np.testing.assert_array_equal(np.asarray(dt.tokens)[:, 1:], np.stack(chain, axis=1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_a_multi_layer_head_keeps_chains_and_trees_exact(dtype, reference):
+    from fit_head import head_config_for
+    from flax import nnx
+    from spec_fixtures import in_dtype
+
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    target = tiny_target()
+    head = Eagle3Head(head_config_for(target, **EAGLE31_MULTI), rngs=nnx.Rngs(3))
+    if dtype == "bfloat16":
+        target, head = in_dtype(target, jnp.bfloat16), in_dtype(head, jnp.bfloat16)
+        reference = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+    for shape in (dict(num_draft=3), dict(tree=TreeConfig(8, 3, 2))):
+        got = SpeculativeGenerator(target, head, batch_size=4, **shape).generate(PROMPTS, max_new_tokens=30)
+        assert [c.token_ids for c in got] == reference

@@ -16,8 +16,10 @@ CFG = HeadConfig(
 )
 
 
-VARIANTS = [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}]
-EFFICIENT_CI = {(0, 9), (1, 16), (2, 1)}  # each variant once, the lengths spread over them; the rest: -m slow
+# the last: a 3-layer head with EAGLE 3.1's switches (each layer its own keys; the normed state fed forward)
+EAGLE31_MULTI = {"num_layers": 3, "norm_output": True, "fc_norm": True}
+VARIANTS = [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}, EAGLE31_MULTI]
+EFFICIENT_CI = {(0, 9), (1, 16), (2, 1), (3, 9)}  # each variant once, the lengths spread over them; the rest: -m slow
 
 
 @pytest.mark.parametrize("variant,t", [
@@ -145,12 +147,13 @@ def test_accuracies_and_tau_match_a_direct_argmax_computation():
     assert float(metrics["tau"]) == pytest.approx(tau, abs=1e-5)
 
 
-def test_ttt_steps_equal_inference_drafting():
+@pytest.mark.parametrize("variant", [{}, EAGLE31_MULTI], ids=["one-layer", "eagle31-3-layers"])
+def test_ttt_steps_equal_inference_drafting(variant):
     """Step k, row t of TTT is exactly what the engine's head computes when drafting k tokens after anchor t
     (catch-up over the real pairs 0..t, then steps fed with its own state), given the same tokens."""
     from jaxspec.models import kv_cache as kvc
 
-    head = Eagle3Head(CFG, rngs=nnx.Rngs(2))
+    head = Eagle3Head(HeadConfig(**{**CFG.__dict__, **variant}), rngs=nnx.Rngs(2))
     rng = np.random.default_rng(5)
     embed = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
     t_len, steps = 12, 4

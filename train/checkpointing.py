@@ -37,6 +37,17 @@ class RunCheckpoints:
         )
         return out["state"], out["meta"]
 
+    def latest_meta(self) -> dict | None:
+        """The newest checkpoint's metadata alone (its settings, read before the state is restored into shapes
+        that may no longer match them), or None when there is none or it cannot be read."""
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # a damaged checkpoint: restore_latest says so, and falls back
+            return None
+
     def restore_latest(self, like, say: Callable[[str], None]):
         """(step, state, meta) of the newest checkpoint that restores, or None when there is none. A newer one that
         cannot be read (orbax finalizes a step only when it is complete, but a full disk, a cut copy or a bad

@@ -38,6 +38,9 @@ class HeadSection:
     draft_vocab_size: int | None = _setting(None, at_least=0)  # null or 0: the target's vocabulary
     intermediate_size: int | None = _setting(None, at_least=1)  # null: the target's
     init_lm_head_from_target: bool = True  # lm_head = the target's rows for the draft vocabulary
+    num_layers: int = _setting(1, at_least=1)  # decoder layers (speculators trains 1 to 4; vLLM loads any)
+    fc_norm: bool = False  # EAGLE 3.1: one RMSNorm per target feature chunk before fc
+    norm_output: bool = False  # EAGLE 3.1: the normed output is the next step's state
     # an exported head (any layout) to start from instead of random weights: its weights and draft vocabulary; a
     # longer training continued in a new run (the optimizer state starts afresh; set another train.seed for
     # other batches)

@@ -15,6 +15,7 @@ The config and its overrides are checked against the schema in train/config.py b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -64,7 +65,8 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     vd = hcfg.draft_vocab_size or t.vocab_size
     d2t, _ = build_vocab_map(counts, vd, prior)
     head_cfg = HeadConfig.for_target(
-        t, draft_vocab_size=vd, intermediate_size=hcfg.intermediate_size or t.intermediate_size
+        t, draft_vocab_size=vd, intermediate_size=hcfg.intermediate_size or t.intermediate_size,
+        num_layers=hcfg.num_layers, fc_norm=hcfg.fc_norm, norm_output=hcfg.norm_output,
     )
     head = Eagle3Head(head_cfg, dtype=MASTER_DTYPE, rngs=nnx.Rngs(seed))
     head.d2t.set_value(jnp.asarray(d2t, jnp.int32))
@@ -75,6 +77,23 @@ def build_head(target, hcfg: HeadSection, counts: np.ndarray, seed: int, prior: 
     return head
 
 
+def head_shape(head) -> dict:
+    """What a run's checkpoints must match in the head's config (`head:`), recorded with each checkpoint."""
+    c = head.config
+    return {"num_layers": c.num_layers, "draft_vocab_size": c.draft_vocab_size,
+            "intermediate_size": c.intermediate_size, "fc_norm": c.fc_norm, "norm_output": c.norm_output}
+
+
+def check_head_shape(out: Path, recorded: dict | None, wanted: dict) -> None:
+    """A resumed run whose config now asks for another head shape is refused in one line before restoring
+    (orbax would fail on the tree's structure or shapes, naming neither key)."""
+    changed = {k: v for k, v in (recorded or {}).items() if k in wanted and wanted[k] != v}
+    if changed:
+        settings = ", ".join(f"head.{k}={v}" for k, v in sorted(changed.items()))
+        raise JaxspecError(f"{out} was trained with {settings}; the config asks for another head: restore "
+                           f"{'them' if len(changed) > 1 else 'it'} to resume, or use a new out")
+
+
 def _warm_start(target, hcfg: HeadSection):
     """The head of `head.init_from`, in MASTER_DTYPE, whose shape must be the one the config asks for."""
     from jaxspec.checkpoints.heads import load_head
@@ -82,13 +101,15 @@ def _warm_start(target, hcfg: HeadSection):
 
     head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=MASTER_DTYPE)
     check_head_fits(target, head)  # it reads the layers the target returns (the target's default aux layers)
+    defaults = {f.name: f.default for f in dataclasses.fields(HeadSection)}
     for key, value in (("draft_vocab_size", head.config.draft_vocab_size),
-                       ("intermediate_size", head.config.intermediate_size)):
+                       ("intermediate_size", head.config.intermediate_size), ("num_layers", head.config.num_layers),
+                       ("fc_norm", head.config.fc_norm), ("norm_output", head.config.norm_output)):
         wanted = getattr(hcfg, key)
-        if wanted and wanted != value:
+        if wanted and wanted not in (defaults[key], value):  # a key left at its default takes the head's value
             raise JaxspecError(
                 f"head.init_from {hcfg.init_from!r} has {key} {value}, the config asks for {wanted}: set "
-                f"head.{key}={value} (or null) to continue that head"
+                f"head.{key}={value} (or leave it out) to continue that head"
             )
     return head
 
@@ -180,6 +201,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     if batches.cut_tokens:
         print(f"{batches.cut_tokens} tokens past train.seq_len (or train.trained_positions) are cut", file=sys.stderr)
     ckpt = RunCheckpoints(out / "checkpoints", keep=t.keep_checkpoints)
+    check_head_shape(out, (ckpt.latest_meta() or {}).get("head_shape"), head_shape(head))
     start, meta = 0, {}
     restored = ckpt.restore_latest(state, say=lambda msg: print(msg, file=sys.stderr))
     if restored is not None:
@@ -274,7 +296,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         interrupted = stop is not None and stop.is_set()
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
-                      {"next_step": step + 1, "data_order": batches.settings, "compute_dtype": compute})
+                      {"next_step": step + 1, "data_order": batches.settings, "compute_dtype": compute,
+                       "head_shape": head_shape(head)})
         last = record
         if interrupted:
             print(f"saved step {step + 1}; the same command resumes from it", file=sys.stderr)

@@ -12,6 +12,11 @@ Packed rows (`train.packing`): several sequences share a row, told apart by `seg
 `positions`; attention stays within a sequence. `trained` [B, C] names the positions that carry a loss: step 0
 computes keys and values for every position (they are attended to), but the queries, MLP and logits of step 0 and
 every later step run at those C positions only — a prompt position costs a key, not K head forwards.
+
+Multi-layer heads (`HeadConfig.num_layers`): every layer keeps its own step-0 keys and diagonal keys, as its own
+cache would at inference; step 0 runs the layers before the last at every position (the next layer's keys need
+their outputs) and the last one at the trained positions. With EAGLE 3.1's `norm_output` the state fed to the next
+step is the normed output (`Eagle3Head.next_state`).
 """
 
 from __future__ import annotations
@@ -24,24 +29,36 @@ from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.layers import NEG_INF, attention, group_queries, rope_cos_sin, ungroup_queries
 
 
-def _project_step(head: Eagle3Head, emb, state, positions):
-    """q, k, v [B, N, heads, D] and the residual for one step's inputs [B, N, ...] (N: all T positions or the C
-    trained ones): the head layer's own code
-    (`Eagle3Layer.attention_input`, `Attention.project`), as drafting runs it."""
-    layer = head.midlayer
-    u, residual = layer.attention_input(emb, state)
+def _layers(head: Eagle3Head) -> list:
+    """The head's decoder layers in order: the first (2H input) and, in multi-layer heads, plain ones after it."""
+    return [head.midlayer, *head.later_layers]
+
+
+def _project_step(head: Eagle3Head, index: int, layer_input, positions):
+    """q, k, v [B, N, heads, D] and the residual of layer `index` for one step's rows [B, N, ...] (N: all T
+    positions or the C trained ones): the head layers' own code (`Eagle3Layer.attention_input`, an input norm for
+    the later layers, `Attention.project`), as drafting runs it. layer_input: (token embeddings, state) for the
+    first layer, the previous layer's output for the others."""
+    layer = _layers(head)[index]
+    if index == 0:
+        u, residual = layer.attention_input(*layer_input)
+    else:
+        u, residual = layer.input_layernorm(layer_input), layer_input
     cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(head.config)))
     q, k, v = layer.self_attn.project(u, cos, sin)
     return q, k, v, residual
 
 
-def _finish_step(head: Eagle3Head, residual, attn):
-    """o_proj, MLP and the draft logits (`Eagle3Layer.finish`, `Eagle3Head.logits`); returns (logits [B, N, V_d]
-    float32, next state [B, N, H])."""
-    layer = head.midlayer
+def _finish_layer(head: Eagle3Head, index: int, residual, attn):
+    """o_proj and the MLP of layer `index` (`Eagle3Layer.finish`, `DecoderLayer.finish`) → its output [B, N, H]."""
+    layer = _layers(head)[index]
     b, t = attn.shape[:2]
-    out = layer.finish(residual, layer.self_attn.o_proj(attn.reshape(b, t, -1)))
-    return head.logits(out), out
+    return layer.finish(residual, layer.self_attn.o_proj(attn.reshape(b, t, -1)))
+
+
+def _draft_outputs(head: Eagle3Head, out):
+    """(draft logits [B, N, V_d] float32, the next step's state [B, N, H]) of the last layer's output."""
+    return head.logits(out), head.next_state(out)
 
 
 def _attend_with_lse(q, k, v, mask):
@@ -121,23 +138,36 @@ def ttt_logits(
     table = head.embed_tokens[...] if head.embed_tokens is not None else embed_table
     step_ids = _step_ids(next_ids, trained, num_steps)
     t = next_ids.shape[1]
-    # Step 0 over every position: all of them are keys.
-    emb0 = jnp.take(table, next_ids, axis=0).astype(head.dtype)
-    q, k0, v0, residual = _project_step(head, emb0, head.project(features), positions)
-    q, residual = _take(q, trained), _take(residual, trained)
+    last = head.config.num_layers - 1
     row_pos, row_seg = _take(positions, trained), _take(segments, trained)  # [B, C]
     mask = (jnp.arange(t)[None, None, :] <= trained[:, :, None]) & (segments[:, None, :] == row_seg[:, :, None])
-    out, _ = _attend_with_lse(q, k0, v0, mask)
-    logits, state = _finish_step(head, residual, out.astype(head.dtype))
-    logits_per_step, diag_k, diag_v = [logits], [], []
+    # Step 0 over every position: all of them are keys, of every layer. Layers before the last run every row
+    # (a later layer's keys need them); the last runs its queries, MLP and logits at the trained rows only.
+    causal = (jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]) & (
+        segments[:, None, :] == segments[:, :, None])  # [B, T, T]
+    x = (jnp.take(table, next_ids, axis=0).astype(head.dtype), head.project(features))
+    block_k, block_v = [], []  # per layer: step 0's keys and values at every position [B, T, Hkv, D]
+    for layer in range(last + 1):
+        q, k0, v0, residual = _project_step(head, layer, x, positions)
+        block_k.append(k0)
+        block_v.append(v0)
+        if layer == last:
+            q, residual = _take(q, trained), _take(residual, trained)
+        out, _ = _attend_with_lse(q, k0, v0, mask if layer == last else causal)
+        x = _finish_layer(head, layer, residual, out.astype(head.dtype))
+    logits, state = _draft_outputs(head, x)
+    logits_per_step = [logits]
+    diag_k, diag_v = [[] for _ in block_k], [[] for _ in block_k]  # per layer: each later step's keys at its row
     for k in range(1, num_steps):
-        emb = jnp.take(table, step_ids[k], axis=0).astype(head.dtype)
-        q, key, value, residual = _project_step(head, emb, state, row_pos + k)
-        diag_k.append(key)
-        diag_v.append(value)
-        out, lse = _attend_with_lse(q, k0, v0, mask)
-        attn = _merge_diagonal(out, lse, q, diag_k, diag_v)
-        logits, state = _finish_step(head, residual, attn.astype(head.dtype))
+        x = (jnp.take(table, step_ids[k], axis=0).astype(head.dtype), state)
+        for layer in range(last + 1):
+            q, key, value, residual = _project_step(head, layer, x, row_pos + k)
+            diag_k[layer].append(key)
+            diag_v[layer].append(value)
+            out, lse = _attend_with_lse(q, block_k[layer], block_v[layer], mask)
+            attn = _merge_diagonal(out, lse, q, diag_k[layer], diag_v[layer])
+            x = _finish_layer(head, layer, residual, attn.astype(head.dtype))
+        logits, state = _draft_outputs(head, x)
         logits_per_step.append(logits)
     return logits_per_step
 
@@ -153,20 +183,23 @@ def ttt_logits_reference(
     all_rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     step_ids = _step_ids(next_ids, all_rows, num_steps)
     state = head.project(features)
-    keys, values, out_logits = [], [], []
+    layers = head.config.num_layers
+    keys, values, out_logits = [[] for _ in range(layers)], [[] for _ in range(layers)], []
     idx = jnp.arange(t)
     same = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
     for k in range(num_steps):
-        emb = jnp.take(table, step_ids[k], axis=0).astype(head.dtype)
-        q, key, value, residual = _project_step(head, emb, state, positions + k)
-        keys.append(key)
-        values.append(value)
-        all_k = jnp.concatenate(keys, axis=1).transpose(0, 2, 1, 3)  # [B, Hkv, (k+1)·T, D]
-        all_v = jnp.concatenate(values, axis=1).transpose(0, 2, 1, 3)
+        x = (jnp.take(table, step_ids[k], axis=0).astype(head.dtype), state)
         blocks = [(idx[None, :] <= idx[:, None])[None] & same]  # step 0: causal within the sequence
         blocks += [jnp.broadcast_to(idx[None, :] == idx[:, None], (b, t, t))] * k  # steps 1..k: the diagonal
-        attn = attention(q, all_k, all_v, jnp.concatenate(blocks, axis=2))
-        logits, state = _finish_step(head, residual, attn)
+        for layer in range(layers):
+            q, key, value, residual = _project_step(head, layer, x, positions + k)
+            keys[layer].append(key)
+            values[layer].append(value)
+            all_k = jnp.concatenate(keys[layer], axis=1).transpose(0, 2, 1, 3)  # [B, Hkv, (k+1)·T, D]
+            all_v = jnp.concatenate(values[layer], axis=1).transpose(0, 2, 1, 3)
+            attn = attention(q, all_k, all_v, jnp.concatenate(blocks, axis=2))
+            x = _finish_layer(head, layer, residual, attn)
+        logits, state = _draft_outputs(head, x)
         out_logits.append(_take(logits, trained))
     return out_logits
 

@@ -7,6 +7,9 @@
 | sglang      | LlamaForCausalLMEagle3             | flat + eagle_config                  | midlayer.*  | output-of-layer (+1)|
 | speculators | Eagle3Speculator / Eagle3DraftModel | transformer_layer_config nested      | layers.0.*  | input-of-layer      |
 
+Multi-layer heads (`num_hidden_layers` > 1) store layers 1.. as `layers.{i}.*` in every layout; EAGLE 3.1's
+`fc_norm` / `norm_output` are read from the config (`fc_norm` also from its tensors) and written back.
+
 A head exported by jaxspec describes the verifier it was exported for (`verifier.py`); loading compares that
 record with the target before any weights are read (`validate_head`).
 """
@@ -98,6 +101,8 @@ def head_config_from_hf(raw: dict[str, Any], keys: set[str] = frozenset()) -> tu
             norm_before_residual=bool(raw.get("norm_before_residual", False)),
             norm_before_fc=bool(raw.get("norm_before_fc", False)) or "input_norm.weight" in keys,
             fc_norm=bool(raw.get("fc_norm", False)) or "fc_norm.0.weight" in keys,
+            norm_output=bool(raw.get("norm_output", flat.get("norm_output", False))),
+            num_layers=hf_int(flat, "num_hidden_layers", 1, what),
             has_embed_tokens="embed_tokens.weight" in keys,
             aux_layer_ids=tuple(int(i) for i in aux) if aux is not None else None,
         )
@@ -129,6 +134,28 @@ def validate_head(cfg: HeadConfig, target: TargetConfig, verifier: dict[str, Any
             raise JaxspecError(
                 f"draft head reads target layer {i} (hidden_states index), outside the target's 0..{target.num_layers - 1}"
             )
+
+
+def internal_key(key: str) -> str:
+    """A checkpoint key as the head's parameter path names it: the first layer is `midlayer.` (EAGLE and SGLang
+    write it so, speculators `layers.0.`), layer i >= 1 of a multi-layer head `later_layers.{i-1}.` (stored as
+    `layers.{i}.` in every layout, as vLLM reads them)."""
+    head, dot, rest = key.partition(".")
+    index, dot2, tail = rest.partition(".")
+    if head == "layers" and dot and dot2 and index.isdigit():
+        i = int(index)
+        return f"midlayer.{tail}" if i == 0 else f"later_layers.{i - 1}.{tail}"
+    return key
+
+
+def checkpoint_key(key: str, layout: str) -> str:
+    """The inverse of `internal_key` for a layout."""
+    if key.startswith("midlayer.") and layout == "speculators":
+        return "layers.0." + key[len("midlayer."):]
+    if key.startswith("later_layers."):
+        index, _, tail = key[len("later_layers."):].partition(".")
+        return f"layers.{int(index) + 1}.{tail}"
+    return key
 
 
 def _param_key(path: tuple) -> tuple[str, bool]:
@@ -194,7 +221,7 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
     if mismatch:
         raise JaxspecError(mismatch)
     tensors = read_tensors(path, allow_pickle)
-    tensors = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    tensors = {internal_key(k): v for k, v in tensors.items()}
     layout, cfg = head_config_from_hf(raw, set(tensors))
     validate_head(cfg, target, verifier)
     if layout == "sglang" and cfg.draft_vocab_size != cfg.vocab_size and "d2t" not in tensors:
@@ -205,12 +232,13 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
     expected = set(params)
     if cfg.draft_vocab_size == cfg.vocab_size:
         expected.discard("d2t")  # identity map; speculators omits it
-    missing = sorted(expected - set(tensors))
+    named = lambda keys: ", ".join(sorted(checkpoint_key(k, layout) for k in keys)[:5])  # noqa: E731 as stored
+    missing = expected - set(tensors)
     if missing:
-        raise JaxspecError(f"draft head {str(path)!r} lacks tensors {', '.join(missing[:5])}")
-    unexpected = sorted(set(tensors) - set(params) - set(_OPTIONAL_KEYS))
+        raise JaxspecError(f"draft head {str(path)!r} lacks tensors {named(missing)}")
+    unexpected = set(tensors) - set(params) - set(_OPTIONAL_KEYS)
     if unexpected:
-        raise JaxspecError(f"draft head {str(path)!r} has unexpected tensors {', '.join(unexpected[:5])}")
+        raise JaxspecError(f"draft head {str(path)!r} has unexpected tensors {named(unexpected)}")
     np_dtype = numpy_dtype(dtype)
     for key, (param, transposed) in params.items():
         if key == "d2t":
@@ -264,9 +292,7 @@ def export_head(
         if key == "embed_tokens.weight" and layout in ("sglang", "eagle"):
             continue  # SGLang and EAGLE heads share the target's embeddings
         value = value.T if transposed else value
-        if layout == "speculators" and key.startswith("midlayer."):
-            key = "layers.0." + key[len("midlayer.") :]
-        tensors[key] = np.ascontiguousarray(value.astype(np_dtype))
+        tensors[checkpoint_key(key, layout)] = np.ascontiguousarray(value.astype(np_dtype))
     aux = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else target.aux_layer_ids
     record = verifier_record(target, verifier, aux)
     layer = {
@@ -277,7 +303,7 @@ def export_head(
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope.theta,
@@ -328,6 +354,8 @@ def export_head(
         config["norm_before_fc"] = True
     if cfg.fc_norm:
         config["fc_norm"] = True
+    if cfg.norm_output:
+        config["norm_output"] = True
     own = {k: v for k, v in record.items() if layout != "speculators" or k not in SPECULATORS_VERIFIER_KEYS}
     config[RECORD_KEY] = {"verifier": own, **({"acceptance": acceptance} if acceptance else {})}
     save_file(tensors, str(out / "model.safetensors"))

@@ -3,11 +3,14 @@
     f = fc(features)                                  features = concat(h[a], h[b], h[c]) of the target, [.., 3Ht]
     u = concat(input_layernorm(embed(x)), hidden_norm(s))          [.., 2H], s = f at the first step
     y = r + o_proj(attention(u))                      r = s, or hidden_norm(s) when norm_before_residual
-    o = y + mlp(post_attention_layernorm(y))          o is the next step's state s
+    o = y + mlp(post_attention_layernorm(y))
+    o = decoder_layer_i(o)   i = 1 .. num_layers - 1  plain Llama layers (multi-layer heads, BLOCK_DRAFTERS §4)
     logits = lm_head(norm(o))                         over the draft vocabulary; target id = i + d2t[i]
+    s' = o, or norm(o) with norm_output (EAGLE 3.1)   the next step's state
 
 The embedding table is the target's (frozen) unless the checkpoint ships its own. Attribute names follow the
-checkpoints (`midlayer.self_attn.q_proj` ...), so that loading maps keys to parameter paths by name.
+checkpoints (`midlayer.self_attn.q_proj` ...), so that loading maps keys to parameter paths by name; the layers
+after the first are `later_layers.{i-1}`, stored as `layers.{i}` (checkpoints/heads.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from flax import nnx
 from jaxspec.config import HeadConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.layers import rope_cos_sin
-from jaxspec.models.llama import MLP, Attention, Linear, RMSNorm, _normal
+from jaxspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm, _normal
 from jaxspec.sharding import cache_kv_heads
 
 
@@ -72,15 +75,16 @@ class Eagle3Head(nnx.Module):
             nnx.Param(_normal(rngs, (cfg.vocab_size, h), dtype)) if cfg.has_embed_tokens else None
         )
         self.midlayer = Eagle3Layer(cfg, dtype=dtype, rngs=rngs)
+        self.later_layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers - 1)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False, dtype=dtype, rngs=rngs)
         self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t[draft id]
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
-        """One layer's empty cache, KV heads repeated under a wide model axis as the target's are (LlamaModel)."""
+        """An empty cache of the head's layers, KV heads repeated under a wide model axis as the target's are."""
         cfg = self.config
         kv_heads = cache_kv_heads(cfg.num_heads, cfg.num_kv_heads)
-        return kvc.init_cache(1, batch, capacity, kv_heads, cfg.head_dim, self.dtype)
+        return kvc.init_cache(cfg.num_layers, batch, capacity, kv_heads, cfg.head_dim, self.dtype)
 
     def project(self, features: jax.Array) -> jax.Array:
         """Target features [B, T, n_aux * Ht] → the first step's state [B, T, H]."""
@@ -93,8 +97,13 @@ class Eagle3Head(nnx.Module):
         return self.fc(x)
 
     def logits(self, out: jax.Array) -> jax.Array:
-        """Draft logits [.., V_d] float32 of the layer's output [.., H]."""
+        """Draft logits [.., V_d] float32 of the last layer's output [.., H]."""
         return self.lm_head(self.norm(out)).astype(jnp.float32)
+
+    def next_state(self, out: jax.Array) -> jax.Array:
+        """The state the next draft step reads, from the last layer's output [.., H]: the output itself, or with
+        EAGLE 3.1's `norm_output` the normed output the lm_head reads."""
+        return self.norm(out) if self.config.norm_output else out
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids + self.d2t[...][draft_ids]
@@ -112,7 +121,7 @@ class Eagle3Head(nnx.Module):
         write_offset: int | jax.Array = 0,  # new entries go to slots lengths + write_offset + t (tree levels)
         empty_cache: bool = False,  # nothing committed yet (prefill)
     ) -> tuple[jax.Array, jax.Array, kvc.KVCache]:
-        """→ (draft logits [B, T or n, V_d] float32, new state [B, T, H] before the final norm, cache).
+        """→ (draft logits [B, T or n, V_d] float32, the next step's state [B, T, H] (`next_state`), cache).
 
         A tree level passes write_offset = where its entries start in the window and a block_mask over the whole
         window (W slots: the earlier levels' entries and its own), so each node sees exactly its ancestors."""
@@ -126,6 +135,13 @@ class Eagle3Head(nnx.Module):
             emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, block_mask, write_offset,
             empty_cache,
         )
+        ks, vs = [k], [v]
+        for i, layer in enumerate(self.later_layers, start=1):
+            out, k, v = layer(
+                out, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, write_offset=write_offset
+            )
+            ks.append(k)
+            vs.append(v)
         picked = out if logit_indices is None else jnp.take_along_axis(out, logit_indices[:, :, None], axis=1)
         logits = self.logits(picked)
-        return logits, out, cache._replace(k=(k,), v=(v,))
+        return logits, self.next_state(out), cache._replace(k=tuple(ks), v=tuple(vs))

@@ -179,15 +179,19 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False, numerics=None,
-                 positions=None, ancestors=None):
+                 positions=None, ancestors=None, write_offset=0):
         inv = numerics is not None
         attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x, inv), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache,
-            numerics=numerics, positions=positions, ancestors=ancestors,
+            self.input_layernorm(x, inv), cos, sin, k_cache, v_cache, lengths, mask, write_offset,
+            empty_cache=empty_cache, numerics=numerics, positions=positions, ancestors=ancestors,
         )
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x, inv), numerics)
-        return x, k_cache, v_cache
+        return self.finish(x, attn, numerics), k_cache, v_cache
+
+    def finish(self, residual: jax.Array, attn: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        """The layer's output [B, T, H] from its input (the residual) and attention's o_proj output: what a
+        multi-layer EAGLE-3 head's training-time test (`train.ttt`) runs after its own attention."""
+        x = residual + attn
+        return x + self.mlp(self.post_attention_layernorm(x, numerics is not None), numerics)
 
 
 class TargetOutput(NamedTuple):
