@@ -28,6 +28,7 @@ def full_logits(model, row_tokens):
     return np.asarray(out.logits[0])
 
 
+@pytest.mark.slow  # CI: every speculative test compares a ragged batch of 4 with the batch-1 target-only reference
 def test_prefill_then_decode_equals_full_forward_ragged_batch(model):
     rng = np.random.default_rng(0)
     lengths = [5, 11, 1]
@@ -66,6 +67,7 @@ def test_uncommitted_entries_are_never_read(model):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # CI: test_spec_tree's trees equal target-only (a wrong mask changes the text), tree_from_parents
 def test_tree_block_mask_equals_each_path_run_causally(model):
     """Tokens in one block with an ancestor mask see exactly their root-to-node path on top of the prefix."""
     rng = np.random.default_rng(2)

@@ -48,6 +48,7 @@ def test_a_tree_accepts_more_than_a_chain_of_the_same_depth(reference):
     assert mean_accepted(got_tree) > mean_accepted(got_chain) + 0.2
 
 
+@pytest.mark.slow  # CI: test_spec_greedy's chain case; chains and trees stop through the same engine.core.emit
 def test_eos_and_budget_inside_a_tree_step(reference):
     gen = SpeculativeGenerator(tiny_target(), fitted_head(), tree=TreeConfig(12, 4, 3), batch_size=4)
     for eos in sorted({ref[i] for ref in reference for i in (1, 3, 4, 7)}):  # inside, at and past a step's end
@@ -132,7 +133,8 @@ def test_tree_config_errors(spec, message):
 EAGLE31_MULTI = dict(num_layers=3, norm_output=True, fc_norm=True)  # a multi-layer head with EAGLE 3.1's switches
 
 
-@pytest.mark.parametrize("variant", [{}, EAGLE31_MULTI], ids=["one-layer", "eagle31-3-layers"])
+@pytest.mark.parametrize("variant", [pytest.param({}, marks=pytest.mark.slow), EAGLE31_MULTI],
+                         ids=["one-layer", "eagle31-3-layers"])  # CI: the 3-layer head (its first layer is a 1-layer head's)
 def test_a_top1_tree_drafts_the_greedy_chain(variant):
     """A tree of one child per node is a chain: its levels (each written at its offset in the window, seeing its
     ancestors through the mask, in every layer of the head) draft exactly the tokens the head's chain steps do."""
