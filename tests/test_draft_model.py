@@ -122,13 +122,26 @@ def test_bad_flags_are_one_line_errors(extra, message, tmp_path, capsys):
     assert exc.value.code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
-def test_the_bench_says_it_does_not_run_a_draft_model_yet(tmp_path, capsys):
+def test_the_bench_times_a_draft_model_beside_target_only_and_transformers_assisted(tmp_path, capsys):
+    """`jaxspec.bench --proposer draft-model`: the draft model's chains interleaved with target-only, the same
+    text; with --compare-hf, transformers' generate alone and with `assistant_model=` the same draft, which gives
+    the same greedy text too."""
     from jaxspec.bench import cli as bench
 
-    with pytest.raises(SystemExit) as exc:
-        bench.main(["--prompts-file", str(tmp_path / "p.jsonl"), "--proposer", "draft-model", "--draft-model", "x"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "does not run --proposer draft-model yet" in err and "Traceback" not in err
+    for name, seed in (("target", 5), ("draft", 6)):
+        make_tiny("smollm2_tied", tmp_path / name, seed=seed)
+        write_char_tokenizer(tmp_path / name)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "hello there"}\n{"id": "b", "prompt": "abcabc"}\n')
+    assert bench.main(["--target", str(tmp_path / "target"), "--prompts-file", str(tmp_path / "p.jsonl"), "--raw",
+                       "--max-new-tokens", "12", "--proposer", "draft-model", "--draft-model", str(tmp_path / "draft"),
+                       "--num-speculative-tokens", "3", "--compare-hf", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (row,) = result["speculative"]
+    assert row["method"] == "draft model K=3" and row["draft"] == "draft" and row["identical_outputs"] == "2/2"
+    assert len(row["acceptance_per_position"]) == 3
+    assert result["transformers"]["identical_outputs"] == "2/2"
+    assert result["transformers_assisted"]["identical_outputs"] == "2/2"
+    assert result["transformers_assisted"]["tokens"] == result["jaxspec"]["tokens"]
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):

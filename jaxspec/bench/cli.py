@@ -22,12 +22,15 @@ at the bandwidth of a device copy (bytes read + written, 1 GiB on accelerators, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
 import platform
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
 from jaxspec.bench.suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
@@ -45,6 +48,7 @@ from jaxspec.cli.args import (
 )
 from jaxspec.cli.loading import (
     check_before_loading,
+    draft_model_proposer,
     head_aux_layer_ids,
     kernels_impl,
     load_draft_for,
@@ -180,9 +184,6 @@ def check_bench_args(args) -> None:
         raise JaxspecError(f"--accept-prob is a probability, between 0 and 1; got {args.accept_prob}")
     if args.accept_prob is not None and args.tree:
         raise JaxspecError("--accept-prob applies to chains only; drop --tree")
-    if getattr(args, "proposer", "eagle3") == "draft-model":
-        raise JaxspecError("jaxspec.bench does not run --proposer draft-model yet; time it with "
-                           "python -m jaxspec.generate --proposer draft-model --draft-model DIR beside --no-draft")
     if args.compare_numerics and args.suite:
         raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
     if args.compare_hf and importlib.util.find_spec("torch") is None:
@@ -211,21 +212,26 @@ def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> d
 _NEEDS_TORCH = "--compare-hf needs torch and transformers (pip install 'jaxspec[test]')"
 
 
-def time_hf(target_dir, prompts, max_new_tokens, stops) -> tuple[float, int, list[list[int]]]:
+def time_hf(target_dir, prompts, max_new_tokens, stops, assistant_dir=None) -> tuple[float, int, list[list[int]]]:
+    """Greedy transformers `generate` on the same prompts, batch 1, float32: (seconds, tokens, outputs). With
+    `assistant_dir`, its assisted generation (`assistant_model=`, the draft model's speculative decoding)."""
     try:
         import torch
         import transformers
     except ImportError:
         raise JaxspecError(_NEEDS_TORCH) from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
+    model = load(target_dir)
+    assisted = {} if assistant_dir is None else {"assistant_model": load(assistant_dir)}
     outputs, seconds = [], 0.0
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=stops[0])  # warm-up
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=stops[0],
+                       **assisted)  # warm-up
         for p in prompts:
             start = time.perf_counter()
             out = model.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0],
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **assisted,
             )
             seconds += time.perf_counter() - start
             ids = out[0, len(p) :].tolist()
@@ -287,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else None  # or a DFlash drafter
+    fixed = fixed_proposer(args, model, tokenizer, ngram)
     if args.suite:
-        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
+        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed)
 
     # Every method runs in one interleaved pass (`measure_interleaved`): batch by batch, in rotating order, so that
     # the machine's drift over minutes does not read as a speed-up or a slow-down.
@@ -308,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
             methods.append((name, spec, spec.num_draft, str(draft), drafted))
-    if ngram is not None:
-        spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
-        methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
+    if fixed is not None:
+        spec = fixed.generator(model, args.batch_size, mesh, kernels_impl(args))
+        methods.append((fixed.method, spec, fixed.proposer.num_draft, fixed.source, None))
     label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
     _say(f"generating, interleaved: {label} ({len(encoded)} prompts, batch {args.batch_size})")
     measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
@@ -349,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
             "identical_outputs": identical(hf_outputs, completions),
         }
         result["speedup_vs_transformers"] = round((tokens / seconds) / (hf_tokens / hf_seconds), 3)
+        if fixed is not None and fixed.proposer.name == "draft-model":  # the same pair in transformers
+            _say("transformers assisted generation with the draft model")
+            a_seconds, a_tokens, a_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, fixed.source_dir)
+            result["transformers_assisted"] = {
+                "tokens": a_tokens, "seconds": round(a_seconds, 3),
+                "tokens_per_second": round(a_tokens / a_seconds, 2),
+                "identical_outputs": identical(a_outputs, completions),
+            }
     if args.memory_report:
         for method, report in result["memory"].items():
             print(f"{method}: " + "\n".join(MemoryReport(**report).lines()), file=sys.stderr)
@@ -477,10 +492,41 @@ def suite_out(args):
     return Path(args.out or Path("bench-results") / suite_name(args))
 
 
-def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
-    """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
-    from pathlib import Path
+@dataclasses.dataclass(frozen=True)
+class FixedProposer:
+    """A proposer the bench runs at the K it is given, with no acceptance record to price (n-gram, a draft
+    model): the proposer, its parameters, and where it came from."""
 
+    proposer: Any
+    params: Any = None
+    source_dir: Path | None = None  # a draft model's directory
+
+    @property
+    def method(self) -> str:
+        return method_name(self.proposer.num_draft, None, proposer=self.proposer)
+
+    @property
+    def source(self) -> str:
+        return self.source_dir.name if self.source_dir is not None else self.proposer.name
+
+    def generator(self, model, batch_size: int, mesh, kernels: str):
+        from jaxspec.engine.generation import Generator
+
+        return Generator(model, proposer=self.proposer, proposer_params=self.params, batch_size=batch_size,
+                         mesh=mesh, kernels=kernels)
+
+
+def fixed_proposer(args, model, tokenizer, ngram) -> FixedProposer | None:
+    """`--proposer ngram` or `--proposer draft-model --draft-model DIR` (its tokenizer checked against the
+    target's), or None."""
+    proposer, params = draft_model_proposer(args, model, tokenizer)
+    if proposer is not None:
+        return FixedProposer(proposer, params, Path(args.draft_model).expanduser())
+    return None if ngram is None else FixedProposer(ngram)
+
+
+def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed: FixedProposer | None = None) -> int:
+    """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
     import jax
     from tqdm import tqdm
 
@@ -497,13 +543,13 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:
         methods.append((AUTO, None))
-    if ngram is not None:
-        methods.append((ngram.num_draft, "ngram"))
+    if fixed is not None:
+        methods.append((fixed.proposer.num_draft, "fixed"))
     suite = suite_name(args)
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     result = {
         "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
-        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (ngram.name if ngram else ""),
+        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (fixed.source if fixed else ""),
         "prompts": len(encoded),
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
@@ -521,7 +567,9 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
             paths[:] = write_report(result, out_dir)
         compiled_programs.release()
 
-    bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf, desc="bench", unit="run")
+    drafts_hf = fixed is not None and fixed.proposer.name == "draft-model"  # transformers also runs the pair
+    bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf * (1 + drafts_hf), desc="bench",
+               unit="run")
     for b in args.batch_sizes:
         name = f"batch {b} target-only"
         bar.set_postfix_str(name)
@@ -537,10 +585,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
         del gen
         finish_run()
         for num_draft, tree in methods:
-            if tree == "ngram":
-                name = method_name(num_draft, None, proposer=ngram)
-                spec = Generator(model, proposer=ngram, batch_size=b, mesh=mesh, kernels=kernels_impl(args))
-                depth = ngram.depth
+            if tree == "fixed":
+                name, spec, depth = fixed.method, fixed.generator(model, b, mesh, kernels_impl(args)), num_draft
             else:
                 name = method_name(num_draft, tree, args.accept_prob)
                 spec = draft_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
@@ -553,10 +599,13 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
                          "memory": spec.memory.as_dict()})
             del spec
             finish_run()
-    if args.compare_hf:
-        bar.set_postfix_str("batch 1 transformers")
-        hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops)
-        row = {"batch_size": 1, "method": "transformers generate", "tokens": hf_tokens, "seconds": round(hf_seconds, 3),
+    hf_methods = [("transformers generate", None)] if args.compare_hf else []
+    if hf_methods and fixed is not None and fixed.proposer.name == "draft-model":  # the same pair in transformers
+        hf_methods.append(("transformers generate, assistant_model = the draft model", fixed.source_dir))
+    for method, assistant_dir in hf_methods:
+        bar.set_postfix_str(f"batch 1 {method}")
+        hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, assistant_dir)
+        row = {"batch_size": 1, "method": method, "tokens": hf_tokens, "seconds": round(hf_seconds, 3),
                "tokens_per_second": round(hf_tokens / hf_seconds, 2)}
         if 1 in baselines:
             base, base_tps = baselines[1]
@@ -577,6 +626,8 @@ def _table(r: dict) -> str:
         rows.append((f"jaxspec {sp['method']}", sp))
     if "transformers" in r:
         rows.append(("transformers generate", r["transformers"]))
+    if "transformers_assisted" in r:
+        rows.append(("transformers generate, assistant_model = the draft model", r["transformers_assisted"]))
     lines = [
         f"{r['target']} ({r['dtype']}), {r['prompts']} prompts, {r['max_new_tokens']} new tokens, batch {r['batch_size']}",
         f"machine: {r['machine']}",
