@@ -26,10 +26,10 @@ from jaxspec.cli.args import (
 from jaxspec.cli.loading import (
     check_before_loading,
     draft_generator,
-    draft_model_proposer,
     head_aux_layer_ids,
     kernels_impl,
     load_draft_for,
+    load_draft_model,
     load_target_and_tokenizer,
     ngram_proposer,
     resolve_draft,
@@ -148,16 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     ngram = ngram_proposer(args)
-    if draft:  # an EAGLE-3 head or a DFlash drafter
-        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
+    # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
+    drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+        args, model, tokenizer)
+    if drafter is not None:
         generator = draft_generator(
-            model, drafter, draft, args.num_speculative_tokens, args.tree, batch_size=args.batch_size, mesh=mesh,
-            kernels=kernels, store=step_cost_store(args),
+            model, drafter, draft or args.draft_model, args.num_speculative_tokens, args.tree,
+            batch_size=args.batch_size, mesh=mesh, kernels=kernels, store=step_cost_store(args),
         )
-    else:  # target-only, or drafts by prompt lookup or by a small draft model
-        proposer, proposer_params = draft_model_proposer(args, model, tokenizer)
-        generator = Generator(model, proposer=proposer or ngram, proposer_params=proposer_params,
-                              batch_size=args.batch_size, mesh=mesh, kernels=kernels)
+    else:  # target-only, or drafts by prompt lookup
+        generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
     generator.on_compile = lambda msg: print(msg, file=sys.stderr)
 
     stream = not args.json and args.batch_size == 1

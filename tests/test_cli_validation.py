@@ -93,7 +93,7 @@ def test_tree_depth_is_bounded(tiny_dir, capsys, no_loading):
         (["--suite", "mt_bench", "--limit", "-1"], "--limit must be 0"),
         (["--suite", "mt_bench", "--chain-lengths", "3,40"], "--chain-lengths: 40 is more than 32"),
         (["--suite", "mt_bench", "--compare-numerics"], "--compare-numerics applies to single runs"),
-        (["--suite", "mt_bench", "--no-draft", "--chain-lengths", "3"], "need a draft head"),
+        (["--suite", "mt_bench", "--no-draft", "--chain-lengths", "3"], "needs a draft head"),
     ],
 )
 def test_bench_flags_are_checked_before_loading(extra, message, tiny_dir, capsys, no_loading):

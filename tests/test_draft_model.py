@@ -92,21 +92,43 @@ def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
     common = ["--target", str(tmp_path / "target"), "--prompt", "hello there", "--raw", "--json",
               "--max-new-tokens", "12"]
     runs = {}
-    for name, extra in (("none", ["--no-draft"]), ("draft", ["--proposer", "draft-model", "--draft-model",
-                                                           str(tmp_path / "draft"), "--num-speculative-tokens", "3"])):
+    draft = ["--proposer", "draft-model", "--draft-model", str(tmp_path / "draft")]
+    for name, extra in (("none", ["--no-draft"]), ("draft", [*draft, "--num-speculative-tokens", "3"]),
+                        ("auto", draft)):  # auto, the default: a draft model records no acceptance
         assert generate.main([*common, *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert runs["draft"]["token_ids"] == runs["none"]["token_ids"]
+    assert runs["draft"]["token_ids"] == runs["auto"]["token_ids"] == runs["none"]["token_ids"]
     stats = runs["draft"]["stats"]
     assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 4  # another model: rejections
+    auto = runs["auto"]["stats"]["auto"]
+    assert auto["basis"] == "first batch" and auto["num_speculative_tokens"] == 5  # its first batch measures it
+
+
+def test_auto_prices_a_draft_model_and_keeps_the_output(reference):
+    """`--num-speculative-tokens auto` with a draft model: the first batch drafts the default chain to measure its
+    acceptance, later batches choose from this machine's timed costs (a draft-model step, verifies, a decode) and
+    the counts; every choice gives the target's text. The target as its own draft accepts whole chains and its
+    step costs the target's decode, so drafting is not free: the choice is priced, not assumed."""
+    from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+
+    gen = AutoSpeculativeGenerator(tiny_target(), tiny_target(), prior=None, batch_size=1)
+    got = gen.generate(PROMPTS, max_new_tokens=24)
+    assert [c.token_ids for c in got] == reference
+    records = [c.stats["auto"] for c in got]
+    assert records[0]["basis"] == "first batch" and records[1]["basis"] == "observed"
+    costs = records[1]["step_costs_ms"]
+    assert costs["draft"] > 0 and len(costs["verify"]) == gen.depth  # a draft-model step and every verify timed
+    assert records[1]["running_acceptance_per_position"][0] > 0.9  # its own drafts: nearly always accepted
+    with pytest.raises(JaxspecError, match="a draft model drafts chains, not trees"):
+        from jaxspec.engine.tree import TreeConfig
+
+        AutoSpeculativeGenerator(tiny_target(), tiny_target(), prior=None, trees={TreeConfig(6, 3, 2): 2.0})
 
 
 @pytest.mark.parametrize("extra,message", [
     (["--proposer", "draft-model"], "--proposer draft-model needs --draft-model DIR"),
     (["--draft-model", "x"], "--draft-model drafts with --proposer draft-model; add it"),
     (["--proposer", "draft-model", "--draft-model", "x", "--tree", "6,3,2"], "--proposer draft-model drafts chains"),
-    (["--proposer", "draft-model", "--draft-model", "x", "--num-speculative-tokens", "auto"],
-     "give --proposer draft-model a number"),
     (["--proposer", "draft-model", "--draft-model", "NOWHERE"], "has no config.json"),
 ])
 def test_bad_flags_are_one_line_errors(extra, message, tmp_path, capsys):
@@ -137,7 +159,7 @@ def test_the_bench_times_a_draft_model_beside_target_only_and_transformers_assis
                        "--num-speculative-tokens", "3", "--compare-hf", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     (row,) = result["speculative"]
-    assert row["method"] == "draft model K=3" and row["draft"] == "draft" and row["identical_outputs"] == "2/2"
+    assert row["method"] == "draft model chain K=3" and row["draft"].endswith("draft") and row["identical_outputs"] == "2/2"
     assert len(row["acceptance_per_position"]) == 3
     assert result["transformers"]["identical_outputs"] == "2/2"
     assert result["transformers_assisted"]["identical_outputs"] == "2/2"

@@ -22,7 +22,6 @@ at the bandwidth of a device copy (bytes read + written, 1 GiB on accelerators, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -30,7 +29,6 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
 from jaxspec.bench.suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
@@ -48,10 +46,10 @@ from jaxspec.cli.args import (
 )
 from jaxspec.cli.loading import (
     check_before_loading,
-    draft_model_proposer,
     head_aux_layer_ids,
     kernels_impl,
     load_draft_for,
+    load_draft_model,
     load_target_and_tokenizer,
     ngram_proposer,
     resolve_draft,
@@ -282,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     draft = resolve_draft(args)  # first: with --draft alone, the head's config may name the target
     target_dir = resolve_target(args.target)
     ngram = ngram_proposer(args)
-    if draft is None and (args.accept_prob is not None or args.chain_lengths or args.tree):
-        raise JaxspecError("--accept-prob, --chain-lengths and --tree need a draft head (--draft HEAD_DIR)")
+    if draft is None and (args.accept_prob is not None or args.tree):
+        raise JaxspecError("--accept-prob and --tree need a draft head (--draft HEAD_DIR)")
+    if draft is None and args.chain_lengths and getattr(args, "proposer", "eagle3") != "draft-model":
+        raise JaxspecError("--chain-lengths needs a draft head (--draft HEAD_DIR) or --proposer draft-model")
     aux_ids = head_aux_layer_ids(draft, target_dir)
     tokenizer, encoded = check_before_loading(args, target_dir, draft, mesh, [text for _, text in prompts],
                                               args.batch_sizes if args.suite else [args.batch_size])
@@ -292,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else None  # or a DFlash drafter
-    fixed = fixed_proposer(args, model, tokenizer, ngram)
+    # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
+    head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+        args, model, tokenizer)
+    draft = draft or (args.draft_model if head is not None else None)
     if args.suite:
-        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed)
+        return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
     # Every method runs in one interleaved pass (`measure_interleaved`): batch by batch, in rotating order, so that
     # the machine's drift over minutes does not read as a speed-up or a slow-down.
@@ -309,15 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                 model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
                 kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
             )
-            name = method_name(args.num_speculative_tokens, tree, args.accept_prob)
+            name = drafter_method_name(head, args.num_speculative_tokens, tree, args.accept_prob)
             if tree is not None:
                 drafted = tree.total_tokens - 1
             else:
                 drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
             methods.append((name, spec, spec.num_draft, str(draft), drafted))
-    if fixed is not None:
-        spec = fixed.generator(model, args.batch_size, mesh, kernels_impl(args))
-        methods.append((fixed.method, spec, fixed.proposer.num_draft, fixed.source, None))
+    if ngram is not None:
+        spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))
+        methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
     label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
     _say(f"generating, interleaved: {label} ({len(encoded)} prompts, batch {args.batch_size})")
     measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
@@ -356,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             "identical_outputs": identical(hf_outputs, completions),
         }
         result["speedup_vs_transformers"] = round((tokens / seconds) / (hf_tokens / hf_seconds), 3)
-        if fixed is not None and fixed.proposer.name == "draft-model":  # the same pair in transformers
+        if is_draft_model(head):  # the same pair in transformers
             _say("transformers assisted generation with the draft model")
-            a_seconds, a_tokens, a_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, fixed.source_dir)
+            a_seconds, a_tokens, a_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, Path(draft))
             result["transformers_assisted"] = {
                 "tokens": a_tokens, "seconds": round(a_seconds, 3),
                 "tokens_per_second": round(a_tokens / a_seconds, 2),
@@ -492,40 +494,21 @@ def suite_out(args):
     return Path(args.out or Path("bench-results") / suite_name(args))
 
 
-@dataclasses.dataclass(frozen=True)
-class FixedProposer:
-    """A proposer the bench runs at the K it is given, with no acceptance record to price (n-gram, a draft
-    model): the proposer, its parameters, and where it came from."""
+def is_draft_model(drafter) -> bool:
+    """Whether the loaded drafter is an independent draft model (`--proposer draft-model`)."""
+    from jaxspec.models.llama import LlamaModel
 
-    proposer: Any
-    params: Any = None
-    source_dir: Path | None = None  # a draft model's directory
-
-    @property
-    def method(self) -> str:
-        return method_name(self.proposer.num_draft, None, proposer=self.proposer)
-
-    @property
-    def source(self) -> str:
-        return self.source_dir.name if self.source_dir is not None else self.proposer.name
-
-    def generator(self, model, batch_size: int, mesh, kernels: str):
-        from jaxspec.engine.generation import Generator
-
-        return Generator(model, proposer=self.proposer, proposer_params=self.params, batch_size=batch_size,
-                         mesh=mesh, kernels=kernels)
+    return isinstance(drafter, LlamaModel)
 
 
-def fixed_proposer(args, model, tokenizer, ngram) -> FixedProposer | None:
-    """`--proposer ngram` or `--proposer draft-model --draft-model DIR` (its tokenizer checked against the
-    target's), or None."""
-    proposer, params = draft_model_proposer(args, model, tokenizer)
-    if proposer is not None:
-        return FixedProposer(proposer, params, Path(args.draft_model).expanduser())
-    return None if ngram is None else FixedProposer(ngram)
+def drafter_method_name(drafter, num_draft, tree, accept_prob) -> str:
+    """`method_name`, prefixed `draft model ` for a draft model's chains (`draft model chain K=3`, `draft model
+    auto`)."""
+    name = method_name(num_draft, tree, accept_prob)
+    return f"draft model {name}" if is_draft_model(drafter) else name
 
 
-def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed: FixedProposer | None = None) -> int:
+def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=None) -> int:
     """Every method at every batch size on one prompt set; the report goes to --out, rewritten after each run."""
     import jax
     from tqdm import tqdm
@@ -543,13 +526,13 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed:
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:
         methods.append((AUTO, None))
-    if fixed is not None:
-        methods.append((fixed.proposer.num_draft, "fixed"))
+    if ngram is not None:
+        methods.append((ngram.num_draft, "ngram"))
     suite = suite_name(args)
     runs, baselines = [], {}  # baselines: batch size → (target-only completions, tokens/s)
     result = {
         "suite": suite, "machine": _machine(), "target": target_dir.name, "dtype": str(model.dtype),
-        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (fixed.source if fixed else ""),
+        "kernels": kernels_impl(args), "draft": Path(draft).name if draft else (ngram.name if ngram else ""),
         "prompts": len(encoded),
         "max_new_tokens": args.max_new_tokens, "mesh": args.mesh or "", "jax": jax.__version__, "runs": runs,
     }
@@ -567,9 +550,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed:
             paths[:] = write_report(result, out_dir)
         compiled_programs.release()
 
-    drafts_hf = fixed is not None and fixed.proposer.name == "draft-model"  # transformers also runs the pair
-    bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf * (1 + drafts_hf), desc="bench",
-               unit="run")
+    bar = tqdm(total=len(args.batch_sizes) * (1 + len(methods)) + args.compare_hf * (1 + is_draft_model(head)),
+               desc="bench", unit="run")
     for b in args.batch_sizes:
         name = f"batch {b} target-only"
         bar.set_postfix_str(name)
@@ -585,10 +567,12 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed:
         del gen
         finish_run()
         for num_draft, tree in methods:
-            if tree == "fixed":
-                name, spec, depth = fixed.method, fixed.generator(model, b, mesh, kernels_impl(args)), num_draft
+            if tree == "ngram":
+                name = method_name(num_draft, None, proposer=ngram)
+                spec = Generator(model, proposer=ngram, batch_size=b, mesh=mesh, kernels=kernels_impl(args))
+                depth = ngram.depth
             else:
-                name = method_name(num_draft, tree, args.accept_prob)
+                name = drafter_method_name(head, num_draft, tree, args.accept_prob)
                 spec = draft_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
                                              kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
                                              store=step_cost_store(args))
@@ -600,8 +584,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, fixed:
             del spec
             finish_run()
     hf_methods = [("transformers generate", None)] if args.compare_hf else []
-    if hf_methods and fixed is not None and fixed.proposer.name == "draft-model":  # the same pair in transformers
-        hf_methods.append(("transformers generate, assistant_model = the draft model", fixed.source_dir))
+    if hf_methods and is_draft_model(head):  # the same pair in transformers
+        hf_methods.append(("transformers generate, assistant_model = the draft model", Path(draft)))
     for method, assistant_dir in hf_methods:
         bar.set_postfix_str(f"batch 1 {method}")
         hf_seconds, hf_tokens, hf_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, assistant_dir)

@@ -225,9 +225,6 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
                                "tokenizer)")
         if args.tree:
             raise JaxspecError("--proposer draft-model drafts chains; drop --tree")
-        if k == AUTO:
-            raise JaxspecError("--num-speculative-tokens auto chooses from an EAGLE-3 head's acceptance; give "
-                               f"--proposer draft-model a number (default {DEFAULT_SPECULATIVE_TOKENS})")
     elif getattr(args, "draft_model", None):
         raise JaxspecError("--draft-model drafts with --proposer draft-model; add it")
     if tree_sets_depth and args.tree and k is not None:  # auto included: --tree fixes every batch's method
@@ -235,7 +232,7 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
             f"--tree {args.tree.spec} drafts {args.tree.depth} levels (its DEPTH); drop --num-speculative-tokens"
         )
     if k is None:
-        fixed = getattr(args, "proposer", "eagle3") in ("ngram", "draft-model")  # no acceptance record to price
+        fixed = getattr(args, "proposer", "eagle3") == "ngram"  # nothing to price (its drafts cost ~nothing)
         forced = getattr(args, "accept_prob", None) is not None  # bench's forced acceptance: a fixed chain
         args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if fixed or forced else AUTO
     elif k == AUTO and getattr(args, "accept_prob", None) is not None:

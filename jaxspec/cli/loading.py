@@ -213,29 +213,35 @@ def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool):
 
 def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
                     kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
-    """The generator the flags ask for with a loaded draft (`load_draft_for`): an EAGLE-3 head's
-    (`speculative_generator`), or a DFlash drafter's chains of --num-speculative-tokens drafts, one drafter forward
-    per step; auto: the chain length (or target-only) chosen per batch as for a head (`AutoSpeculativeGenerator`),
-    from the acceptance the drafter's config records (a jaxspec export's) and this machine's step costs."""
+    """The generator the flags ask for with a loaded draft (`load_draft_for`, `load_draft_model`): an EAGLE-3
+    head's (`speculative_generator`); a DFlash drafter's chains of --num-speculative-tokens drafts, one drafter
+    forward per step; a draft model's chains, K of its forwards per step. auto: the chain length (or target-only)
+    chosen per batch as for a head (`AutoSpeculativeGenerator`), from the acceptance the drafter's config records
+    (a jaxspec export's; a draft model has none: its first batch measures it) and this machine's step costs."""
     from jaxspec.models.dflash import DFlashDrafter
+    from jaxspec.models.llama import LlamaModel
 
-    if not isinstance(drafter, DFlashDrafter):
+    if not isinstance(drafter, (DFlashDrafter, LlamaModel)):
         return speculative_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
                                      kernels=kernels, forced_accept_prob=forced_accept_prob, store=store)
     from jaxspec.engine.generation import Generator
     from jaxspec.engine.proposers.dflash import DFlashProposer
+    from jaxspec.engine.proposers.draft_model import DraftModelProposer
 
+    block = isinstance(drafter, DFlashDrafter)
+    what = "a DFlash drafter" if block else "a draft model"
     if tree is not None:
-        raise JaxspecError("a DFlash drafter drafts one chain per step (its block); drop --tree")
+        raise JaxspecError(f"{what} drafts one chain per step; drop --tree")
     if forced_accept_prob is not None:
-        raise JaxspecError("--accept-prob forces an EAGLE-3 head's acceptance; drop it for a DFlash drafter")
+        raise JaxspecError(f"--accept-prob forces an EAGLE-3 head's acceptance; drop it for {what}")
     if num_draft == AUTO:
         from jaxspec.engine.auto.config import profile_from_record
         from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
 
-        return AutoSpeculativeGenerator(model, drafter, prior=profile_from_record(recorded_acceptance(draft)), batch_size=batch_size,
-                                        mesh=mesh, kernels=kernels, store=store)
-    proposer, params = DFlashProposer.of(drafter, num_draft)
+        prior = profile_from_record(recorded_acceptance(draft)) if block else None
+        return AutoSpeculativeGenerator(model, drafter, prior=prior, batch_size=batch_size, mesh=mesh,
+                                        kernels=kernels, store=store)
+    proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)
 
@@ -249,14 +255,14 @@ def ngram_proposer(args):
     return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)
 
 
-def draft_model_proposer(args, target, tokenizer):
-    """(the proposer, its parameters) of `--proposer draft-model --draft-model DIR`, or (None, None). The draft must
-    share the target's tokenizer (the same vocabulary; its embedding may be padded past it)."""
+def load_draft_model(args, target, tokenizer):
+    """The draft model of `--proposer draft-model --draft-model DIR` (a LlamaModel), or None. The draft must share
+    the target's tokenizer (the same vocabulary; its embedding may be padded past it) and reach its context."""
     if getattr(args, "proposer", "eagle3") != "draft-model":
-        return None, None
+        return None
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import default_dtype
-    from jaxspec.engine.proposers.draft_model import DraftModelProposer, check_draft_model_fits
+    from jaxspec.engine.proposers.draft_model import check_draft_model_fits
     from jaxspec.prompts import load_tokenizer
 
     where = Path(args.draft_model).expanduser()
@@ -273,7 +279,7 @@ def draft_model_proposer(args, target, tokenizer):
                            "must share the target's vocabulary (pick one of the target's family)")
     draft = load_target(where, dtype=args.dtype or default_dtype())
     check_draft_model_fits(draft, target)
-    return DraftModelProposer.of(draft, args.num_speculative_tokens)
+    return draft
 
 
 def step_cost_store(args):

@@ -50,6 +50,7 @@ from jaxspec.engine.auto.config import (
 )
 from jaxspec.engine.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.engine.proposers.dflash import DFlashProposer
+from jaxspec.engine.proposers.draft_model import DraftModelProposer, check_draft_model_fits
 from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
 from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
 from jaxspec.engine.tree import TreeConfig
@@ -77,12 +78,14 @@ class AutoSpeculativeGenerator(Generator):
 
     `head` may be a DFlash block drafter (chains only): one forward drafts any chain up to its block, so a chain of
     K costs that forward and a verify of K + 1 tokens (`StepCosts.block_draft`), and chains up to B - 1 are
-    candidates."""
+    candidates. Or an independent draft model (a `LlamaModel`, chains only, `DraftModelProposer`): a chain of K
+    costs K of its one-token forwards and a verify, priced as a head's K steps are (its catch-up forward over the
+    tokens verified last counted as one step, as a head's is)."""
 
     def __init__(
         self,
         model: LlamaModel,
-        head: Eagle3Head | DFlashDrafter,
+        head: Eagle3Head | DFlashDrafter | LlamaModel,
         *,
         prior: AcceptanceProfile | None,
         trees: Mapping[TreeConfig, float] | None = None,
@@ -93,22 +96,27 @@ class AutoSpeculativeGenerator(Generator):
         store: StepCostStore | None = None,
     ):
         self.block = isinstance(head, DFlashDrafter)
+        self.draft_model = isinstance(head, LlamaModel)
+        if (self.block or self.draft_model) and trees:
+            raise JaxspecError(f"a {self.drafter_name} drafts chains, not trees: its record's trees cannot be "
+                               "candidates")
         if self.block:
             from jaxspec.checkpoints.dflash import check_drafter_fits
 
             check_drafter_fits(head.config, model.config)
-            if trees:
-                raise JaxspecError("a DFlash drafter drafts chains, not trees: its record's trees cannot be candidates")
             blocks = head.config.max_drafts
             max_draft = blocks if max_draft is None else min(max_draft, blocks)
         else:
-            check_head_fits(model, head)
+            if self.draft_model:
+                check_draft_model_fits(head, model)
+            else:
+                check_head_fits(model, head)
             max_draft = MAX_AUTO_DRAFT if max_draft is None else max_draft
         if max_draft < 1:
             raise JaxspecError(f"automatic speculation needs max_draft >= 1, got {max_draft}")
         super().__init__(model, batch_size=batch_size, mesh=mesh, kernels=kernels)  # batching; choices run elsewhere
         if mesh is not None:  # placed once: the chains built later find it on the mesh and share it
-            sharding.check_fits(mesh, {"drafter" if self.block else "draft head": head.config}, batch_size)
+            sharding.check_fits(mesh, {self.drafter_name: head.config}, batch_size)
             graphdef, params = nnx.split(head)
             head = nnx.merge(graphdef, sharding.shard_params(params, mesh))
         self.model, self.head = model, head
@@ -139,6 +147,10 @@ class AutoSpeculativeGenerator(Generator):
         # this process's steps alone (the probe's gate): a stored ratio may be stale, and only a probe measures
         # one draft's again
         self.own_calibration = StepCalibration()
+
+    @property
+    def drafter_name(self) -> str:
+        return "DFlash drafter" if self.block else "draft model" if self.draft_model else "draft head"
 
     @property
     def num_draft(self) -> int:
@@ -214,9 +226,14 @@ class AutoSpeculativeGenerator(Generator):
             trees = "".join(f", tree {t.spec} {step_seconds(c, t) * 1e3:.1f} ms" for t in c.trees)
             self.on_compile(
                 f"{how}: decode {c.decode * 1e3:.1f} ms, verify of {self.depth + 1} tokens "
-                f"{c.verify[self.depth] * 1e3:.1f} ms, {'drafter forward' if self.block else 'head step'} "
+                f"{c.verify[self.depth] * 1e3:.1f} ms, {self.draft_step_name} "
                 f"{c.draft * 1e3:.2f} ms{trees}"
             )
+
+    @property
+    def draft_step_name(self) -> str:
+        """What `StepCosts.draft` times for this drafter."""
+        return "drafter forward" if self.block else "draft model step" if self.draft_model else "head step"
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
         """(the choice for a batch at this capacity, what it rests on: prior, observed, prior+observed, or first
@@ -308,8 +325,9 @@ class AutoSpeculativeGenerator(Generator):
         if method not in self._generators:
             if method == 0:
                 gen = Generator(self.model, batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
-            elif self.block:
-                proposer, params = DFlashProposer.of(self.head, method)
+            elif self.block or self.draft_model:
+                of = DFlashProposer.of if self.block else DraftModelProposer.of
+                proposer, params = of(self.head, method)
                 gen = Generator(self.model, proposer=proposer, proposer_params=params, batch_size=self.batch_size,
                                 mesh=self.mesh, kernels=self.kernels)
             else:

@@ -62,7 +62,7 @@ def verify_lengths(max_draft: int) -> list[int]:
 
 def time_forwards(
     model: LlamaModel,
-    head: Eagle3Head | DFlashDrafter | None,
+    head: Eagle3Head | DFlashDrafter | LlamaModel | None,  # LlamaModel: a draft model
     batch: int,
     capacity: int,
     lengths: list[int],
@@ -88,6 +88,8 @@ def time_forwards(
     calls = {t: (target_forward, (tp, cache, jnp.zeros((batch, t), jnp.int32))) for t in lengths}
     if isinstance(head, DFlashDrafter):
         calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
+    elif isinstance(head, LlamaModel):  # a draft model: one token per row through its own cache
+        calls["head"] = _draft_model_step_call(head, batch, capacity)
     elif head is not None:
         hg, hp = nnx.split(head)
         table = model.embed_tokens[...]
@@ -134,6 +136,23 @@ def _block_draft_call(model: LlamaModel, target_params, drafter: DFlashDrafter, 
     return block_draft, (target_params, params, state, view)
 
 
+def _draft_model_step_call(draft: LlamaModel, batch: int, capacity: int) -> tuple:
+    """(fn, args) of one draft-model forward over one token per row, its cache half full, with the plain numerics
+    `DraftModelProposer` runs it with."""
+    from jaxspec.engine.proposers.draft_model import DraftModelProposer
+
+    proposer, params = DraftModelProposer.of(draft, 1)
+    graphdef = proposer.draft_graphdef
+
+    @jax.jit
+    def draft_step(params, cache, tokens):
+        m = nnx.merge(graphdef, params)
+        return m(tokens, cache.lengths[:, None], cache).logits
+
+    cache = kvc.advance(draft.init_cache(batch, capacity), capacity // 2)
+    return draft_step, (params, cache, jnp.zeros((batch, 1), jnp.int32))
+
+
 def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float],
            block_draft: bool = False) -> StepCosts:
     """StepCosts from forwards timed at some token counts T (1 among them): every T up to the largest, the ones
@@ -145,7 +164,7 @@ def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig,
 
 
 def measure_step_costs(
-    model: LlamaModel, head: Eagle3Head | DFlashDrafter | None, batch: int, capacity: int, max_draft: int,
+    model: LlamaModel, head: Eagle3Head | DFlashDrafter | LlamaModel | None, batch: int, capacity: int, max_draft: int,
     repeats: int = ROUNDS,
 ) -> StepCosts:
     """Step costs for chains of up to max_draft drafts: target forwards timed at `verify_lengths(max_draft)`, the
