@@ -107,6 +107,9 @@ class HeadConfig:
     num_aux: int = 3
     num_layers: int = 1  # decoder layers; only the first reads the 2H input
     norm_output: bool = False  # EAGLE 3.1: the next step's state is norm(out), the lm_head's input, not out
+    # P-EAGLE (parallel drafting): the token of the K - 1 extra slots of its one forward (their state is
+    # fc(mask_hidden), a learned [n_aux·Ht] vector); None: an EAGLE-3 head, which drafts step by step
+    mask_token_id: int | None = None
     # Shared with the target's layer code, always off in EAGLE-3 heads.
     attention_bias: bool = False
     o_proj_bias: bool = False
@@ -121,6 +124,9 @@ class HeadConfig:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:
             raise JaxspecError(f"draft_vocab_size={self.draft_vocab_size} exceeds the vocabulary {self.vocab_size}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise JaxspecError(f"head config.json: the parallel-drafting token {self.mask_token_id} is outside the "
+                               f"vocabulary of {self.vocab_size}")
 
     @classmethod
     def for_target(cls, target: TargetConfig, **overrides) -> HeadConfig:

@@ -292,3 +292,25 @@ def test_a_multi_layer_head_missing_a_layer_is_refused(tmp_path):
     del tensors["layers.1.mlp.up_proj.weight"]
     with pytest.raises(JaxspecError, match=r"lacks tensors layers\.1\.mlp\.up_proj\.weight"):
         load_head(write(tmp_path / "h", config, tensors), TARGET)
+
+
+def test_a_peagle_head_loads_and_exports_in_each_layout(tmp_path):
+    """P-EAGLE (parallel drafting): speculators_model_type 'peagle' with mask_token_id, and SpecForge's
+    [1, 1, 3H] mask_hidden; exported in each layout (speculators' mask_token_id, the others' pard_token) it loads
+    back the same. A mask_hidden without a token, or a P-EAGLE config without mask_hidden, is a one-line error."""
+    config = synthetic_config("speculators") | {"speculators_model_type": "peagle", "mask_token_id": 11}
+    tensors = synthetic_tensors("speculators", np.random.default_rng(4))
+    tensors["mask_hidden"] = np.random.default_rng(5).normal(size=(1, 1, 3 * H)).astype(np.float32)
+    head = load_head(write(tmp_path / "src", config, tensors), TARGET)
+    assert head.config.mask_token_id == 11
+    np.testing.assert_array_equal(np.asarray(head.mask_hidden[...]), tensors["mask_hidden"][0])
+    for layout in ("speculators", "sglang", "eagle"):
+        back = load_head(export_head(head, tmp_path / layout, layout=layout, target=TARGET, dtype="float32"), TARGET)
+        assert back.config.mask_token_id == 11
+        np.testing.assert_array_equal(np.asarray(back.mask_hidden[...]), np.asarray(head.mask_hidden[...]))
+    plain = {k: v for k, v in config.items() if k != "mask_token_id"} | {"speculators_model_type": "eagle3"}
+    with pytest.raises(JaxspecError, match="has P-EAGLE's mask_hidden but its config names no parallel-drafting"):
+        load_head(write(tmp_path / "no-token", plain, tensors), TARGET)
+    del tensors["mask_hidden"]
+    with pytest.raises(JaxspecError, match="lacks tensors mask_hidden"):
+        load_head(write(tmp_path / "no-mask", config, tensors), TARGET)

@@ -193,7 +193,9 @@ def _packed_case(rng, lengths, t, prompt=3):
     return seqs, feats, ids, f, pos, seg, mask
 
 
-@pytest.mark.parametrize("lengths,t", [pytest.param((7, 9), 16, marks=pytest.mark.slow), ((5, 4, 6), 20), ((12,), 12)])
+# CI: one sequence alone; several packed in a row: -m slow (and test_train_step's packed step equals the padded one)
+@pytest.mark.parametrize("lengths,t", [pytest.param((7, 9), 16, marks=pytest.mark.slow),
+                                       pytest.param((5, 4, 6), 20, marks=pytest.mark.slow), ((12,), 12)])
 def test_packed_rows_equal_each_sequence_alone(lengths, t):
     """A row holding several sequences gives each the logits it gets alone (attention never crosses a boundary,
     positions restart), efficient form against the explicit-mask reference, on a subset of rows."""

@@ -56,7 +56,7 @@ def read_head_config(path: str | Path) -> dict[str, Any]:
 
 def detect_layout(raw: dict[str, Any]) -> str:
     archs = set(raw.get("architectures") or [])
-    if raw.get("speculators_model_type") == "eagle3" or archs & {"Eagle3Speculator", "Eagle3DraftModel"}:
+    if raw.get("speculators_model_type") in ("eagle3", "peagle") or archs & {"Eagle3Speculator", "Eagle3DraftModel"}:
         return "speculators"
     if "LlamaForCausalLMEagle3" in archs:
         return "sglang"
@@ -103,10 +103,22 @@ def head_config_from_hf(raw: dict[str, Any], keys: set[str] = frozenset()) -> tu
             fc_norm=bool(raw.get("fc_norm", False)) or "fc_norm.0.weight" in keys,
             norm_output=bool(raw.get("norm_output", flat.get("norm_output", False))),
             num_layers=hf_int(flat, "num_hidden_layers", 1, what),
+            mask_token_id=_parallel_drafting_token(raw, flat, layout, what),
             has_embed_tokens="embed_tokens.weight" in keys,
             aux_layer_ids=tuple(int(i) for i in aux) if aux is not None else None,
         )
     return layout, cfg
+
+
+def _parallel_drafting_token(raw: dict[str, Any], flat: dict[str, Any], layout: str, what: str) -> int | None:
+    """A P-EAGLE head's mask token (BLOCK_DRAFTERS.md §3.2): speculators' `mask_token_id` with
+    speculators_model_type "peagle", else the HF-style `pard_token` / `ptd_token_id`; None for an EAGLE-3 head."""
+    if layout == "speculators":
+        return hf_int(raw, "mask_token_id", what=what) if raw.get("speculators_model_type") == "peagle" else None
+    for key in ("pard_token", "ptd_token_id"):
+        if raw.get(key) is not None or flat.get(key) is not None:
+            return hf_int(raw if raw.get(key) is not None else flat, key, what=what)
+    return None
 
 
 def validate_head(cfg: HeadConfig, target: TargetConfig, verifier: dict[str, Any] | None = None) -> None:
@@ -222,8 +234,15 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
         raise JaxspecError(mismatch)
     tensors = read_tensors(path, allow_pickle)
     tensors = {internal_key(k): v for k, v in tensors.items()}
+    if "mask_hidden" in tensors:  # P-EAGLE's [1, n_aux·Ht]; SpecForge writes [1, 1, n_aux·Ht]
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, -1)
     layout, cfg = head_config_from_hf(raw, set(tensors))
     validate_head(cfg, target, verifier)
+    if "mask_hidden" in tensors and cfg.mask_token_id is None:
+        raise JaxspecError(
+            f"draft head {str(path)!r} has P-EAGLE's mask_hidden but its config names no parallel-drafting token "
+            "(speculators: speculators_model_type 'peagle' and mask_token_id; other layouts: pard_token)"
+        )
     if layout == "sglang" and cfg.draft_vocab_size != cfg.vocab_size and "d2t" not in tensors:
         raise JaxspecError("SGLang head lacks the d2t tensor its draft vocabulary needs")
 
@@ -356,6 +375,12 @@ def export_head(
         config["fc_norm"] = True
     if cfg.norm_output:
         config["norm_output"] = True
+    if cfg.mask_token_id is not None:  # P-EAGLE: the head drafts a chain in one forward
+        if layout == "speculators":
+            config["speculators_model_type"] = "peagle"
+            config["mask_token_id"] = cfg.mask_token_id
+        else:
+            config["pard_token"] = cfg.mask_token_id
     own = {k: v for k, v in record.items() if layout != "speculators" or k not in SPECULATORS_VERIFIER_KEYS}
     config[RECORD_KEY] = {"verifier": own, **({"acceptance": acceptance} if acceptance else {})}
     save_file(tensors, str(out / "model.safetensors"))

@@ -11,7 +11,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
-from jaxspec.engine.proposers.eagle3 import Eagle3Proposer
+from jaxspec.engine.proposers.eagle3 import Eagle3Proposer, PEagleProposer
 from jaxspec.engine.tree import TreeConfig
 
 
@@ -27,8 +27,8 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
 
 
 class SpeculativeGenerator(Generator):
-    """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts, or EAGLE-2 dynamic trees when
-    `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
+    """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts (a P-EAGLE head's from one forward,
+    `PEagleProposer`), or EAGLE-2 dynamic trees when `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
     under sampling. A convenience constructor: everything else is `Generator`'s."""
 
     def __init__(
@@ -52,7 +52,10 @@ class SpeculativeGenerator(Generator):
         if mesh is not None:
             sharding.check_fits(mesh, {"draft head": head.config}, batch_size)
         graphdef, params = nnx.split(head)
-        proposer = Eagle3Proposer(graphdef, num_draft=tree.depth if tree is not None else num_draft, tree=tree)
+        if tree is None and head.config.mask_token_id is not None:  # a P-EAGLE head drafts its chain in one forward
+            proposer = PEagleProposer(graphdef, num_draft=num_draft)
+        else:
+            proposer = Eagle3Proposer(graphdef, num_draft=tree.depth if tree is not None else num_draft, tree=tree)
         super().__init__(
             model, proposer=proposer, proposer_params=params, batch_size=batch_size, chunk_steps=chunk_steps,
             mesh=mesh, forced_accept_prob=forced_accept_prob, kernels=kernels,

@@ -79,6 +79,10 @@ class Eagle3Head(nnx.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False, dtype=dtype, rngs=rngs)
         self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t[draft id]
+        # P-EAGLE: the features whose projection is the state of every parallel-drafting slot [1, n_aux·Ht]
+        self.mask_hidden = nnx.data(
+            nnx.Param(_normal(rngs, (1, n_feat), dtype)) if cfg.mask_token_id is not None else None
+        )
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache of the head's layers, KV heads repeated under a wide model axis as the target's are."""

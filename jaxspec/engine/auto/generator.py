@@ -233,7 +233,9 @@ class AutoSpeculativeGenerator(Generator):
     @property
     def draft_step_name(self) -> str:
         """What `StepCosts.draft` times for this drafter."""
-        return "drafter forward" if self.block else "draft model step" if self.draft_model else "head step"
+        if self.block or self.draft_model:
+            return "drafter forward" if self.block else "draft model step"
+        return "head step" if self.head.config.mask_token_id is None else "P-EAGLE forward"
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
         """(the choice for a batch at this capacity, what it rests on: prior, observed, prior+observed, or first

@@ -72,7 +72,8 @@ def time_forwards(
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step (0 without a head),
     {tree: seconds of its expansion}), at this batch size and cache capacity, the caches half full, with the model's
     own numerics, timed in interleaved rounds (`best_seconds_interleaved`). A DFlash drafter's step is its
-    proposer's whole draft (the pending context written, one forward over the block, the longest chain's logits)."""
+    proposer's whole draft (the pending context written, one forward over the block, the longest chain's logits),
+    a P-EAGLE head's likewise (one forward over the pending pairs and the mask slots)."""
     tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
 
     options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
@@ -101,8 +102,11 @@ def time_forwards(
 
         hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
         state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
-        calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
-        for tree in trees:  # the expansion from the head's distribution after the root, as the proposer runs it
+        if is_parallel(head):  # P-EAGLE: a chain's drafts from one head forward
+            calls["head"] = _parallel_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
+        else:
+            calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
+        for tree in trees:  # its expansion after the root, as the proposer runs it (step by step, P-EAGLE too)
             def expand(params, logits0, state0, cache, tree=tree):
                 dt = draft_tree(nnx.merge(hg, params), table, logits0, state0, cache, tree)
                 return dt.tokens, dt.mask
@@ -134,6 +138,39 @@ def _block_draft_call(model: LlamaModel, target_params, drafter: DFlashDrafter, 
         return proposal.tokens
 
     return block_draft, (target_params, params, state, view)
+
+
+def is_parallel(head) -> bool:
+    """Whether a drafter drafts a whole chain in one forward, so that a chain of any K costs that forward
+    (`StepCosts.block_draft`): a DFlash drafter, a P-EAGLE head."""
+    return isinstance(head, DFlashDrafter) or (isinstance(head, Eagle3Head) and head.config.mask_token_id is not None)
+
+
+def _parallel_draft_call(model: LlamaModel, target_params, head: Eagle3Head, batch: int, capacity: int,
+                         num_draft: int) -> tuple:
+    """(fn, args) of one P-EAGLE draft as the engine runs it: `PEagleProposer.propose` for chains of num_draft, the
+    head's cache half full and a whole chain's pairs pending."""
+    from jaxspec.engine.proposers.eagle3 import Eagle3State, PEagleProposer
+
+    tg, (hg, hp) = nnx.graphdef(model), nnx.split(head)
+    proposer = PEagleProposer(hg, num_draft=num_draft)
+    cfg = head.config
+    state = Eagle3State(
+        head_cache=kvc.advance(head.init_cache(batch, capacity), capacity // 2 - (num_draft + 1)),
+        pending_feat=jnp.zeros((batch, num_draft + 1, cfg.num_aux * cfg.target_hidden_size), model.dtype),
+        pending_tok=jnp.zeros((batch, num_draft + 1), jnp.int32),
+        num_pending=jnp.full((batch,), num_draft + 1, jnp.int32),
+    )
+    ones = jnp.ones((batch,), jnp.int32)
+    view = StepView(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), capacity // 2, jnp.int32), ones, None)
+
+    @jax.jit
+    def parallel_draft(target_params, params, state, view):
+        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(),
+                                       jax.random.key(0))
+        return proposal.tokens
+
+    return parallel_draft, (target_params, hp, state, view)
 
 
 def _draft_model_step_call(draft: LlamaModel, batch: int, capacity: int) -> tuple:
@@ -171,7 +208,7 @@ def measure_step_costs(
     lengths between interpolated, and one head step (a DFlash drafter: one draft of the longest chain, which every
     chain's step then costs: `StepCosts.block_draft`)."""
     seconds, draft, _ = time_forwards(model, head, batch, capacity, verify_lengths(max_draft), repeats)
-    return _costs(seconds, draft, {}, block_draft=isinstance(head, DFlashDrafter))
+    return _costs(seconds, draft, {}, block_draft=is_parallel(head))
 
 
 def add_tree_costs(

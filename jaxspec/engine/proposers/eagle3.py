@@ -191,3 +191,58 @@ class Eagle3Proposer:
 
     def kv_cache(self, st: Eagle3State) -> kvc.KVCache:
         return st.head_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PEagleProposer(Eagle3Proposer):
+    """P-EAGLE (parallel drafting, BLOCK_DRAFTERS.md §3.2; vLLM's `parallel_drafting`): a chain of K drafts from ONE
+    forward of the head. Each row's pending pairs are followed by K - 1 slots holding the head's mask token with
+    the state fc(mask_hidden), at the next positions; the last pending pair's logits draft d_1 and slot j's draft
+    d_{j+1}, no draft feeding the next. The state, catch-up and commit are EAGLE-3's: the slots' keys and values
+    land past the committed length and are overwritten by the next catch-up. Trees draft step by step
+    (`Eagle3Proposer`), which a P-EAGLE head can do as well."""
+
+    name: str = "peagle"
+
+    def __post_init__(self):
+        if self.tree is not None:
+            raise ValueError("PEagleProposer drafts chains; a tree drafts step by step (Eagle3Proposer)")
+
+    @property
+    def forwards_per_step(self) -> int:
+        return 1
+
+    def propose(
+        self, params, target, st: Eagle3State, view: StepView, sampling: SamplingConfig, key: jax.Array
+    ) -> tuple[Proposal, Eagle3State]:
+        head = nnx.merge(self.head_graphdef, params)
+        embed = _embed_table(target, head)
+        b, width = st.pending_tok.shape
+        k, vocab = self.num_draft, target.config.vocab_size
+        total = width + k - 1
+        slot = jnp.arange(total, dtype=jnp.int32)[None, :]  # [1, W + K - 1]
+        pending = slot < st.num_pending[:, None]  # [B, W + K - 1]: the pending pairs, then the mask slots
+        pad = ((0, 0), (0, k - 1))
+        tokens = jnp.where(pending, jnp.pad(st.pending_tok, pad), head.config.mask_token_id)
+        state = jnp.where(pending[..., None], jnp.pad(head.project(st.pending_feat), (*pad, (0, 0))),
+                          head.project(head.mask_hidden[...])[None])  # [B, W + K - 1, H]
+        h0 = st.head_cache.lengths
+        positions = h0[:, None] + slot
+        at = (st.num_pending - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]: d_1 .. d_K's logits
+        logits, _, head_cache = head(tokens, state, positions, st.head_cache, embed, logit_indices=at)
+        keys = jax.random.split(key, k)
+        path = jnp.full((b, k), -1, jnp.int32)  # drafts so far, for the logit processors
+        drafts, bests, qs = [], [], []
+        for j in range(k):  # each position's draft from its own logits (the processors see the drafts before it)
+            draft, best, q = _propose_one(head, logits[:, j], sampling, keys[j], vocab, view.processors, path)
+            path = path.at[:, j].set(draft)
+            drafts.append(draft)
+            bests.append(best)
+            qs.append(q)
+        tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.stack(drafts, axis=1)], axis=1)  # [B, K+1]
+        q = None if qs[0] is None else jnp.stack(qs, axis=1)  # [B, K, V]
+        cands = jnp.concatenate([jnp.stack(bests, axis=1), jnp.full_like(bests[0][:, None], -1)], axis=1)
+        proposal = Proposal(tokens, None, q, cands, draft_vocab=draft_vocab(head, vocab))
+        # Only the pending pairs are committed; the mask slots' entries are overwritten by the next catch-up.
+        head_cache = head_cache._replace(lengths=h0 + st.num_pending * view.running)
+        return proposal, st._replace(head_cache=head_cache)
