@@ -30,6 +30,7 @@ def own_bound(monkeypatch):
     monkeypatch.setattr(compiled_programs, "_BOUND", compiled_programs._Bound())
 
 
+@pytest.mark.slow  # ~37 s; CI: the bench suite releases its programs after each run (test_cli)
 def test_release_frees_maps_and_keeps_output(model, monkeypatch):
     want = Generator(model, batch_size=1).generate(PROMPTS + NEW_BUCKET, max_new_tokens=8)
     jax.clear_caches()  # the first generator's programs, which JAX's caches hold, go before the maps are counted

@@ -211,6 +211,7 @@ def test_greedy_equals_target_only(kind, k, batch, reference):
         assert c.stats["draft_calls"] == c.stats["verify_calls"] + 1  # one drafter forward per step
 
 
+@pytest.mark.slow  # CI: bfloat16 speculation in test_invariance; DFlash greedy in float32 here
 def test_bfloat16_greedy_equals_target_only():
     """bfloat16 target and drafter, a batch of 4 with ragged acceptance: every verify of a drafted block gives the
     bits the target's own decode steps give (batch-invariant numerics), so the text is the target's."""
@@ -318,6 +319,7 @@ def test_sampling_is_lossless():
     assert 0.05 < accepted < 0.98  # both branches of the verifier ran
 
 
+@pytest.mark.slow  # CI: test_dflash_train's exported drafter through jaxspec.generate (auto with its record)
 def test_generate_with_a_dflash_drafter_equals_no_draft(tmp_path, capsys):
     """`jaxspec.generate --draft DIR` recognizes a z-lab drafter: its chains, one drafter forward per step, give
     the target's own text; --tree is a one-line error."""

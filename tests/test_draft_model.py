@@ -93,14 +93,13 @@ def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
               "--max-new-tokens", "12"]
     runs = {}
     draft = ["--proposer", "draft-model", "--draft-model", str(tmp_path / "draft")]
-    for name, extra in (("none", ["--no-draft"]), ("draft", [*draft, "--num-speculative-tokens", "3"]),
-                        ("auto", draft)):  # auto, the default: a draft model records no acceptance
+    for name, extra in (("none", ["--no-draft"]), ("auto", draft)):  # auto, the default: no acceptance record
         assert generate.main([*common, *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert runs["draft"]["token_ids"] == runs["auto"]["token_ids"] == runs["none"]["token_ids"]
-    stats = runs["draft"]["stats"]
-    assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 4  # another model: rejections
-    auto = runs["auto"]["stats"]["auto"]
+    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"]
+    stats = runs["auto"]["stats"]
+    assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 6  # another model: rejections
+    auto = stats["auto"]
     assert auto["basis"] == "first batch" and auto["num_speculative_tokens"] == 5  # its first batch measures it
 
 
@@ -165,6 +164,14 @@ def test_the_bench_times_a_draft_model_beside_target_only_and_transformers_assis
     assert result["transformers"]["identical_outputs"] == "2/2"
     assert result["transformers_assisted"]["identical_outputs"] == "2/2"
     assert result["transformers_assisted"]["tokens"] == result["jaxspec"]["tokens"]
+    # a suite: its chains and auto (no trees: a draft model drafts chains), the same text as target-only
+    assert bench.main(["--target", str(tmp_path / "target"), "--suite", str(tmp_path / "p.jsonl"), "--raw",
+                       "--max-new-tokens", "8", "--batch-sizes", "1", "--chain-lengths", "2", "--proposer",
+                       "draft-model", "--draft-model", str(tmp_path / "draft"), "--out", str(tmp_path / "suite"),
+                       "--json"]) == 0
+    runs = json.loads((tmp_path / "suite" / "results.json").read_text())["runs"]
+    assert [r["method"] for r in runs] == ["target-only", "draft model chain K=2", "draft model auto"]
+    assert all(r["identical_outputs"] == "2/2" for r in runs[1:])
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):

@@ -44,7 +44,8 @@ def test_the_parallel_drafts_are_one_forward_of_each_row():
     cache = kvc.advance(cache, 5)
     st = Eagle3State(cache, jnp.asarray(rng.normal(size=(b, width, feat)), jnp.float32),
                      jnp.asarray(rng.integers(0, 101, (b, width)), jnp.int32), jnp.asarray([1, 3, width, 2], jnp.int32))
-    view = StepView(jnp.zeros((b,), jnp.int32), jnp.full((b,), 9, jnp.int32), jnp.ones((b,), jnp.int32), None)
+    running = jnp.asarray([1, 1, 0, 1], jnp.int32)  # row 2 has finished: its head cache must not move
+    view = StepView(jnp.zeros((b,), jnp.int32), jnp.full((b,), 9, jnp.int32), running, None)
     proposer = PEagleProposer(nnx.graphdef(head), num_draft=k)
     propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view, SamplingConfig(),
                                                                 jax.random.key(0)))
@@ -58,7 +59,9 @@ def test_the_parallel_drafts_are_one_forward_of_each_row():
         logits, _, _ = head(tokens, states, 5 + jnp.arange(n + k - 1, dtype=jnp.int32)[None], row_cache, embed)
         want = head.to_target_ids(jnp.argmax(logits[0, n - 1 :], axis=-1).astype(jnp.int32))
         np.testing.assert_array_equal(np.asarray(proposal.tokens[row, 1:]), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(after.head_cache.lengths), 5 + np.asarray(st.num_pending))
+    # only the pending pairs of running rows are committed; the mask slots never are
+    np.testing.assert_array_equal(np.asarray(after.head_cache.lengths),
+                                  5 + np.asarray(st.num_pending) * np.asarray(running))
 
 
 def test_greedy_equals_target_only():
@@ -104,3 +107,18 @@ def test_sampling_with_each_slots_distribution_is_lossless():
     assert chi_square_p(first_two(out), joint) > 0.01
     accepted = np.mean([c.stats["accepted_per_position"][0] for c in out])
     assert 0.02 < accepted < 0.98  # both branches of the rejection rule ran
+
+
+def test_training_refuses_to_start_from_a_peagle_head(tmp_path):
+    """train.launch trains EAGLE-3's step-by-step objective: a P-EAGLE head as head.init_from is one line, not a
+    head whose mask_hidden silently never learns."""
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.errors import JaxspecError
+    from train.config import HeadSection
+    from train.launch import build_head
+
+    target = tiny_target()
+    out = export_head(peagle_head(), tmp_path / "peagle", layout="speculators", target=target.config,
+                      dtype="float32")
+    with pytest.raises(JaxspecError, match="is a P-EAGLE head .* start from an EAGLE-3 head"):
+        build_head(target, HeadSection(init_from=str(out)), np.ones(101), seed=0)

@@ -272,3 +272,31 @@ def test_every_flag_has_help_with_its_default(build):
             assert action.help, f"{prog} {name} has no help"
             assert "default" in action.help, f"{prog} {name}: the help does not state the default"
         assert "%(default)" not in parser.format_help()  # the %-formats expand
+
+
+def test_the_head_section_builds_a_multi_layer_eagle31_head():
+    """head.num_layers / fc_norm / norm_output reach the head train.launch builds (its TTT: tests/test_ttt.py)."""
+    import numpy as np
+    from spec_fixtures import tiny_target
+
+    from train.config import HeadSection
+    from train.launch import build_head
+
+    head = build_head(tiny_target(), HeadSection(draft_vocab_size=48, num_layers=3, fc_norm=True, norm_output=True),
+                      np.arange(101), seed=0)
+    assert (head.config.num_layers, head.config.fc_norm, head.config.norm_output) == (3, True, True)
+    assert len(head.later_layers) == 2 and head.fc_norm is not None
+
+
+def test_a_resume_with_another_head_shape_is_refused_in_one_line(tmp_path):
+    """train.launch records the head's shape with each checkpoint and compares it before restoring (orbax would
+    fail on the tree's structure, naming no key); an older checkpoint without the record is not checked."""
+    from train.launch import check_head_shape
+
+    recorded = {"num_layers": 2, "draft_vocab_size": 48, "intermediate_size": 96, "fc_norm": True,
+                "norm_output": True}
+    check_head_shape(tmp_path, recorded, dict(recorded))
+    check_head_shape(tmp_path, None, dict(recorded, num_layers=1))
+    with pytest.raises(JaxspecError, match=r"trained with head.norm_output=True, head.num_layers=2; the config asks "
+                                           r"for another head: restore them"):
+        check_head_shape(tmp_path, recorded, dict(recorded, num_layers=1, norm_output=False))

@@ -100,6 +100,10 @@ def _warm_start(target, hcfg: HeadSection):
     from jaxspec.engine.generator import check_head_fits
 
     head = load_head(Path(hcfg.init_from).expanduser(), target.config, dtype=MASTER_DTYPE)
+    if head.config.mask_token_id is not None:
+        raise JaxspecError(f"head.init_from {hcfg.init_from!r} is a P-EAGLE head (parallel drafting), which "
+                           "train.launch cannot train yet (its objective is EAGLE-3's step-by-step one); start from "
+                           "an EAGLE-3 head")
     check_head_fits(target, head)  # it reads the layers the target returns (the target's default aux layers)
     defaults = {f.name: f.default for f in dataclasses.fields(HeadSection)}
     for key, value in (("draft_vocab_size", head.config.draft_vocab_size),

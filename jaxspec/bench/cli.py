@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
         args, model, tokenizer)
-    draft = draft or (args.draft_model if head is not None else None)
+    draft = draft or (str(Path(args.draft_model).expanduser()) if head is not None else None)
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
@@ -521,7 +521,8 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     from jaxspec.models.dflash import DFlashDrafter
 
-    drafts_trees = head is not None and not isinstance(head, DFlashDrafter)  # a DFlash drafter drafts chains
+    # a DFlash drafter and a draft model draft chains
+    drafts_trees = head is not None and not isinstance(head, DFlashDrafter) and not is_draft_model(head)
     trees = [] if not drafts_trees or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:

@@ -63,8 +63,8 @@ def detect_layout(raw: dict[str, Any]) -> str:
     if "draft_vocab_size" in raw:
         return "eagle"
     raise JaxspecError(
-        "config.json does not describe an EAGLE-3 head (expected speculators_model_type 'eagle3', architecture "
-        "LlamaForCausalLMEagle3, or a Llama config with draft_vocab_size)"
+        "config.json does not describe an EAGLE-3 head (expected speculators_model_type 'eagle3' or 'peagle', "
+        "architecture LlamaForCausalLMEagle3, or a Llama config with draft_vocab_size)"
     )
 
 

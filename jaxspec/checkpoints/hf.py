@@ -145,7 +145,10 @@ def load_target(
 
     def prepared(key: str) -> jax.Array:
         param, transposed = params[key]
-        return prepare(views[index[key]][key], param, transposed, np_dtype, f"tensor {key!r}", "config.json")
+        view = views[index[key]][key]
+        if isinstance(view, str):  # a dtype jaxspec does not read (tensor_views)
+            raise JaxspecError(f"tensor {key!r} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
+        return prepare(view, param, transposed, np_dtype, f"tensor {key!r}", "config.json")
 
     # Reads (page cache → device) overlap with the casts and transposes of other tensors; the values are set here.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -162,12 +165,13 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def tensor_views(path: Path) -> dict[str, np.ndarray]:
+def tensor_views(path: Path) -> dict[str, np.ndarray | str]:
     """Every tensor of a safetensors file as a read-only view of the file mapped into memory: no copy until a
     tensor is placed on a device. The library's numpy API (`safe_open(...).get_tensor`) copies each tensor into
     fresh host memory first, and first-touch page faults made that copy half of a load (0.6 GB/s on a 2-core VM).
     The format: an 8-byte little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then
-    the data; the header is checked by `safe_open` before this is called."""
+    the data; the header is checked by `safe_open` before this is called. A tensor of a dtype numpy cannot view
+    is its dtype's name instead, an error only if it is read (a file may hold tensors the model does not use)."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
@@ -178,7 +182,8 @@ def tensor_views(path: Path) -> dict[str, np.ndarray]:
             continue
         dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise JaxspecError(f"tensor {name!r} in {str(path)!r} has dtype {entry['dtype']}, which jaxspec does not read")
+            views[name] = entry["dtype"]
+            continue
         begin, end = entry["data_offsets"]
         count = (end - begin) // np.dtype(dtype).itemsize
         views[name] = np.frombuffer(mapped, dtype, count, 8 + size + begin).reshape(entry["shape"])
@@ -199,6 +204,9 @@ def prepare(array: np.ndarray, param: nnx.Variable, transposed: bool, np_dtype, 
     if shape != tuple(param.shape):
         want = tuple(reversed(param.shape)) if transposed else tuple(param.shape)
         raise JaxspecError(f"{what} has shape {tuple(array.shape)}, but {source} implies {want}")
+    if not transposed and array.dtype == np.dtype(np_dtype) == np.dtype(param.dtype):
+        # nothing to cast: a copy, never a view of the mapped file (a CPU device_put may alias a host buffer)
+        return jax.device_put(array, may_alias=False)
     return _cast(array, np.dtype(np_dtype), np.dtype(param.dtype), transposed)
 
 

@@ -117,7 +117,7 @@ class Eagle3Head(nnx.Module):
         tokens: jax.Array,  # [B, T] int32 target ids
         state: jax.Array,  # [B, T, H]
         positions: jax.Array,  # [B, T] int32
-        cache: kvc.KVCache,  # one layer
+        cache: kvc.KVCache,  # one entry per layer (init_cache)
         embed_table: jax.Array | None,  # [V, H] the target's embeddings, when the head has none
         *,
         block_mask: jax.Array | None = None,  # [B, T, W] over the uncommitted slots from cache.lengths; None = causal

@@ -125,8 +125,12 @@ class AutoSpeculativeGenerator(Generator):
         # drafter drafts its whole block for the price of a shorter chain's drafting)
         first = max_draft if self.block else FIRST_CHAIN
         self.depth = min(max_draft, len(self.prior.rates) if self.prior else first)
-        # trees need a chain prior too: a tree's record is scaled by the chain's counts on these prompts
-        self.trees = {t: (trees or {})[t] for t in sorted(trees or {}, key=method_order)} if self.prior else {}
+        # trees need a chain prior too: a tree's record is scaled by the chain's counts on these prompts. A
+        # P-EAGLE head's timed draft is its parallel forward, which prices its chains, not its step-by-step trees:
+        # chains only (its record's trees are not candidates)
+        parallel = not (self.block or self.draft_model) and head.config.mask_token_id is not None
+        self.trees = ({t: (trees or {})[t] for t in sorted(trees or {}, key=method_order)}
+                      if self.prior and not parallel else {})
         for tree in self.trees:
             if tree.top_k > head.config.draft_vocab_size:
                 raise JaxspecError(f"tree {tree.spec}: TOPK exceeds the head's draft vocabulary")

@@ -68,6 +68,7 @@ def time_forwards(
     lengths: list[int],
     repeats: int = ROUNDS,
     trees: tuple[TreeConfig, ...] = (),
+    time_draft: bool = True,  # False: the trees' lengths and expansions only (`add_tree_costs`)
 ) -> tuple[dict[int, float], float, dict[TreeConfig, float]]:
     """({T: seconds of a target forward over T tokens per row}, seconds of one head step (0 without a head),
     {tree: seconds of its expansion}), at this batch size and cache capacity, the caches half full, with the model's
@@ -88,9 +89,11 @@ def time_forwards(
     cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
     calls = {t: (target_forward, (tp, cache, jnp.zeros((batch, t), jnp.int32))) for t in lengths}
     if isinstance(head, DFlashDrafter):
-        calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
+        if time_draft:
+            calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
     elif isinstance(head, LlamaModel):  # a draft model: one token per row through its own cache
-        calls["head"] = _draft_model_step_call(head, batch, capacity)
+        if time_draft:
+            calls["head"] = _draft_model_step_call(head, batch, capacity)
     elif head is not None:
         hg, hp = nnx.split(head)
         table = model.embed_tokens[...]
@@ -102,9 +105,9 @@ def time_forwards(
 
         hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
         state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
-        if is_parallel(head):  # P-EAGLE: a chain's drafts from one head forward
+        if time_draft and is_parallel(head):  # P-EAGLE: a chain's drafts from one head forward
             calls["head"] = _parallel_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
-        else:
+        elif time_draft:
             calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
         for tree in trees:  # its expansion after the root, as the proposer runs it (step by step, P-EAGLE too)
             def expand(params, logits0, state0, cache, tree=tree):
@@ -220,7 +223,7 @@ def add_tree_costs(
     a second timing rather than one with everything: which trees are worth timing (`auto.config.tree_worth_timing`)
     is known only from the chains' costs, and the chains' programs need not compile twice."""
     lengths = sorted({1, *(t.total_tokens for t in trees if t.total_tokens > costs.max_draft + 1)})
-    seconds, _, expansions = time_forwards(model, head, batch, capacity, lengths, repeats, trees)
+    seconds, _, expansions = time_forwards(model, head, batch, capacity, lengths, repeats, trees, time_draft=False)
     scale = costs.decode / seconds[1]
     points = {t: costs.verify[t - 1] if t > 1 else costs.decode for t in range(1, costs.max_draft + 2)}
     points.update({t: scale * s for t, s in seconds.items() if t > costs.max_draft + 1})
