@@ -66,6 +66,7 @@ def _ids(completions):
     return [c.token_ids for c in completions]
 
 
+@pytest.mark.slow  # CI: the repeated-KV tree below (its reference is one device's), test_cli's data mesh, multi-host
 def test_target_only_on_the_mesh_equals_one_device():
     single = Generator(target(), batch_size=4).generate(PROMPTS, max_new_tokens=24)
     sharded = Generator(target(), batch_size=4, mesh=mesh()).generate(PROMPTS, max_new_tokens=24)
