@@ -118,8 +118,6 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         check_sizes(self, "head config.json")
-        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise JaxspecError(f"head config.json: num_hidden_layers must be an integer >= 1, got {self.num_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"head num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.draft_vocab_size > self.vocab_size:

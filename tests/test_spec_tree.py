@@ -134,8 +134,9 @@ def test_tree_config_errors(spec, message):
 EAGLE31_MULTI = dict(num_layers=3, norm_output=True, fc_norm=True)  # a multi-layer head with EAGLE 3.1's switches
 
 
+# CI: the 3-layer head (its first layer is a one-layer head's)
 @pytest.mark.parametrize("variant", [pytest.param({}, marks=pytest.mark.slow), EAGLE31_MULTI],
-                         ids=["one-layer", "eagle31-3-layers"])  # CI: the 3-layer head (its first layer is a 1-layer head's)
+                         ids=["one-layer", "eagle31-3-layers"])
 def test_a_top1_tree_drafts_the_greedy_chain(variant):
     """A tree of one child per node is a chain: its levels (each written at its offset in the window, seeing its
     ancestors through the mask, in every layer of the head) draft exactly the tokens the head's chain steps do."""

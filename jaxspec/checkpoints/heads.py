@@ -103,22 +103,20 @@ def head_config_from_hf(raw: dict[str, Any], keys: set[str] = frozenset()) -> tu
             fc_norm=bool(raw.get("fc_norm", False)) or "fc_norm.0.weight" in keys,
             norm_output=bool(raw.get("norm_output", flat.get("norm_output", False))),
             num_layers=hf_int(flat, "num_hidden_layers", 1, what),
-            mask_token_id=_parallel_drafting_token(raw, flat, layout, what),
+            mask_token_id=_parallel_drafting_token(raw, layout, what),
             has_embed_tokens="embed_tokens.weight" in keys,
             aux_layer_ids=tuple(int(i) for i in aux) if aux is not None else None,
         )
     return layout, cfg
 
 
-def _parallel_drafting_token(raw: dict[str, Any], flat: dict[str, Any], layout: str, what: str) -> int | None:
+def _parallel_drafting_token(raw: dict[str, Any], layout: str, what: str) -> int | None:
     """A P-EAGLE head's mask token (BLOCK_DRAFTERS.md §3.2): speculators' `mask_token_id` with
     speculators_model_type "peagle", else the HF-style `pard_token` / `ptd_token_id`; None for an EAGLE-3 head."""
     if layout == "speculators":
         return hf_int(raw, "mask_token_id", what=what) if raw.get("speculators_model_type") == "peagle" else None
-    for key in ("pard_token", "ptd_token_id"):
-        if raw.get(key) is not None or flat.get(key) is not None:
-            return hf_int(raw if raw.get(key) is not None else flat, key, what=what)
-    return None
+    key = next((k for k in ("pard_token", "ptd_token_id") if raw.get(k) is not None), None)
+    return None if key is None else hf_int(raw, key, what=what)
 
 
 def validate_head(cfg: HeadConfig, target: TargetConfig, verifier: dict[str, Any] | None = None) -> None:

@@ -28,8 +28,8 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
 
 class SpeculativeGenerator(Generator):
     """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts (a P-EAGLE head's from one forward,
-    `PEagleProposer`), or EAGLE-2 dynamic trees when `tree` is given; output equals target-only generation under greedy decoding and follows the same distribution
-    under sampling. A convenience constructor: everything else is `Generator`'s."""
+    `PEagleProposer`), or EAGLE-2 dynamic trees when `tree` is given; output equals target-only generation under
+    greedy decoding and follows the same distribution under sampling. A convenience constructor: everything else is `Generator`'s."""
 
     def __init__(
         self,

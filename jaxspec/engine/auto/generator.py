@@ -97,6 +97,7 @@ class AutoSpeculativeGenerator(Generator):
     ):
         self.block = isinstance(head, DFlashDrafter)
         self.draft_model = isinstance(head, LlamaModel)
+        self.peagle = not (self.block or self.draft_model) and head.config.mask_token_id is not None
         if (self.block or self.draft_model) and trees:
             raise JaxspecError(f"a {self.drafter_name} drafts chains, not trees: its record's trees cannot be "
                                "candidates")
@@ -128,9 +129,8 @@ class AutoSpeculativeGenerator(Generator):
         # trees need a chain prior too: a tree's record is scaled by the chain's counts on these prompts. A
         # P-EAGLE head's timed draft is its parallel forward, which prices its chains, not its step-by-step trees:
         # chains only (its record's trees are not candidates)
-        parallel = not (self.block or self.draft_model) and head.config.mask_token_id is not None
         self.trees = ({t: (trees or {})[t] for t in sorted(trees or {}, key=method_order)}
-                      if self.prior and not parallel else {})
+                      if self.prior and not self.peagle else {})
         for tree in self.trees:
             if tree.top_k > head.config.draft_vocab_size:
                 raise JaxspecError(f"tree {tree.spec}: TOPK exceeds the head's draft vocabulary")
@@ -237,9 +237,8 @@ class AutoSpeculativeGenerator(Generator):
     @property
     def draft_step_name(self) -> str:
         """What `StepCosts.draft` times for this drafter."""
-        if self.block or self.draft_model:
-            return "drafter forward" if self.block else "draft model step"
-        return "head step" if self.head.config.mask_token_id is None else "P-EAGLE forward"
+        return ("drafter forward" if self.block else "draft model step" if self.draft_model
+                else "P-EAGLE forward" if self.peagle else "head step")
 
     def choose(self, capacity: int) -> tuple[Choice, str]:
         """(the choice for a batch at this capacity, what it rests on: prior, observed, prior+observed, or first

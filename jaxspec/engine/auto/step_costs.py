@@ -120,11 +120,26 @@ def time_forwards(
     return {t: best[t] for t in lengths}, best.get("head", 0.0), {t: best[t] for t in trees}
 
 
+def _propose_call(model: LlamaModel, target_params, proposer, params, state, batch: int, capacity: int) -> tuple:
+    """(fn, args) of one whole draft as the engine runs it: `proposer.propose`, greedy, every row running, the
+    root at the half-full cache's length."""
+    tg = nnx.graphdef(model)
+    ones = jnp.ones((batch,), jnp.int32)
+    view = StepView(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), capacity // 2, jnp.int32), ones, None)
+
+    @jax.jit
+    def draft(target_params, params, state, view):
+        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(),
+                                       jax.random.key(0))
+        return proposal.tokens
+
+    return draft, (target_params, params, state, view)
+
+
 def _block_draft_call(model: LlamaModel, target_params, drafter: DFlashDrafter, batch: int, capacity: int,
                       num_draft: int) -> tuple:
-    """(fn, args) of one DFlash draft as the engine runs it: `DFlashProposer.propose` for chains of num_draft, its
-    context half full and a whole chain's features pending."""
-    tg = nnx.graphdef(model)
+    """One DFlash draft (`_propose_call`) for chains of num_draft: its context half full, a whole chain's features
+    pending."""
     proposer, params = DFlashProposer.of(drafter, num_draft)
     cfg = drafter.config
     state = DFlashState(
@@ -132,15 +147,7 @@ def _block_draft_call(model: LlamaModel, target_params, drafter: DFlashDrafter, 
         pending_feat=jnp.zeros((batch, num_draft + 1, cfg.num_aux * cfg.target_hidden_size), model.dtype),
         num_pending=jnp.full((batch,), num_draft + 1, jnp.int32),
     )
-    ones = jnp.ones((batch,), jnp.int32)
-    view = StepView(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), capacity // 2, jnp.int32), ones, None)
-
-    @jax.jit
-    def block_draft(target_params, params, state, view):
-        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(), None)
-        return proposal.tokens
-
-    return block_draft, (target_params, params, state, view)
+    return _propose_call(model, target_params, proposer, params, state, batch, capacity)
 
 
 def is_parallel(head) -> bool:
@@ -151,12 +158,11 @@ def is_parallel(head) -> bool:
 
 def _parallel_draft_call(model: LlamaModel, target_params, head: Eagle3Head, batch: int, capacity: int,
                          num_draft: int) -> tuple:
-    """(fn, args) of one P-EAGLE draft as the engine runs it: `PEagleProposer.propose` for chains of num_draft, the
-    head's cache half full and a whole chain's pairs pending."""
+    """One P-EAGLE draft (`_propose_call`) for chains of num_draft: the head's cache half full, a whole chain's
+    pairs pending."""
     from jaxspec.engine.proposers.eagle3 import Eagle3State, PEagleProposer
 
-    tg, (hg, hp) = nnx.graphdef(model), nnx.split(head)
-    proposer = PEagleProposer(hg, num_draft=num_draft)
+    hg, hp = nnx.split(head)
     cfg = head.config
     state = Eagle3State(
         head_cache=kvc.advance(head.init_cache(batch, capacity), capacity // 2 - (num_draft + 1)),
@@ -164,16 +170,7 @@ def _parallel_draft_call(model: LlamaModel, target_params, head: Eagle3Head, bat
         pending_tok=jnp.zeros((batch, num_draft + 1), jnp.int32),
         num_pending=jnp.full((batch,), num_draft + 1, jnp.int32),
     )
-    ones = jnp.ones((batch,), jnp.int32)
-    view = StepView(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), capacity // 2, jnp.int32), ones, None)
-
-    @jax.jit
-    def parallel_draft(target_params, params, state, view):
-        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(),
-                                       jax.random.key(0))
-        return proposal.tokens
-
-    return parallel_draft, (target_params, hp, state, view)
+    return _propose_call(model, target_params, PEagleProposer(hg, num_draft=num_draft), hp, state, batch, capacity)
 
 
 def _draft_model_step_call(draft: LlamaModel, batch: int, capacity: int) -> tuple:
