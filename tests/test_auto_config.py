@@ -296,13 +296,14 @@ def test_trees_timed_after_the_chains_join_their_costs_at_one_machine_speed(monk
     small, big = TreeConfig(4, 2, 2), TreeConfig(8, 3, 2)
     asked = []
 
-    def timed(model, head, batch, capacity, lengths, repeats, trees):  # the second timing ran 20% slower
-        asked.append((lengths, trees))
+    def timed(model, head, batch, capacity, lengths, repeats, trees, time_draft=True):  # ran 20% slower
+        asked.append((lengths, trees, time_draft))
         return {1: 0.012, 8: 0.024}, 0.0012, {small: 0.0024, big: 0.0036}
 
     monkeypatch.setattr(step_costs, "time_forwards", timed)
     got = step_costs.add_tree_costs(chains, None, None, 1, 64, (small, big))
-    assert asked == [([1, 8], (small, big))]  # the chains' lengths (a 4-token verify among them) are not timed again
+    # the chains' lengths (a 4-token verify among them) are not timed again, nor is the head's step
+    assert asked == [([1, 8], (small, big), False)]
     assert got.verify[:4] == chains.verify and got.decode == chains.decode and got.draft == chains.draft
     assert got.verify[7] == pytest.approx(0.020)  # 24 ms at the slower speed: 20 ms at the chains'
     assert got.verify[5] == pytest.approx(0.016 + (0.020 - 0.016) * 2 / 4)  # between: interpolated
