@@ -17,9 +17,13 @@ A block with nothing visible leaves (m, l, a) exactly unchanged, so the number o
 capacity) does not matter either.
 
 The query rows of those dots are zero-padded to QUERY_ROWS (16; G rounded up to a power of two where that is
-more): the kernel pads each token's G rows, the reference (`_attend_tokens`) packs several tokens' rows into one
-16-row tile, so that it reads each key block once per tile instead of once per token. Either way every dot is
-[16, D] x [D, Bk] and [16, Bk] x [Bk, D], and a row's products do not depend on the rows beside it.
+more): the kernel pads each token's G rows, and every one of its dots is [16, D] x [D, Bk] and [16, Bk] x [Bk, D].
+The reference (`_attend_tokens`) packs all its tokens' rows into whole 16-row tiles and meets each key block with
+all of them in one dot ([16·n, D] x [D, Bk]), so that it reads each key block once instead of once per token or
+tile. Either way a row's products do not depend on the rows beside it, nor on how many there are: each output of a
+dot over D (or Bk) is its own row's sum in the same order (measured on XLA:CPU for 16-64 rows; the earlier
+reference, 16-row dots, gave the compiled kernel's bits on an H200; the reference's 32-row dots are to be checked
+on a GPU by the compiled suite of `scripts/gpu_sitting.sh`).
 
 The Pallas kernel (`invariant_attention`), in its one-pass form, runs those operations one program per (query token,
 KV head, sequence): grid (T, Hkv, B), the token axis first so that the programs reading one cache row run side by
@@ -101,14 +105,14 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
     q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk], or [..., G, Bk] with per_row (each query row its own; the
-    reference's tiles hold several tokens), leading axes broadcast → m, l [..., G], a [..., G, D].
+    reference's dots hold several tokens), leading axes broadcast → m, l [..., G], a [..., G, D].
     The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
     and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
     (none when compiled)."""
     if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
         # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
-        # (per_row never meets one row: the reference's tiles have query_tile_rows >= 16)
+        # (per_row never meets one row: the reference's dots have query_tile_rows >= 16)
         m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence)
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
@@ -190,13 +194,15 @@ def invariant_attention_reference(
 def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None):
     """invariant_attention_reference on one group of query tokens.
 
-    Each KV head's T·G query rows are packed into tiles of `query_tile_rows(G)` rows (16 on most models: four
-    tokens of G = 4), and every key block is met by whole tiles: one [R, D] x [D, Bk] and one [R, Bk] x [Bk, D] dot
-    per (sequence, KV head, tile, block), the kernel's dot shape. A row's products do not depend on the other rows
-    of its dot (the kernel's zero padding rows rely on the same), so a token gets its decode's bits in any tile, at
-    any row. What the tiles save is the cache: the dots read each key block once per tile, not once per token, so
-    a decode reads the cache as it is (one tile) and a verify of 6 tokens of Llama-3.1-8B twice (24 rows), where a
-    copy per token made XLA write and read the cache 6 times over (compiled for an H100: ~70 MB per layer at 1k)."""
+    Each KV head's T·G query rows are packed into R rows, whole tiles of `query_tile_rows(G)` (16 on most models:
+    four tokens of G = 4), and every key block is met by all of them at once: one [R, D] x [D, Bk] and one
+    [R, Bk] x [Bk, D] dot per (sequence, KV head, block). A row's products do not depend on the other rows of its
+    dot, nor on their number (module docstring), so a token gets its decode's bits at any row. What this saves is
+    the cache: each key block is read once per call. A copy of the cache per token (before 2026-11-27) made XLA
+    write and read it 6 times over for a verify of 6 tokens, and then a copy per 16-row tile, materialized by
+    XLA:GPU as a broadcast, twice (compiled for an H100 at 8k keys: 104 MB per layer of 296 for the attention).
+    The partials keep the block axis where the dots put it ([B, H, N, R, ...]) and the fold reads the real rows
+    only."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -205,36 +211,30 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
     if nb * bk > s:  # whole blocks only: the padding is never visible
         pad = ((0, 0), (0, 0), (0, nb * bk - s), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
-    k_blocks = k_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
-    v_blocks = v_cache[:, :, : nb * bk].reshape(b, hkv, 1, nb, bk, d)
+    k_blocks = k_cache[:, :, : nb * bk].reshape(b, hkv, nb, bk, d)
+    v_blocks = v_cache[:, :, : nb * bk].reshape(b, hkv, nb, bk, d)
     scale = d**-0.5
-    r = query_tile_rows(g)
     rows = t * g
-    tiles = -(-rows // r)
+    r = -(-rows // query_tile_rows(g)) * query_tile_rows(g)  # whole tiles, all of them in one dot
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, H, T, G, D]
-    qt = jnp.pad(qg.reshape(b, hkv, rows, d), ((0, 0), (0, 0), (0, tiles * r - rows), (0, 0)))
-    qt = qt.reshape(b, hkv, tiles, 1, r, d)  # [B, H, tiles, 1, R, D]: token i's head j at row i·G + j
-    row_pos = jnp.pad(jnp.repeat(positions, g, axis=1), ((0, 0), (0, tiles * r - rows)), constant_values=-1)
+    qt = jnp.pad(qg.reshape(b, hkv, rows, d), ((0, 0), (0, 0), (0, r - rows), (0, 0)))[:, :, None]  # [B, H, 1, R, D]
+    row_pos = jnp.pad(jnp.repeat(positions, g, axis=1), ((0, 0), (0, r - rows)), constant_values=-1)  # [B, R]
     slots = jnp.arange(nb * bk, dtype=jnp.int32).reshape(nb, bk)
-    visible = slots[None, None] <= row_pos[:, :, None, None]  # [B, rows', N, Bk]; padding rows see nothing
-    visible = visible.reshape(b, tiles, r, nb, bk).transpose(0, 1, 3, 2, 4)[:, None]  # [B, 1, tiles, N, R, Bk]
+    visible = slots[None, None] <= row_pos[:, :, None, None]  # [B, R, N, Bk]; padding rows see nothing
+    visible = visible.transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, R, Bk]
     m, l, a = block_partial(
-        jnp.broadcast_to(qt, (b, hkv, tiles, nb, r, d)),
-        jnp.broadcast_to(k_blocks, (b, hkv, tiles, nb, bk, d)),
-        jnp.broadcast_to(v_blocks, (b, hkv, tiles, nb, bk, d)),
-        visible, scale, per_row=True,
-    )  # m, l [B, H, tiles, N, R]; a [B, H, tiles, N, R, D]
+        jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scale, per_row=True,
+    )  # m, l [B, H, N, R]; a [B, H, N, R, D]
 
-    def per_token(x):  # [B, H, tiles, N, R, ...] -> [B, H, T, N, G, ...]
-        x = jnp.moveaxis(x, 3, 2).reshape(b, hkv, nb, tiles * r, *x.shape[5:])[:, :, :, :rows]
-        return jnp.moveaxis(x.reshape(b, hkv, nb, t, g, *x.shape[4:]), 2, 3)
+    def per_token(x):  # [B, H, N, R, ...] -> [B, H, N, T, G, ...] (the padding rows dropped)
+        return x[:, :, :, :rows].reshape(b, hkv, nb, t, g, *x.shape[4:])
 
     m, l, a = per_token(m), per_token(l), per_token(a)
     if ancestors is not None:
-        m, l, a = _tree_tail(qg[:, :, :, None], k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
-    state = (m[:, :, :, 0], l[:, :, :, 0], a[:, :, :, 0])
+        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
+    state = (m[:, :, 0], l[:, :, 0], a[:, :, 0])
     for n in range(1, nb):  # fold the blocks in position order
-        state = merge(state, (m[:, :, :, n], l[:, :, :, n], a[:, :, :, n]), scale)
+        state = merge(state, (m[:, :, n], l[:, :, n], a[:, :, n]), scale)
     out = finish(state)  # [B, H, T, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
@@ -272,20 +272,20 @@ def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
 
 
 def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scale):
-    """Replace the partials of the two tail blocks by ones over each node's own keys (tree_tail_keys)."""
-    b, hkv, t, _, g, d = qg.shape
+    """Replace the partials [B, H, N, T, G, ...] of the two tail blocks by ones over each node's own keys
+    (tree_tail_keys); qg [B, H, T, G, D]."""
+    b, hkv, t, g, d = qg.shape
     k_tail, v_tail, visible, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
     m, l, a = partials
-    nb = m.shape[3]
-    tm, tl, ta = block_partial(jnp.broadcast_to(qg, (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale)
+    nb = m.shape[2]
+    tm, tl, ta = block_partial(
+        jnp.broadcast_to(qg[:, :, :, None], (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale
+    )  # m, l [B, H, T, 2, G]; a [B, H, T, 2, G, D]
     which = jnp.arange(nb)[None, :] - n0[:, None]  # [B, N]: 0 / 1 at the tail blocks
-    sel0 = (which == 0)[:, None, None, :, None]
-    sel1 = (which == 1)[:, None, None, :, None]
 
-    def pick(shared, tail):
-        extra = (1,) * (shared.ndim - 5)
-        s0, s1 = sel0.reshape(sel0.shape + extra), sel1.reshape(sel1.shape + extra)
-        return jnp.where(s0, tail[:, :, :, :1], jnp.where(s1, tail[:, :, :, 1:2], shared))
+    def pick(shared, tail):  # shared [B, H, N, T, G, ...], tail [B, H, T, 2, G, ...]
+        sel = which.reshape(b, 1, nb, *(1,) * (shared.ndim - 3))
+        return jnp.where(sel == 0, tail[:, :, None, :, 0], jnp.where(sel == 1, tail[:, :, None, :, 1], shared))
 
     return pick(m, tm), pick(l, tl), pick(a, ta)
 

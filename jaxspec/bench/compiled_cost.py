@@ -409,6 +409,7 @@ def count_kernels(computations: dict[str, list[Instruction]], entry: str) -> tup
 
 
 SLICING = ("gather", "dynamic-slice", "slice")  # ops that read only the part of their first operand they return
+IN_PLACE = ("dynamic-update-slice", "scatter")  # ops that write into their first operand's buffer (its only user)
 
 
 def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list[dict]:
@@ -419,8 +420,10 @@ def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list
     instruction defining it) plus its result's size, except that
     - an operand a fusion only slices or gathers from (the embedding table, a cache window) is charged what those
       slices return, not the whole operand;
-    - an in-place update (a fusion whose root is a dynamic-update-slice or scatter into a buffer of its result's
-      shape: a KV cache write) is charged its other operands twice (read, then written), not the buffer;
+    - an in-place update (a dynamic-update-slice or scatter, or a fusion whose root is one, into a buffer of its
+      result's shape: a KV cache write) is charged its other operands twice (read, then written), not the buffer,
+      as XLA's own cost model charges it: where the buffer cannot be updated in place, XLA inserts a copy of it
+      before, and the copy is charged;
     - on-chip arrays (TPU VMEM, `S(1)`) are not device memory: reading or writing them is free, and the async copy
       that brings a weight slice on chip (copy-start, slice-start) is charged the slice it brings.
     Why not XLA's cost model alone: it charges a gather fused into a kernel the whole table it gathers from, and
@@ -431,9 +434,12 @@ def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list
     for ins, times in launched(computations, entry)[0]:
         if ins.opcode.endswith("-start") and shape_bytes(ins.shape, on_chip=True):
             moved = shape_bytes(ins.shape, on_chip=True)
+        elif _called(ins, "calls"):
+            moved = _fusion_bytes(computations, ins, shapes)
+        elif ins.opcode in IN_PLACE:  # unfused (XLA:TPU leaves a cache write so): the update, read and written
+            moved = 2 * sum(shape_bytes(shapes.get(op, "")) for op in ins.operands[1:])
         else:
-            moved = _fusion_bytes(computations, ins, shapes) if _called(ins, "calls") else (
-                shape_bytes(ins.shape) + _operand_bytes(ins, shapes, sliced=ins.opcode in SLICING))
+            moved = shape_bytes(ins.shape) + _operand_bytes(ins, shapes, sliced=ins.opcode in SLICING)
         rows.append({"name": ins.name, "what": _what(computations, ins), "bytes": moved * times, "launches": times})
     return sorted(rows, key=lambda r: -r["bytes"])
 
@@ -451,7 +457,7 @@ def _fusion_bytes(computations: dict[str, list[Instruction]], ins: Instruction, 
     body = computations.get(_called(ins, "calls")[0], [])
     params = [i for i in body if i.opcode == "parameter"]
     result = shape_bytes(ins.shape)
-    in_place = body and body[-1].opcode in ("dynamic-update-slice", "scatter")
+    in_place = body and body[-1].opcode in IN_PLACE
     total = 0.0 if in_place else result
     for param in params:
         outer = ins.operands[param.index] if param.index is not None and param.index < len(ins.operands) else ""
