@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, quantize=args.quantize,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     ngram = ngram_proposer(args)

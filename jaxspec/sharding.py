@@ -141,7 +141,7 @@ def param_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
         spec, dim = P(MODEL, None), 0
     elif owner in _SPLIT_OUT and leaf == "kernel":
         spec, dim = P(None, MODEL), 1
-    elif owner in _SPLIT_OUT and leaf == "bias":
+    elif owner in _SPLIT_OUT and leaf in ("bias", "scale"):  # scale: an int8 kernel's, per output channel
         spec, dim = P(MODEL), 0
     elif owner in _SPLIT_IN and leaf == "kernel":
         spec, dim = P(MODEL, None), 0

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.batch_sizes if args.suite else [args.batch_size])
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels_impl(args),
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, quantize=args.quantize,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
@@ -425,7 +425,7 @@ def cost_cases(args) -> list:
     if args.kernels == "interpret":
         raise JaxspecError("--compiled-cost compiles for chips: --kernels auto, pallas or reference")
     return [
-        CostCase(p, args.cost_shape, s, b, n, args.numerics, args.kernels)
+        CostCase(p, args.cost_shape, s, b, n, args.numerics, args.kernels, quantize=args.quantize)
         for p in platforms for s in steps for b in args.cost_batch or [1, 8] for n in args.cost_lengths or [1024, 8192]
     ]
 

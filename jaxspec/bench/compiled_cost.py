@@ -77,6 +77,7 @@ class CostCase:
     numerics: str = "invariant"  # or "plain"
     kernels: str = "auto"  # auto / reference / pallas, resolved for the platform's backend
     layers: int = DEFAULT_LAYERS  # compiled layers (and one more), extrapolated to the shape's
+    quantize: str | None = None  # "int8": the decoder's matmul weights quantized (models/quantize.py)
 
     @property
     def tokens(self) -> int:
@@ -234,6 +235,10 @@ def compile_forward(case: CostCase, layers: int, device):
         if case.numerics == "invariant":
             numerics = default_numerics(backend, case.kernels)
         model = LlamaModel(cfg, dtype=jnp.bfloat16, rngs=None, numerics=numerics)  # rngs=None: shapes only
+        if case.quantize:
+            from jaxspec.models.quantize import quantize_target
+
+            quantize_target(model, case.quantize)
         graphdef, params = nnx.split(model)
         b, t = case.batch, case.tokens
         cache = jax.eval_shape(lambda: model.init_cache(b, case.capacity))
@@ -601,7 +606,8 @@ def markdown(rows: list[dict], top: int = 3) -> str:
     for r in rows:
         goal = GOALS.get(r["step"])
         verdict = "" if goal is None else (f"≤ {goal}: " + ("met" if r["bytes_over_floor"] <= goal else "**over**"))
-        numerics = r["numerics"] + (f" ({r['kernels_resolved']})" if r["kernels_resolved"] else "")
+        numerics = r["numerics"] + (f" ({r['kernels_resolved']})" if r["kernels_resolved"] else "") + (
+            f", {r['quantize']} weights" if r.get("quantize") else "")
         lines.append(
             f"| {r['platform']} | {numerics} | {r['step']} T={r['tokens']} | {r['batch']} | {r['length']} | "
             f"{r['kernels_per_step']}{'*' if r['loop_trips_unknown'] else ''} | {r['kernels_per_layer']} | "

@@ -74,7 +74,7 @@ NUMERICS_HELP = {
 
 
 def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant", numerics_why: str = "") -> None:
-    """--target, --dtype, --numerics (default `numerics`; `numerics_why` says why a command changes it), --kernels,
+    """--target, --dtype, --quantize, --numerics (default `numerics`; `numerics_why` says why a command changes it), --kernels,
     --no-compile-cache."""
     parser.add_argument(
         "--target",
@@ -84,6 +84,11 @@ def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant"
     )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
+    )
+    parser.add_argument(
+        "--quantize", choices=("int8",),
+        help="int8: the decoder's matmul weights as int8 with one scale per output channel, quantized at load "
+        "(embeddings and LM head stay in --dtype); speculation stays exact against the quantized target",
     )
     parser.add_argument(
         "--numerics", choices=tuple(NUMERICS_HELP), default=numerics,

@@ -135,12 +135,12 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
 
 def load_target_and_tokenizer(
     target_dir: Path, dtype: str | None, log=True, aux_layer_ids=None, mesh=None, numerics: str = "invariant",
-    kernels: str | None = None, tokenizer=None,
+    kernels: str | None = None, tokenizer=None, quantize: str | None = None,
 ):
     """(model, tokenizer) from a directory, with a note on stderr of how long loading took (an orbax target is
     restored straight into the mesh's shardings) and of the kernels it runs. numerics: "invariant" (the model's
     default) or "plain"; kernels: `--kernels` resolved (`kernels_impl`), None for auto; tokenizer: one loaded
-    already (`check_before_loading`), else loaded here."""
+    already (`check_before_loading`), else loaded here; quantize: `--quantize` (models/quantize.py), or None."""
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import default_dtype
     from jaxspec.prompts import load_tokenizer
@@ -148,13 +148,17 @@ def load_target_and_tokenizer(
 
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
+    if quantize:
+        from jaxspec.models.quantize import quantize_target
+
+        quantize_target(model, quantize)
     model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
     if log:
         cfg = model.config
         print(
             f"loaded {target_dir.name} ({cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-            f"{model.dtype}) in {time.perf_counter() - start:.1f}s",
+            f"{model.dtype}{', int8 weights' if quantize else ''}) in {time.perf_counter() - start:.1f}s",
             file=sys.stderr,
         )
         print(describe(kernels or resolve_kernels()), file=sys.stderr)

@@ -11,6 +11,7 @@ matmul: measured on a 2-core CPU with SmolLM2-135M, one-token decode took 35 ms 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -31,6 +32,7 @@ from jaxspec.models.numerics import (
     model_sharded,
     tiled_matmul,
 )
+from jaxspec.models.quantize import held_int8_dtype, quantize_int8
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
@@ -49,22 +51,37 @@ class Linear(nnx.Module):
     with the weights held in `held_dtype(dtype)`."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
+        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))  # int8 values once quantized (`quantize_int8`)
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
+        self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an int8 kernel (models/quantize.py)
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
         # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
         self.accumulate = None
 
+    def quantize_int8(self) -> None:
+        """Replace the kernel by int8 values and a per-output-channel scale (models/quantize.py); in place."""
+        kernel, held = self.kernel.get_value(), held_int8_dtype()
+        if isinstance(kernel, jax.ShapeDtypeStruct):  # a model built for shapes only
+            q, scale = jax.eval_shape(functools.partial(quantize_int8, held=held), kernel)
+            q, scale = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=kernel.sharding) for a in (q, scale))
+        else:
+            q, scale = quantize_int8(kernel, held=held)
+        self.kernel = nnx.Param(q)
+        self.scale = nnx.data(nnx.Param(scale))
+
     def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
         bias = None if self.bias is None else self.bias[...]
+        scale = None if self.scale is None else self.scale[...]
         if numerics is not None:
             kernel = self.kernel[...]
-            return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel))
+            return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
+                                scale=scale)
         if self.accumulate is not None:
             y = accumulating_matmul(x, self.kernel[...].astype(x.dtype), self.accumulate)
+            y = y if scale is None else (y.astype(jnp.float32) * scale).astype(x.dtype)
         else:
-            y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)))
+            y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)), scale)
         return y if bias is None else y + bias.astype(x.dtype)
 
 
@@ -139,8 +156,9 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         inv = numerics is not None
         if inv and numerics.fused_qkv and not model_sharded():  # one dot (Numerics.fused_qkv)
-            kernel, bias = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
-            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel))
+            kernel, bias, scale = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
+            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
+                               scale=scale)
             nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             q, k, v = jnp.split(qkv, (nq, nq + nkv), axis=-1)  # [B, T, Nq], [B, T, Nkv] x 2
         else:
@@ -152,12 +170,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         return apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv), v
 
-    def fused_qkv_weights(self) -> tuple[jax.Array, jax.Array | None]:
-        """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases likewise (None without)."""
+    def fused_qkv_weights(self) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases and int8 scales likewise (None
+        without)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         kernel = jnp.concatenate([p.kernel[...] for p in projs], axis=1)
         bias = None if self.q_proj.bias is None else jnp.concatenate([p.bias[...] for p in projs])
-        return kernel, bias
+        scale = None if self.q_proj.scale is None else jnp.concatenate([p.scale[...] for p in projs])
+        return kernel, bias, scale
 
 
 class MLP(nnx.Module):
@@ -223,6 +243,7 @@ class LlamaModel(nnx.Module):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
+        self.quantization: str | None = None  # "int8" once `models.quantize.quantize_target` ran
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

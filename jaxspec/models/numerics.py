@@ -149,12 +149,18 @@ def hold(w: jax.Array, dtype) -> jax.Array:
     return w.astype(dtype).astype(held_dtype(dtype))
 
 
-def contract(x: jax.Array, w: jax.Array, dims) -> jax.Array:
+def contract(x: jax.Array, w: jax.Array, dims, scale: jax.Array | None = None) -> jax.Array:
     """`lax.dot_general(x, w, (dims, ((), ())))` for activations x and a weight held in `held_dtype`: both meet in
     the wider of the two dtypes (x widened on CPU; nothing changes where they agree) and the result is rounded back
-    to x's dtype."""
-    wide = jnp.promote_types(x.dtype, w.dtype)
-    return jax.lax.dot_general(x.astype(wide), w.astype(wide), (dims, ((), ()))).astype(x.dtype)
+    to x's dtype. With `scale` [N] (an int8 weight, models/quantize.py): w's values meet x in x's widened dtype, the
+    dot accumulates in float32, and the scale multiplies that result (a rounded product: exact_mul) before it is
+    rounded to x's dtype."""
+    if scale is None:
+        wide = jnp.promote_types(x.dtype, w.dtype)
+        return jax.lax.dot_general(x.astype(wide), w.astype(wide), (dims, ((), ()))).astype(x.dtype)
+    wide = held_dtype(x.dtype)
+    y = jax.lax.dot_general(x.astype(wide), w.astype(wide), (dims, ((), ())), preferred_element_type=jnp.float32)
+    return exact_mul(y, scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def data_shards() -> int:
@@ -202,7 +208,7 @@ def _tile_loop(xs: jax.Array, tile_rows: int, dot) -> jax.Array:
 
 def tiled_matmul(
     x: jax.Array, w: jax.Array, row_tile: int, bias: jax.Array | None = None, *, w_out_in: bool = False,
-    wide_row_tile: int | None = None,
+    wide_row_tile: int | None = None, scale: jax.Array | None = None,
 ) -> jax.Array:
     """x [..., K] @ w [K, N] (+ bias) → [..., N] in x's dtype, computed per data shard as dots of exactly
     [row_tile, K] x [K, N] (rows zero-padded to whole tiles), and, with wide_row_tile, the bulk of a long input as
@@ -211,15 +217,18 @@ def tiled_matmul(
     is added inside the tile, next to its dot in every program (XLA:CPU fuses a one-row dot with a following add when
     they meet, which adds the bias first).
 
+    scale: w holds int8 values with one float32 scale per output column (models/quantize.py); the scale is applied
+    inside the tile as well (`contract`).
+
     w_out_in: w is stored [N, K] (a tied embedding table used as the LM head) and each tile contracts over its last
     axis in place. Transposing it first is slower and not invariant: XLA:CPU folded the transpose into a one-row
     dot in a decode step but materialized it (a 113 MB copy for SmolLM2) before a verify's loop of tiles, and the two
     dot forms gave other bits (measured: tied-embedding logits; 57 ms of a SmolLM2 decode step behind a loop)."""
     wide = None if model_sharded() else wide_row_tile
-    return _tiled_matmul(x, w, row_tile, bias, w_out_in, wide, data_shards())
+    return _tiled_matmul(x, w, row_tile, bias, w_out_in, wide, data_shards(), scale)
 
 
-def _tiled_matmul(x, w, row_tile, bias, w_out_in, wide_row_tile, shards: int) -> jax.Array:
+def _tiled_matmul(x, w, row_tile, bias, w_out_in, wide_row_tile, shards: int, scale=None) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0] if w_out_in else w.shape[-1]
     per_shard = math.prod(lead) // shards
@@ -227,7 +236,10 @@ def _tiled_matmul(x, w, row_tile, bias, w_out_in, wide_row_tile, shards: int) ->
     dims = ((2,), (1,) if w_out_in else (0,))
 
     def dot(tile):  # [shards, tile_rows, K] -> [shards, tile_rows, N]
-        y = fenced(lambda a, b: contract(a, b, dims), tile, w)  # [shards, tile_rows, N] in x's dtype
+        if scale is None:
+            y = fenced(lambda a, b: contract(a, b, dims), tile, w)  # [shards, tile_rows, N] in x's dtype
+        else:  # an int8 weight: its scale applied inside the tile too
+            y = fenced(lambda a, b, c: contract(a, b, dims, c), tile, w, scale)
         return y if bias is None else y + bias.astype(x.dtype)
 
     wide, narrow = tile_split(per_shard, row_tile, wide_row_tile)

@@ -1,0 +1,75 @@
+"""Weight-only int8 quantization of a target's decoder matmuls (`--quantize int8`).
+
+Why: a decode step reads every weight once, so its time is the weights' bytes over the memory bandwidth; int8
+weights halve a bfloat16 target's bytes (a quarter of a float32 one's), and the systems users compare with verify
+with quantized targets (vLLM, SGLang: W8A16, FP8). What: each q/k/v/o/gate/up/down kernel [K, N] of every decoder
+layer becomes int8 values q and one float32 scale per output channel, s[n] = max_k |W[k, n]| / 127 and
+q = round(W / s) (symmetric; a zero column keeps s = 1). The embedding table and the LM head stay in the compute
+dtype (as AWQ/GPTQ W8A16 checkpoints and compressed-tensors' FP8 ones leave them): a step reads only B·T rows of
+the table, and the LM head's logits are what every accepted token is chosen from.
+
+How a quantized matmul computes (`Linear`, `numerics.tiled_matmul`): y = (x @ q) · s + bias, the dot over q's
+values in x's dtype accumulated in float32 (int8 values are exact in bfloat16 and float32), the scale applied to
+the float32 result before it is rounded to x's dtype, and the product rounded before the bias meets it
+(`exact_mul`). Under invariant numerics this all happens inside each fixed row tile, so a row's bits do not depend
+on its company and greedy speculation equals quantized target-only generation bit for bit, as in float.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("int8",)
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INT8_MAX = 127
+
+
+@functools.partial(jax.jit, static_argnames="held")
+def quantize_int8(w: jax.Array, held=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """w [K, N] → (q [K, N], s float32 [N]) with w ≈ q · s, per output channel (module docstring); q's int8 values
+    held in `held` (`held_int8_dtype`)."""
+    w = w.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=0)
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return q.astype(held), scale
+
+
+def held_int8_dtype(backend: str | None = None):
+    """How int8 weight values are held: as int8 on accelerators (half a bfloat16 weight's bytes, read by the GEMM as
+    they are); as float32 on CPU, where XLA:CPU widened an int8 weight into a fresh float32 copy at every dot
+    (measured, SmolLM2 decode on 2 cores: 225 ms against 50 ms for float32 weights). The values are the same
+    integers either way (exact in float32), so are the bits: on CPU int8 saves neither memory nor time, as
+    bfloat16 weights held in float32 save none there (`held_dtype`)."""
+    return jnp.float32 if (backend or jax.default_backend()) == "cpu" else jnp.int8
+
+
+def quantized_linears(model):
+    """The decoder layers' Linear modules that `quantize_target` quantizes, in order."""
+    for layer in model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name in QUANTIZED_PROJECTIONS:
+                if hasattr(owner, name):
+                    yield getattr(owner, name)
+
+
+def quantize_target(model, mode: str):
+    """Quantize `model`'s decoder matmuls in place (`mode`: one of MODES) and return it. A model built for shapes
+    only (`rngs=None`, as `--compiled-cost` builds one) gets int8 and scale shapes. Side-by-side q/k/v kernels held
+    on the model (`LlamaModel.hold_fused_qkv`) are dropped, since they were made from the float kernels."""
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    for linear in quantized_linears(model):
+        linear.quantize_int8()
+    for layer in model.layers:
+        layer.self_attn.qkv_fused = None
+    model.quantization = mode
+    return model
+
+
+def dequantized_kernel(linear) -> jax.Array:
+    """A quantized Linear's kernel as float32 values q · s (what a float model with the same weights holds)."""
+    return linear.kernel[...].astype(jnp.float32) * linear.scale[...]
