@@ -87,6 +87,7 @@ def test_greedy_speculation_equals_quantized_target_only(how, dtype):
         assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.5
 
 
+@pytest.mark.slow  # CI's representative: the greedy bfloat16 case above (the flag is three lines of loading)
 def test_generate_cli_quantized_speculation_equals_quantized_target_only(tmp_path, capsys, monkeypatch):
     """`jaxspec.generate --quantize int8` on a tiny Hugging Face checkpoint: a chain of 3 with a head gives the
     quantized target's own tokens, and the load note says the weights are int8."""
