@@ -161,10 +161,14 @@ def _convert_target(args) -> None:
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.checkpoints.orbax_target import save_target_orbax
     from jaxspec.cli.loading import resolve_target
+    from jaxspec.errors import JaxspecError
 
     source = resolve_target(args.target)
     start = time.perf_counter()
     model = load_target(source, dtype=args.dtype)
+    if model.quantization:  # an orbax target is read into a float skeleton
+        raise JaxspecError(f"{str(source)!r} is stored quantized ({model.quantization}); jaxspec converts float "
+                           "targets only: run it from its safetensors directory")
     jax.block_until_ready(nnx_leaves(model))
     from_hf = time.perf_counter() - start
     out = save_target_orbax(model, source, args.out)

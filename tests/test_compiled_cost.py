@@ -71,6 +71,12 @@ def test_a_step_reads_at_least_its_weights(measured, key):
     assert row["top"] and row["temp_bytes"] is not None
 
 
+def test_every_array_dtype_has_a_size():
+    """An 8-bit float weight (an fp8 target) is one byte, not left out of the bytes a step moves."""
+    assert cc.shape_bytes("f8e4m3fn[4096,1024]{1,0}") == 4096 * 1024
+    assert cc.shape_bytes("(bf16[2,3]{1,0}, s8[5]{0}, f8e5m2[7]{0})") == 12 + 5 + 7
+
+
 def test_hlo_reading():
     """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
     nothing, an async pair is one; an in-place cache write is charged its update, not its buffer, and a gather

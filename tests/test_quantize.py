@@ -2,6 +2,7 @@
 holding the dequantized weights, and greedy speculation against quantized target-only generation, bit for bit."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
 from jaxspec.models.quantize import (
-    dequantized_kernel, held_int8_dtype, quantize_int8, quantize_target, quantized_linears,
+    dequantized_kernel, held_dtype_for, quantize_int8, quantize_target, quantized_linears,
 )
 
 
@@ -28,7 +29,7 @@ def test_int8_per_channel_round_trip():
     w = w.at[:, 5].set(0.0)
     q, scale = quantize_int8(w)
     assert q.dtype == jnp.int8 and scale.shape == (48,) and scale.dtype == jnp.float32
-    held, _ = quantize_int8(w, held=jnp.float32)  # as a CPU holds them (held_int8_dtype): the same integers
+    held, _ = quantize_int8(w, held=jnp.float32)  # as a CPU holds them (held_dtype_for): the same integers
     assert held.dtype == jnp.float32 and bool(jnp.array_equal(held, q.astype(jnp.float32)))
     assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127  # each nonzero column uses the whole range
     assert float(scale[5]) == 1.0 and not jnp.any(q[:, 5])  # a zero column stays zero
@@ -45,7 +46,7 @@ def test_quantized_target_equals_a_float_model_holding_its_dequantized_weights()
     q_model = quantized(target)
     float_model = nnx.merge(*nnx.split(target))
     for mine, theirs in zip(quantized_linears(q_model), quantized_linears(float_model)):
-        assert mine.kernel[...].dtype == held_int8_dtype()  # float32 on this CPU, int8 on an accelerator
+        assert mine.kernel[...].dtype == held_dtype_for("int8")  # float32 on this CPU, int8 on an accelerator
         assert bool(jnp.all(mine.kernel[...] == jnp.round(mine.kernel[...]))) and mine.scale is not None
         theirs.kernel = nnx.Param(dequantized_kernel(mine))
     tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
@@ -117,3 +118,108 @@ def test_generate_cli_quantized_speculation_equals_quantized_target_only(tmp_pat
         runs[name] = json.loads(out.strip().splitlines()[-1])["token_ids"]
         assert "int8 weights" in err
     assert runs["chain"] == runs["target-only"] and len(runs["chain"]) >= 1
+
+
+def compressed_tensors_copy(src, dst, strategy: str = "channel", **config_changes):
+    """A compressed-tensors FP8 checkpoint of the float checkpoint `src`, written as RedHatAI's FP8-dynamic models
+    are (each decoder Linear's `weight` in float8_e4m3fn [out, in] beside `weight_scale` [out, 1], or [1] per
+    tensor; `quantization_config` in config.json; the LM head ignored), quantized here with numpy and ml_dtypes,
+    independently of models/quantize.py."""
+    import json
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    out = {}
+    for key, w in tensors.items():
+        if key.endswith(".weight") and any(f".{p}." in key for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                       "gate_proj", "up_proj", "down_proj")):
+            w = w.astype(np.float32)  # [out, in]
+            absmax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max(keepdims=True)
+            scale = np.where(absmax > 0, absmax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+            out[key] = (w / scale).astype(ml_dtypes.float8_e4m3fn)
+            out[key + "_scale"] = scale if strategy == "channel" else scale.reshape(1)
+        else:
+            out[key] = w
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        }},
+        **config_changes,
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory):
+    from hf_tiny import make_tiny
+
+    path = tmp_path_factory.mktemp("quantize") / "float"
+    make_tiny("llama3_scaled", path, seed=3)
+    return path
+
+
+def test_a_compressed_tensors_fp8_checkpoint_loads_as_the_same_weights_quantized_at_load(float_checkpoint):
+    """RedHatAI-style FP8 (per channel) loads into the fp8 target that `--quantize fp8` makes from the float
+    checkpoint: the same 8-bit values and scales, the same generated tokens. Per-tensor scales load too."""
+    from jaxspec.checkpoints.hf import load_target
+
+    ct = float_checkpoint.parent / "fp8-channel"
+    compressed_tensors_copy(float_checkpoint, ct)
+    stored, at_load = load_target(ct), quantize_target(load_target(float_checkpoint), "fp8")
+    assert stored.quantization == at_load.quantization == "fp8"
+    for a, b in zip(quantized_linears(stored), quantized_linears(at_load)):
+        assert bool(jnp.array_equal(a.kernel[...], b.kernel[...])) and bool(jnp.array_equal(a.scale[...], b.scale[...]))
+    prompts = [[5, 17, 3, 9], [44, 2, 61, 8, 19]]
+    want = [c.token_ids for c in Generator(at_load, batch_size=2).generate(prompts, max_new_tokens=12)]
+    assert [c.token_ids for c in Generator(stored, batch_size=2).generate(prompts, max_new_tokens=12)] == want
+
+    per_tensor = float_checkpoint.parent / "fp8-tensor"
+    compressed_tensors_copy(float_checkpoint, per_tensor, strategy="tensor")
+    scale = next(quantized_linears(load_target(per_tensor))).scale[...]
+    assert scale.shape == (stored.config.hidden_size,) and bool(jnp.all(scale == scale[0]))
+
+
+@pytest.mark.parametrize("changes, message", [  # CI: another method, and block scales; the rest -m slow
+    ({"quant_method": "gptq", "format": None}, "jaxspec reads compressed-tensors float-quantized (FP8) checkpoints only"),
+    pytest.param({"ignore": []}, "quantizes the LM head, which jaxspec does not read", marks=pytest.mark.slow),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}},
+     "jaxspec reads symmetric 8-bit float weights with a channel or tensor scale"),
+    pytest.param({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                          "input_activations": {"num_bits": 8, "type": "float", "dynamic": False}}}},
+                 "static activation scales are not read", marks=pytest.mark.slow),
+])
+def test_quantized_checkpoints_jaxspec_does_not_read_are_one_line_errors(float_checkpoint, changes, message):
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.errors import JaxspecError
+
+    path = float_checkpoint.parent / f"bad-{abs(hash(message))}"
+    compressed_tensors_copy(float_checkpoint, path, **changes)
+    with pytest.raises(JaxspecError, match=re.escape(message)):
+        load_target(path)
+
+
+@pytest.mark.slow  # the int8 cases above run the same tiles; fp8 differs only in its values
+def test_fp8_greedy_speculation_equals_fp8_target_only():
+    target = quantize_target(nnx.merge(*nnx.split(in_dtype(tiny_target(), jnp.bfloat16))), "fp8")
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=30)]
+    got = SpeculativeGenerator(target, fitted_head(), num_draft=5, batch_size=4).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == want
+
+
+def test_convert_refuses_a_quantized_checkpoint(float_checkpoint, tmp_path, capsys):
+    from jaxspec import convert
+
+    ct = tmp_path / "fp8"
+    compressed_tensors_copy(float_checkpoint, ct)
+    with pytest.raises(SystemExit) as exc:
+        convert.main(["target", "--target", str(ct), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "is stored quantized (fp8); jaxspec converts float targets only" in capsys.readouterr().err

@@ -300,7 +300,10 @@ class Instruction:
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+                # the 8-bit floats (an fp8 target's weights: models/quantize.py) and the 4-bit one, by XLA's names
+                "f8e4m3fn": 1, "f8e4m3": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+                "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
 # ops that launch nothing: values that are views, tuples or parameters; control flow is followed into its bodies
 NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",

@@ -19,6 +19,7 @@ from jaxspec.config import TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.files import read_json
 from jaxspec.models.llama import LlamaModel
+from jaxspec.models.quantize import quantize_target
 
 # Buffers some exporters write that carry no weights.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -89,6 +90,8 @@ def hf_key(path: tuple) -> tuple[str, bool]:
     prefix = ".".join(parts[:-1]) if parts[0] == "lm_head" else "model." + ".".join(parts[:-1])
     if parts[-1] == "kernel":
         return prefix + ".weight", True
+    if parts[-1] == "scale":  # an 8-bit kernel's per-channel scale, as compressed-tensors names it
+        return prefix + ".weight_scale", False
     return f"{prefix}.{parts[-1]}", False
 
 
@@ -134,6 +137,9 @@ def load_target(
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
     model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
+    scheme = checkpoint_quantization(model_dir)
+    if scheme is not None:  # 8-bit kernels and their scales, read as they are stored
+        quantize_target(model, scheme)
     params = model_params(model)
     _check_keys(params, index, model_dir, cfg)
     np_dtype = numpy_dtype(dtype)
@@ -148,6 +154,8 @@ def load_target(
         view = views[index[key]][key]
         if isinstance(view, str):  # a dtype jaxspec does not read (tensor_views)
             raise JaxspecError(f"tensor {key!r} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
+        if key.endswith(".weight_scale"):
+            return channel_scale(view, param.shape[0], f"tensor {key!r}")
         return prepare(view, param, transposed, np_dtype, f"tensor {key!r}", "config.json")
 
     # Reads (page cache → device) overlap with the casts and transposes of other tensors; the values are set here.
@@ -155,6 +163,49 @@ def load_target(
         for key, value in zip(params, pool.map(prepared, params)):
             params[key][0].set_value(value)
     return model
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """"fp8" for a compressed-tensors FP8 checkpoint (`quantization_config`: quant_method compressed-tensors,
+    format float-quantized, 8-bit float weights with a per-channel or per-tensor scale, the LM head ignored), as
+    RedHatAI's `*-FP8-dynamic` models are; None for an unquantized one. Anything else quantized is a one-line
+    error: jaxspec does not read it, and running it as if unquantized would be silently wrong. Activations stay in
+    the compute dtype (models/quantize.py): a dynamic activation scheme needs nothing stored; static activation
+    scales would, and are refused."""
+    config = read_json(model_dir / "config.json", "the target's config.json")
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    where = f"{str(model_dir)!r}: quantization_config"
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method != "compressed-tensors" or fmt != "float-quantized":
+        raise JaxspecError(
+            f"{where} is {method}/{fmt}; jaxspec reads compressed-tensors float-quantized (FP8) checkpoints only: use "
+            "the unquantized model with --quantize int8|fp8"
+        )
+    for name, group in (qc.get("config_groups") or {}).items():
+        w, acts = group.get("weights") or {}, group.get("input_activations")
+        if (w.get("num_bits"), w.get("type"), w.get("symmetric", True)) != (8, "float", True) or w.get(
+                "strategy") not in ("channel", "tensor"):
+            raise JaxspecError(
+                f"{where}.config_groups.{name}.weights is {w}; jaxspec reads symmetric 8-bit float weights with a "
+                "channel or tensor scale"
+            )
+        if acts and not acts.get("dynamic", False):
+            raise JaxspecError(f"{where}.config_groups.{name}: static activation scales are not read by jaxspec")
+    if "lm_head" not in (qc.get("ignore") or []) and not config.get("tie_word_embeddings", False):
+        raise JaxspecError(f"{where} quantizes the LM head, which jaxspec does not read; use the unquantized model")
+    return "fp8"
+
+
+def channel_scale(view: np.ndarray, channels: int, what: str) -> jax.Array:
+    """A compressed-tensors weight scale ([out, 1] per channel, [1] or [] per tensor) as float32 [out]."""
+    flat = np.asarray(view, np.float32).reshape(-1)
+    if flat.size not in (1, channels):
+        raise JaxspecError(
+            f"{what} has shape {tuple(view.shape)}: expected one scale per output channel ({channels}) or one"
+        )
+    return jnp.asarray(np.broadcast_to(flat, (channels,)))
 
 
 # safetensors dtype names (the format's header) → numpy dtypes.

@@ -86,9 +86,10 @@ def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant"
         "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
     )
     parser.add_argument(
-        "--quantize", choices=("int8",),
-        help="int8: the decoder's matmul weights as int8 with one scale per output channel, quantized at load "
-        "(embeddings and LM head stay in --dtype); speculation stays exact against the quantized target",
+        "--quantize", choices=("int8", "fp8"),
+        help="the decoder's matmul weights as int8 or fp8 (e4m3) with one scale per output channel, quantized at load "
+        "(embeddings and LM head stay in --dtype; a compressed-tensors FP8 checkpoint is read as it is, without this "
+        "flag); speculation stays exact against the quantized target",
     )
     parser.add_argument(
         "--numerics", choices=tuple(NUMERICS_HELP), default=numerics,

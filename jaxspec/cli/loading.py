@@ -148,6 +148,8 @@ def load_target_and_tokenizer(
 
     start = time.perf_counter()
     model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
+    if quantize and model.quantization:
+        raise JaxspecError(f"{str(target_dir)!r} is stored quantized ({model.quantization}); drop --quantize")
     if quantize:
         from jaxspec.models.quantize import quantize_target
 
@@ -158,7 +160,8 @@ def load_target_and_tokenizer(
         cfg = model.config
         print(
             f"loaded {target_dir.name} ({cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-            f"{model.dtype}{', int8 weights' if quantize else ''}) in {time.perf_counter() - start:.1f}s",
+            f"{model.dtype}{f', {model.quantization} weights' if model.quantization else ''}) "
+            f"in {time.perf_counter() - start:.1f}s",
             file=sys.stderr,
         )
         print(describe(kernels or resolve_kernels()), file=sys.stderr)

@@ -32,7 +32,7 @@ from jaxspec.models.numerics import (
     model_sharded,
     tiled_matmul,
 )
-from jaxspec.models.quantize import held_int8_dtype, quantize_int8
+from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
@@ -51,21 +51,23 @@ class Linear(nnx.Module):
     with the weights held in `held_dtype(dtype)`."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))  # int8 values once quantized (`quantize_int8`)
+        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))  # 8-bit values once quantized (`quantize`)
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
-        self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an int8 kernel (models/quantize.py)
+        self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an 8-bit kernel (models/quantize.py)
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
         # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
         self.accumulate = None
 
-    def quantize_int8(self) -> None:
-        """Replace the kernel by int8 values and a per-output-channel scale (models/quantize.py); in place."""
-        kernel, held = self.kernel.get_value(), held_int8_dtype()
-        if isinstance(kernel, jax.ShapeDtypeStruct):  # a model built for shapes only
-            q, scale = jax.eval_shape(functools.partial(quantize_int8, held=held), kernel)
+    def quantize(self, mode: str) -> None:
+        """Replace the kernel by 8-bit values (`mode`: int8 or fp8) and a per-output-channel scale
+        (models/quantize.py); in place."""
+        kernel, held = self.kernel.get_value(), held_dtype_for(mode)
+        quantize = functools.partial(quantize_weight, mode=mode, held=held)
+        if isinstance(kernel, jax.ShapeDtypeStruct):  # a model built for shapes only (loaders fill it)
+            q, scale = jax.eval_shape(quantize, kernel)
             q, scale = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=kernel.sharding) for a in (q, scale))
         else:
-            q, scale = quantize_int8(kernel, held=held)
+            q, scale = quantize(kernel)
         self.kernel = nnx.Param(q)
         self.scale = nnx.data(nnx.Param(scale))
 
