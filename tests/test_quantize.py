@@ -169,7 +169,7 @@ def float_checkpoint(tmp_path_factory):
 
 def test_a_compressed_tensors_fp8_checkpoint_loads_as_the_same_weights_quantized_at_load(float_checkpoint):
     """RedHatAI-style FP8 (per channel) loads into the fp8 target that `--quantize fp8` makes from the float
-    checkpoint: the same 8-bit values and scales, the same generated tokens. Per-tensor scales load too."""
+    checkpoint: the same 8-bit values and scales, every parameter the same. Per-tensor scales load too."""
     from jaxspec.checkpoints.hf import load_target
 
     ct = float_checkpoint.parent / "fp8-channel"
@@ -178,9 +178,9 @@ def test_a_compressed_tensors_fp8_checkpoint_loads_as_the_same_weights_quantized
     assert stored.quantization == at_load.quantization == "fp8"
     for a, b in zip(quantized_linears(stored), quantized_linears(at_load)):
         assert bool(jnp.array_equal(a.kernel[...], b.kernel[...])) and bool(jnp.array_equal(a.scale[...], b.scale[...]))
-    prompts = [[5, 17, 3, 9], [44, 2, 61, 8, 19]]
-    want = [c.token_ids for c in Generator(at_load, batch_size=2).generate(prompts, max_new_tokens=12)]
-    assert [c.token_ids for c in Generator(stored, batch_size=2).generate(prompts, max_new_tokens=12)] == want
+    # every other parameter is read as for the float checkpoint, so the two are one model (its generation: above)
+    for a, b in zip(jax.tree.leaves(nnx.state(stored, nnx.Param)), jax.tree.leaves(nnx.state(at_load, nnx.Param))):
+        assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
 
     per_tensor = float_checkpoint.parent / "fp8-tensor"
     compressed_tensors_copy(float_checkpoint, per_tensor, strategy="tensor")
