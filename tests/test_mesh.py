@@ -339,3 +339,18 @@ def test_the_cli_on_nine_devices_equals_one_device_with_smollm2():
     mem = nine["memory"]
     assert mem["devices"] == 9
     assert mem["target_kv_cache"] == 2 * 30 * 1 * 1 * mem["cache_capacity"] * 64 * 4 + 4  # K, V: one head per device
+
+
+@pytest.mark.slow  # int8's CI case runs on one device (test_quantize); here its scales shard with their columns
+def test_an_int8_target_on_the_mesh_equals_one_device():
+    from jaxspec.models.quantize import quantize_target
+
+    quantized = quantize_target(nnx.merge(*nnx.split(target())), "int8")
+    reference = Generator(quantized, batch_size=4).generate(PROMPTS, max_new_tokens=24)
+    gen = SpeculativeGenerator(quantized, head(), num_draft=4, batch_size=4, mesh=mesh())
+    out = gen.generate(PROMPTS, max_new_tokens=24)
+    assert _ids(out) == _ids(reference)
+    assert np.mean([c.stats["mean_accepted_length"] for c in out]) > 1.5
+    q_proj = gen.params["layers"][0]["self_attn"]["q_proj"]
+    assert _shard_shapes(q_proj["scale"][...]) == {(128 // 4,)}  # with its kernel's output columns
+    assert _shard_shapes(q_proj["kernel"][...]) == {(64, 128 // 4)}
