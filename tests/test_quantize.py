@@ -15,7 +15,7 @@ from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
 from jaxspec.models.quantize import (
-    dequantized_kernel, held_dtype_for, quantize_int8, quantize_target, quantized_linears,
+    dequantized_kernel, held_dtype_for, quantize_target, quantize_weight, quantized_linears,
 )
 
 
@@ -27,9 +27,9 @@ def quantized(model):
 def test_int8_per_channel_round_trip():
     w = jax.random.normal(jax.random.key(0), (64, 48)) * jnp.linspace(0.01, 3.0, 48)  # columns of other ranges
     w = w.at[:, 5].set(0.0)
-    q, scale = quantize_int8(w)
+    q, scale = quantize_weight(w, "int8")
     assert q.dtype == jnp.int8 and scale.shape == (48,) and scale.dtype == jnp.float32
-    held, _ = quantize_int8(w, held=jnp.float32)  # as a CPU holds them (held_dtype_for): the same integers
+    held, _ = quantize_weight(w, "int8", held=jnp.float32)  # as a CPU holds them (held_dtype_for): the same integers
     assert held.dtype == jnp.float32 and bool(jnp.array_equal(held, q.astype(jnp.float32)))
     assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127  # each nonzero column uses the whole range
     assert float(scale[5]) == 1.0 and not jnp.any(q[:, 5])  # a zero column stays zero

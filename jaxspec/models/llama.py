@@ -173,8 +173,8 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin, inv), apply_rope(k, cos, sin, inv), v
 
     def fused_qkv_weights(self) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases and int8 scales likewise (None
-        without)."""
+        """The q, k and v kernels side by side, [d_in, Nq + 2·Nkv], and their biases and 8-bit kernels' scales
+        likewise (None without)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         kernel = jnp.concatenate([p.kernel[...] for p in projs], axis=1)
         bias = None if self.q_proj.bias is None else jnp.concatenate([p.bias[...] for p in projs])
@@ -245,7 +245,7 @@ class LlamaModel(nnx.Module):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
-        self.quantization: str | None = None  # "int8" once `models.quantize.quantize_target` ran
+        self.quantization: str | None = None  # "int8" or "fp8" once `models.quantize.quantize_target` ran
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

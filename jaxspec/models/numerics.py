@@ -152,7 +152,7 @@ def hold(w: jax.Array, dtype) -> jax.Array:
 def contract(x: jax.Array, w: jax.Array, dims, scale: jax.Array | None = None) -> jax.Array:
     """`lax.dot_general(x, w, (dims, ((), ())))` for activations x and a weight held in `held_dtype`: both meet in
     the wider of the two dtypes (x widened on CPU; nothing changes where they agree) and the result is rounded back
-    to x's dtype. With `scale` [N] (an int8 weight, models/quantize.py): w's values meet x in x's widened dtype, the
+    to x's dtype. With `scale` [N] (an 8-bit weight, models/quantize.py): w's values meet x in x's widened dtype, the
     dot accumulates in float32, and the scale multiplies that result (a rounded product: exact_mul) before it is
     rounded to x's dtype."""
     if scale is None:
@@ -217,8 +217,8 @@ def tiled_matmul(
     is added inside the tile, next to its dot in every program (XLA:CPU fuses a one-row dot with a following add when
     they meet, which adds the bias first).
 
-    scale: w holds int8 values with one float32 scale per output column (models/quantize.py); the scale is applied
-    inside the tile as well (`contract`).
+    scale: w holds 8-bit values (int8 or e4m3) with one float32 scale per output column (models/quantize.py); the
+    scale is applied inside the tile as well (`contract`).
 
     w_out_in: w is stored [N, K] (a tied embedding table used as the LM head) and each tile contracts over its last
     axis in place. Transposing it first is slower and not invariant: XLA:CPU folded the transpose into a one-row

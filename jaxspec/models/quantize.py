@@ -57,11 +57,6 @@ def _quantize(w, top, mode, held):
     return q.astype(held or q.dtype), scale
 
 
-def quantize_int8(w: jax.Array, held=None) -> tuple[jax.Array, jax.Array]:
-    """`quantize_weight(w, "int8", held)`."""
-    return quantize_weight(w, "int8", held)
-
-
 def held_dtype_for(mode: str, backend: str | None = None):
     """How quantized weight values are held: in their own 8-bit dtype on accelerators (half a bfloat16 weight's
     bytes, read by the GEMM as they are); as float32 on CPU, where XLA:CPU widened an int8 weight into a fresh
