@@ -101,3 +101,14 @@ def test_tree_sampling_is_lossless(sampling):
     assert chi_square_p(first_two(spec), joint) > 0.01
     first_accepted = np.mean([c.stats["acceptance_per_position"][0] for c in spec])
     assert 0.05 < first_accepted < 0.98  # both branches (a child accepted, the residual draw) are exercised
+
+
+@pytest.mark.slow  # ~70 s; the algorithm does not depend on the target's weights, this checks an int8 one end to end
+def test_an_int8_target_samples_losslessly(monkeypatch):
+    """The chain case above with the target's matmul weights in int8 (models/quantize.py): its own joint, exactly
+    computed from the int8 target, is what speculative sampling draws from."""
+    from jaxspec.models.quantize import quantize_target
+
+    quantized = quantize_target(nnx.clone(plain_target()), "int8")
+    monkeypatch.setitem(globals(), "plain_target", lambda: quantized)
+    test_joint_distribution_and_acceptance_rate(SamplingConfig(2.0, top_p=0.9))
