@@ -223,3 +223,27 @@ def test_convert_refuses_a_quantized_checkpoint(float_checkpoint, tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         convert.main(["target", "--target", str(ct), "--out", str(tmp_path / "out")])
     assert exc.value.code == 2 and "is stored quantized (fp8); jaxspec converts float targets only" in capsys.readouterr().err
+
+
+def test_quantization_drift_is_zero_against_itself_and_small_for_int8():
+    from jaxspec.bench.drift import quantization_drift
+
+    target = nnx.merge(*nnx.split(tiny_target()))
+    target.numerics = None  # plain numerics: quick to compile, and the drift is the weights'
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    same = quantization_drift(target, target, prompts)
+    assert same["positions"] == sum(map(len, prompts)) and same["argmax_agreement"] == 1.0
+    assert abs(same["next_token_kl"]) < 1e-6
+    assert [a["layer"] for a in same["aux_layers"]] == list(target.config.aux_layer_ids)
+    assert all(a["cosine"] > 1 - 1e-6 and a["relative_error"] < 1e-6 for a in same["aux_layers"])
+    drift = quantization_drift(target, quantized(target), prompts)  # this target's embeddings dominate: small
+    assert -1e-6 < drift["next_token_kl"] < 0.1 and drift["argmax_agreement"] > 0.8  # (KL ~0: rounding either way)
+    assert all(0.99 < a["cosine"] <= 1 + 1e-6 and 0 < a["relative_error"] < 0.1 for a in drift["aux_layers"])
+
+
+def test_bench_quantization_drift_needs_quantize(capsys):
+    from jaxspec.bench import cli as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--prompts-file", "x.jsonl", "--quantization-drift"])
+    assert exc.value.code == 2 and "--quantization-drift compares a --quantize target" in capsys.readouterr().err

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "read at a chosen mean accepted length (1 + P + ... + P^K) with any head, even random weights; the output "
         "is NOT the target's",
     )
+    parser.add_argument(
+        "--quantization-drift", action="store_true",
+        help="with --quantize: also load the float target and report, on these prompts, how far the quantized one's "
+        "auxiliary hidden states (cosine, relative error per layer the head reads) and next-token distributions (KL, "
+        "argmax agreement) drift from it (jaxspec/bench/drift.py; the float target's memory too)",
+    )
     parser.add_argument("--compare-hf", action="store_true", help="also time transformers generate (needs torch)")
     parser.add_argument(
         "--components", action="store_true",
@@ -184,6 +190,9 @@ def check_bench_args(args) -> None:
         raise JaxspecError("--accept-prob applies to chains only; drop --tree")
     if args.compare_numerics and args.suite:
         raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
+    if args.quantization_drift and (not args.quantize or args.suite):
+        raise JaxspecError("--quantization-drift compares a --quantize target with its float original in a single run "
+                           "(--prompts-file): add --quantize int8|fp8")
     if args.compare_hf and importlib.util.find_spec("torch") is None:
         raise JaxspecError(_NEEDS_TORCH)
     for k in args.chain_lengths or []:
@@ -348,6 +357,16 @@ def main(argv: list[str] | None = None) -> int:
             row.update(component_timings(model, head, drafted, args.batch_size))
         result.setdefault("speculative", []).append({"method": method, "draft": source, **row})
         result["memory"][method] = spec.memory.as_dict()
+    if args.quantization_drift:
+        from jaxspec.bench.drift import quantization_drift
+
+        _say("loading the float target to measure the quantized one's drift from it")
+        float_model, _ = load_target_and_tokenizer(
+            target_dir, args.dtype, log=False, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics,
+            kernels=kernels_impl(args), tokenizer=tokenizer,
+        )
+        result["quantization_drift"] = {"quantize": args.quantize, **quantization_drift(float_model, model, encoded)}
+        del float_model
     if args.compare_numerics:
         _say(f"every method again with {'plain' if args.numerics == 'invariant' else 'invariant'} numerics")
         result["numerics_cost"] = numerics_cost(args, model, head, draft, encoded, stops, mesh, result)
@@ -647,6 +666,12 @@ def _table(r: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {c['method']} | {c['invariant_tokens_per_second']} | {c['plain_tokens_per_second']} | "
                   f"{c['plain_over_invariant']} |" for c in r["numerics_cost"]]
+    if "quantization_drift" in r:
+        d = r["quantization_drift"]
+        lines += ["", f"{d['quantize']} target against its float original, {d['positions']} prompt positions: "
+                  f"next-token KL {d['next_token_kl']:.3g}, argmax agreement {d['argmax_agreement']:.3f}",
+                  "| aux layer | cosine | relative error |", "|---|---|---|"]
+        lines += [f"| {a['layer']} | {a['cosine']:.5f} | {a['relative_error']:.4f} |" for a in d["aux_layers"]]
     if "speedup_vs_transformers" in r:
         lines += ["", f"jaxspec / transformers: {r['speedup_vs_transformers']}x "
                   f"(identical outputs: {r['transformers']['identical_outputs']})"]
