@@ -15,8 +15,13 @@ from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
 from jaxspec.models.quantize import (
-    dequantized_kernel, held_dtype_for, quantize_target, quantize_weight, quantized_linears,
+    held_dtype_for, quantize_target, quantize_weight, quantized_linears,
 )
+
+
+def dequantized_kernel(linear) -> jax.Array:
+    """A quantized Linear's kernel as float32 values q · s (what a float model with the same weights holds)."""
+    return linear.kernel[...].astype(jnp.float32) * linear.scale[...]
 
 
 def quantized(model):

@@ -89,8 +89,3 @@ def quantize_target(model, mode: str):
         layer.self_attn.qkv_fused = None
     model.quantization = mode
     return model
-
-
-def dequantized_kernel(linear) -> jax.Array:
-    """A quantized Linear's kernel as float32 values q · s (what a float model with the same weights holds)."""
-    return linear.kernel[...].astype(jnp.float32) * linear.scale[...]

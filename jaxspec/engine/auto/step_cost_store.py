@@ -168,7 +168,7 @@ def cost_key(
         "mesh": dict(mesh.shape) if mesh is not None else None,
         "timing": TIMING,
     }
-    if getattr(model, "quantization", None):  # absent unquantized, as above
+    if model.quantization:  # absent unquantized, as above
         what["quantization"] = model.quantization
     if trees:  # absent without trees, so that entries stored before trees were candidates keep their keys
         what["trees"] = [t.spec for t in trees]
