@@ -129,6 +129,31 @@ def test_bad_override(setup, capsys):
     assert exc.value.code == 2 and "is not key=value" in capsys.readouterr().err
 
 
+def test_a_head_trains_against_the_quantized_target(setup, tmp_path):
+    """`target.quantize: int8`: the teacher is the target with int8 weights (its first loss is not the float
+    target's, for the same head and batch), the exported head records that verifier, a resume against the float
+    target is refused, and so are cached features of another target."""
+    from jaxspec.errors import JaxspecError
+    from train.config import load_config
+    from train.data import FEATURES_META, check_features_quantization
+    from train.launch import run
+
+    run(load_config(config(setup, "float-teacher", 1)))
+    run(load_config(config(setup, "int8-teacher", 2), ["target.quantize=int8"]))
+    float_loss, int8_loss = losses(setup / "float-teacher")[0], losses(setup / "int8-teacher")[0]
+    assert int8_loss != float_loss and int8_loss == pytest.approx(float_loss, rel=0.05)
+    record = json.loads((setup / "int8-teacher" / "head-speculators" / "config.json").read_text())["jaxspec"]
+    assert record["verifier"]["quantization"] == "int8"
+    with pytest.raises(JaxspecError, match="trained against the target quantized to int8, and the config asks for "
+                                           "it as stored"):
+        run(load_config(config(setup, "int8-teacher", 3)))
+    (tmp_path / FEATURES_META).write_text(json.dumps({"quantize": None}))
+    with pytest.raises(JaxspecError, match="come from the target as stored, and target.quantize asks for it "
+                                           "quantized to int8"):
+        check_features_quantization([tmp_path], "int8")
+    check_features_quantization([tmp_path], None)
+
+
 @pytest.mark.slow
 def test_offline_features_train_like_online(setup):
     from train.data import main as data_main

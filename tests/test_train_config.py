@@ -14,7 +14,16 @@ import yaml
 from jaxspec.errors import JaxspecError
 from train import data as train_data
 from train import heldout, launch
-from train.config import HeadSection, MeshSection, OptimConfig, RunConfig, TrainSection, load_config, parse_config
+from train.config import (
+    HeadSection,
+    MeshSection,
+    OptimConfig,
+    RunConfig,
+    TargetSection,
+    TrainSection,
+    load_config,
+    parse_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
@@ -57,7 +66,7 @@ def test_shipped_configs_parse(path):
 
 def test_minimal_config_takes_the_defaults(tmp_path):
     cfg = load_config(write(tmp_path, {**MINIMAL, "mesh": None}))
-    assert cfg.target is None and cfg.distributed is False
+    assert cfg.target.path is None and cfg.target.quantize is None and cfg.distributed is False
     assert cfg.head == HeadSection() and cfg.mesh == MeshSection()
     assert cfg.optim == dataclasses.replace(OptimConfig(), total_steps=4)
     assert cfg.train == TrainSection(num_draft_steps=3, batch_size=2, seq_len=16, steps=4)
@@ -80,6 +89,21 @@ def test_overrides_are_typed_and_exponent_floats_parse(tmp_path):
     assert cfg.train.steps == 9 and cfg.optim.total_steps == 9 and cfg.optim.b1 == 1.0
     assert isinstance(cfg.optim.b1, float) and cfg.mesh == MeshSection(data=2, fsdp=1)
     assert cfg.head.draft_vocab_size == 64 and cfg.train.features == "offline"
+
+
+def test_target_is_a_path_or_a_section_with_its_quantization(tmp_path, capsys):
+    """`target: DIR` is short for `target: {path: DIR}`; an override of either key keeps the other."""
+    path = write(tmp_path, {**MINIMAL, "target": "models/t"})
+    assert load_config(path).target == TargetSection(path="models/t")
+    assert load_config(path, ["target.quantize=int8"]).target == TargetSection(path="models/t", quantize="int8")
+    both = write(tmp_path, {**MINIMAL, "target": {"path": "models/t", "quantize": "fp8"}}, "both.yaml")
+    assert load_config(both, ["target=models/u"]).target == TargetSection(path="models/u", quantize="fp8")
+    assert load_config(both, ["target=null"]).target == TargetSection(quantize="fp8")
+    assert load_config(path, ["target.quantize=null"]).target == TargetSection(path="models/t")
+    err = launch_fails(capsys, tmp_path, MINIMAL, "target.quantize=int4")
+    assert "target.quantize must be one of" in err and "int8" in err
+    err = launch_fails(capsys, tmp_path, {**MINIMAL, "target": {"pth": "models/t"}})
+    assert "unknown key 'pth' in section 'target'; did you mean 'path'?" in err
 
 
 def test_unknown_keys_name_the_section_and_the_closest_key(tmp_path, capsys):

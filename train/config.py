@@ -63,6 +63,17 @@ class DFlashSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class TargetSection:
+    """`target:` the verifier the drafter learns to predict; `target: DIR` is short for `target: {path: DIR}`."""
+
+    SHORTHAND: typing.ClassVar[str] = "path"  # the key a bare value sets (`_value`, `_apply_override`)
+    path: str | None = None  # a Hugging Face model directory; null: the built-in SmolLM2-135M-Instruct
+    # int8 or fp8: its decoder weights quantized at load as `--quantize` serves them (models/quantize.py), so the
+    # drafter learns the quantized verifier's features and tokens; null: the checkpoint's own weights
+    quantize: Literal["int8", "fp8"] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSection:
     """`train:` the loop, its data, checkpoints, logs and evaluation."""
 
@@ -133,7 +144,7 @@ class RunConfig:
     data: str | tuple[str, ...]
     out: str  # the run directory: checkpoints, metrics, exported heads
     train: TrainSection
-    target: str | None = None  # null: the built-in SmolLM2-135M-Instruct
+    target: TargetSection = TargetSection()  # `target: DIR` or `target: {path: DIR, quantize: int8}`
     drafter: Literal["eagle3", "dflash"] = "eagle3"  # what is trained: an EAGLE-3 head or a DFlash block drafter
     head: HeadSection = HeadSection()  # drafter: eagle3
     dflash: DFlashSection = DFlashSection()  # drafter: dflash
@@ -334,6 +345,8 @@ def _value(tp, value, path: tuple[str, ...], where: str, field: dataclasses.Fiel
     elif dataclasses.is_dataclass(tp):
         if value is None:  # an empty section (only comments under it): its defaults
             value = {}
+        if isinstance(value, str) and hasattr(tp, "SHORTHAND"):  # `target: DIR`
+            value = {tp.SHORTHAND: value}
         if isinstance(value, dict):
             return _convert(tp, value, path, where, partial)
     elif tp is bool:
@@ -401,13 +414,19 @@ def _apply_override(raw: dict, item: str) -> None:
         if part not in fields or fields[part][1].metadata.get("derived"):
             raise _unknown_key(cls, part, tuple(parts[:i]), where)
         tp, field = fields[part]
+        shorthand = getattr(tp, "SHORTHAND", None)
         if i == len(parts) - 1:
             value = _yaml(text, where + ": its value") if text.strip() else None
             _value(tp, value, tuple(parts), where, field, partial=True)
-            node[part] = value
+            if shorthand and isinstance(node.get(part), dict) and (value is None or isinstance(value, str)):
+                node[part] = {**node[part], shorthand: value}  # `target=DIR` keeps the file's target.quantize
+            else:
+                node[part] = value
             return
         if not dataclasses.is_dataclass(tp):
             raise JaxspecError(f"{where}: {'.'.join(parts[: i + 1])} is a value, not a section")
-        if not isinstance(node.get(part), dict):  # absent, or an empty section
+        if shorthand and isinstance(node.get(part), str):  # `target: DIR` in the file, then `target.quantize=...`
+            node[part] = {shorthand: node[part]}
+        elif not isinstance(node.get(part), dict):  # absent, or an empty section
             node[part] = {}
         cls, node = tp, node[part]

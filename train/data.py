@@ -98,6 +98,35 @@ def has_features(shard: Path) -> bool:
     return all(p.is_file() for p in features_paths(shard))
 
 
+FEATURES_META = "features.json"  # in a dataset directory: the target whose features its shards hold
+
+
+def features_quantization(directory: Path) -> str | None:
+    """How the target that computed a dataset's cached features had its weights quantized (int8, fp8; None: as
+    stored, also for features cached before this was recorded)."""
+    meta = Path(directory) / FEATURES_META
+    from jaxspec.files import read_json
+
+    return read_json(meta, "the features' features.json").get("quantize") if meta.is_file() else None
+
+
+def check_features_quantization(directories, quantize: str | None) -> None:
+    """Offline training reads cached features: they must come from the verifier the config trains for."""
+    for d in directories:
+        found = features_quantization(d)
+        if found != quantize:
+            raise JaxspecError(
+                f"the features cached in {str(d)!r} come from the target {_weights(found)}, and target.quantize asks "
+                f"for it {_weights(quantize)}: recompute them (python -m train.data features"
+                f"{f' --quantize {quantize}' if quantize else ''}, after deleting features-*.npy) or set "
+                f"target.quantize: {found or 'null'}"
+            )
+
+
+def _weights(quantize: str | None) -> str:
+    return f"quantized to {quantize}" if quantize else "as stored"
+
+
 def require_shards(directory: str | Path, what: str = "data shards") -> list[Path]:
     """The shard files of a dataset directory; a one-line error if it is missing, not a directory or empty."""
     d = Path(directory)
@@ -184,10 +213,17 @@ def compute_features(args) -> None:
 
     shards = require_shards(args.data)
     todo = [p for p in shards if not has_features(p)]
+    found = features_quantization(args.data)
+    if len(todo) < len(shards) and found != args.quantize:  # one dataset's features all come from one target
+        raise JaxspecError(
+            f"{args.data} holds features of the target {_weights(found)}; delete its features-*.npy to cache them "
+            f"{_weights(args.quantize)}, or run with{f' --quantize {found}' if found else 'out --quantize'}"
+        )
+    (Path(args.data) / FEATURES_META).write_text(json.dumps({"quantize": args.quantize}) + "\n")
     if not todo:
         print(f"all {len(shards)} shards in {args.data} have features", file=sys.stderr)
         return
-    target = load_target(resolve_target(args.target))
+    target = load_target(resolve_target(args.target), quantize=args.quantize)
     target.numerics = None  # features are values for training: plain XLA numerics, no batch-invariance needed
     cfg = target.config
     b, t = args.batch_size, args.seq_len
@@ -234,7 +270,7 @@ def compute_features(args) -> None:
 def generate(args) -> None:
     from tqdm import tqdm
 
-    from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
+    from jaxspec.cli.loading import kernels_impl, load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import Generator
     from jaxspec.files import check_writable_dir, make_dir, read_json
@@ -263,6 +299,7 @@ def generate(args) -> None:
         "seed": args.seed,
         "shard_size": args.shard_size,
         "max_new_tokens": args.max_new_tokens,
+        "quantize": args.quantize,  # the target's weights as generated from (null: as stored)
         "decoding": "greedy",
         "chat_template": True,
         "num_prompts": len(prompts),
@@ -270,7 +307,7 @@ def generate(args) -> None:
     meta_file = out / "meta.json"
     if meta_file.is_file():
         old = read_json(meta_file, "the dataset's meta.json")
-        changed = {k for k in ("target", "seed", "shard_size", "max_new_tokens") if old.get(k) != meta[k]}
+        changed = {k for k in ("target", "seed", "shard_size", "max_new_tokens", "quantize") if old.get(k) != meta[k]}
         if changed:
             raise JaxspecError(
                 f"{out} was generated with other settings ({', '.join(sorted(changed))}); use a new --out"
@@ -283,7 +320,9 @@ def generate(args) -> None:
     if not mine:
         print(f"all {num_shards} shards exist in {out}", file=sys.stderr)
         return
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, numerics=args.numerics)
+    model, tokenizer = load_target_and_tokenizer(
+        target_dir, args.dtype, numerics=args.numerics, kernels=kernels_impl(args), quantize=args.quantize
+    )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     gen = Generator(model, batch_size=args.batch_size)
     limit = model.config.context_length - args.max_new_tokens
@@ -421,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cache the target's features per shard (offline training, small targets)",
         description="Store the target's EAGLE-3 features and final hidden states next to each shard of --data.",
     )
-    add_target_args(f)
+    add_target_args(f, generates=False)  # the features are computed in --compute-dtype with plain numerics
     f.add_argument(
         "--data", required=True, metavar="DIR", help="a dataset directory written by generate (required; no default)"
     )

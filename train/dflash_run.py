@@ -34,6 +34,7 @@ from train.run_io import (
     RunInputs,
     acceptance_of,
     acceptance_records,
+    check_resumed_target,
     close_run,
     eval_on,
     eval_prompts,
@@ -122,7 +123,8 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     dcfg = drafter_config(load_target_config(target_dir), cfg.dflash)
     # the target in the dtype generation runs it in (its features, embedding and LM head), returning the drafter's
     # layers; plain numerics: the objective needs values, not the verifier's bits
-    target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=dcfg.aux_layer_ids)
+    target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=dcfg.aux_layer_ids,
+                         quantize=cfg.target.quantize)
     target.numerics = None
     batches = BlockBatches(read_sequences(inputs.data_dirs), t.seq_len, t.batch_size, cfg.dflash.num_anchors, t.seed)
     if batches.cut_tokens or batches.dropped:
@@ -148,6 +150,7 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
             changed = ", ".join(sorted(k for k in batches.settings if order.get(k) != batches.settings[k]))
             raise JaxspecError(f"{out} was trained with other data or batch settings ({changed}): resuming would "
                                "not continue the same run; restore them or use a new out")
+        check_resumed_target(out, meta, cfg.target.quantize)
         say(f"resumed from step {start}")
     say("computing in float32 (train.compute_dtype: DFlash steps compute in the drafter's float32 weights)")
     tgd, tparams = nnx.split(target)
@@ -192,7 +195,8 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
         interrupted = stop is not None and stop.is_set()
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
-                      {"next_step": step + 1, "data_order": batches.settings, "drafter": "dflash"})
+                      {"next_step": step + 1, "data_order": batches.settings, "drafter": "dflash",
+                       "target_quantize": cfg.target.quantize})
         last = record
         if interrupted:
             say(f"saved step {step + 1}; the same command resumes from it")
@@ -202,7 +206,8 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
         return {**last, "interrupted": True}
     drafter_dir = out / "drafter-zlab"
     export_dflash(nnx.merge(dgd, params), drafter_dir, target=target.config, dtype="bfloat16",
-                  verifier=verifier_name(cfg.target, drafter_dir), acceptance=acceptance_records(t, last_eval))
+                  verifier=verifier_name(cfg.target.path, drafter_dir), quantization=cfg.target.quantize,
+                  acceptance=acceptance_records(t, last_eval))
     say(f"exported the drafter to {drafter_dir}")
     return last
 

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "default)")
     p.add_argument("--target", default=None, metavar="DIR",
                    help="the head's target, a Hugging Face directory (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+                   help="score against the target with its decoder weights quantized at load, as generate's "
+                   "--quantize runs it (default: none, the checkpoint's weights)")
     p.add_argument("--num-draft", type=int, default=5, metavar="K",
                    help="draft steps per chain: chain_1 .. chain_K are replayed (default: 5)")
     return p
@@ -168,13 +171,13 @@ def main(argv=None) -> int:
         target_dir = resolve_target(args.target)
         # the target returns the layers this head reads (checked against both configs before any weights load)
         aux = head_aux_layer_ids(args.draft, target_dir)
-        target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=aux)
+        target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=aux, quantize=args.quantize)
         target.numerics = None
         head = load_head(Path(args.draft), target.config, dtype=target.dtype)
         check_head_fits(target, head)
         for d in args.data:
             result = heldout_acceptance(target, head, read_shards(Path(d)), args.num_draft)
-            print(json.dumps({"data": str(d), "draft": str(args.draft), **result}))
+            print(json.dumps({"data": str(d), "draft": str(args.draft), "quantize": args.quantize, **result}))
         return 0
 
     return run(argv)

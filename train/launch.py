@@ -39,6 +39,7 @@ from train.run_io import (
     heldout_key,
     tree_keys,
     check_inputs,
+    check_resumed_target,
     eval_prompts,
     open_metrics,
     read_sequences,
@@ -141,7 +142,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     from jaxspec.checkpoints.verifier import verifier_name
     from jaxspec.engine.generation import default_dtype
     from train.checkpointing import RunCheckpoints
-    from train.data import read_shards
+    from train.data import check_features_quantization, read_shards
     from train.precision import computing_in, resolve_compute_dtype
     from train.step import (
         Batch,
@@ -164,7 +165,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     # The target in the dtype generation runs it in (bfloat16 on GPU/TPU, float32 on CPU): the evaluation measures
     # what inference would, and a step computing in that dtype uses it as it is, with no second copy (an 8B target
     # held in float32 beside its bfloat16 copy was 48 GB)
-    target = load_target(target_dir, dtype=default_dtype())
+    target = load_target(target_dir, dtype=default_dtype(), quantize=cfg.target.quantize)
     target.numerics = None  # the teacher's logits and features only need their values: plain XLA numerics, faster
     from train.heldout import heldout_acceptance
 
@@ -172,6 +173,8 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     for eval_dir, found in heldout.items():
         if not found:
             raise JaxspecError(f"the held-out shards in {eval_dir!r} (train.eval_data) hold no sequences")
+    if t.features == "offline":
+        check_features_quantization(data_dirs, cfg.target.quantize)
     sequences = read_sequences(data_dirs, with_features=t.features == "offline")
     # The draft vocabulary comes from all but every 20th sequence; its coverage of those held out says how often
     # a target token cannot be drafted at all (a cap on acceptance). Prompt tokens too rank the tokens responses
@@ -218,6 +221,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
                 f"{out} was trained with other data or batch settings ({changed}): resuming would not continue "
                 "the same run; restore them or use a new out"
             )
+        check_resumed_target(out, meta, cfg.target.quantize)
         print(f"resumed from step {start}", file=sys.stderr)
     # A run keeps the compute dtype it started with, so that a resumed run continues the same arithmetic.
     recorded = meta.get("compute_dtype") if start else None
@@ -301,7 +305,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
                       {"next_step": step + 1, "data_order": batches.settings, "compute_dtype": compute,
-                       "head_shape": head_shape(head)})
+                       "head_shape": head_shape(head), "target_quantize": cfg.target.quantize})
         last = record
         if interrupted:
             print(f"saved step {step + 1}; the same command resumes from it", file=sys.stderr)
@@ -313,7 +317,7 @@ def run(cfg: RunConfig, stop: threading.Event | None = None) -> dict:
     for layout in ("speculators", "sglang"):
         head_dir = out / f"head-{layout}"
         export_head(head, head_dir, layout=layout, target=target.config, dtype="bfloat16",
-                    verifier=verifier_name(cfg.target, head_dir),
+                    verifier=verifier_name(cfg.target.path, head_dir), quantization=cfg.target.quantize,
                     acceptance=acceptance_records(t, last_eval, last_heldout, last_trees))
     return last
 

@@ -54,10 +54,18 @@ def _matmul_seconds(rows: int, hidden: int, columns: int, dtype: str) -> float:
     return best
 
 
-def cast_floats(tree, dtype):
-    """tree with every floating-point leaf cast to dtype (integer buffers such as a head's d2t untouched)."""
+def cast_floats(tree, dtype, keep: tuple[str, ...] = ()):
+    """tree with every floating-point leaf cast to dtype (integer buffers such as a head's d2t untouched), except
+    leaves named in `keep` (a quantized target's float32 per-channel scales: the values its matmuls were made with)
+    and 8-bit floats (a quantized target's e4m3 weights: each dot widens them to its input's dtype itself)."""
     dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def cast(path, x):
+        named = any(getattr(k, "key", None) in keep for k in path)
+        wide_float = jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 1
+        return x.astype(dtype) if wide_float and not named else x
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def computing_in(module: nnx.Module, dtype) -> nnx.Module:
@@ -68,7 +76,7 @@ def computing_in(module: nnx.Module, dtype) -> nnx.Module:
     from jaxspec.models.llama import Linear
 
     graphdef, state = nnx.split(module)
-    copy = nnx.merge(graphdef, cast_floats(state, dtype))
+    copy = nnx.merge(graphdef, cast_floats(state, dtype, keep=("scale",)))
     copy.dtype = jnp.dtype(dtype)
     if jnp.dtype(dtype).itemsize < 4:  # 16-bit products, float32 sums, in the forward and the backward
         for _, sub in nnx.iter_graph(copy):

@@ -59,7 +59,7 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
         read_prompts_file(prompt_set_path(str(Path(t.eval_prompts).expanduser())))
     make_dir(out, "out")
     claim_out(out, cfg.drafter)
-    return RunInputs(out, data_dirs, eval_dirs, resolve_target(cfg.target))
+    return RunInputs(out, data_dirs, eval_dirs, resolve_target(cfg.target.path))
 
 
 DRAFTER_MARK = "drafter.txt"  # in a run directory: what its checkpoints hold, when not an EAGLE-3 head
@@ -254,3 +254,18 @@ def tree_keys(spec: str) -> tuple[str, str]:
 def eval_on(t: TrainSection) -> list:
     """What an engine evaluation ran on, logged beside its figures: a resumed run keeps only figures of its own."""
     return [t.eval_prompts, t.eval_num_prompts, t.eval_max_new_tokens]
+
+
+def check_resumed_target(out: Path, meta: dict, quantize: str | None) -> None:
+    """Refuse to resume a run whose checkpoints learned another verifier: the target quantized otherwise
+    (`target.quantize`; a checkpoint without the key was trained against the weights as stored)."""
+    if meta.get("target_quantize") != quantize:
+        raise JaxspecError(
+            f"{out} was trained against the target {_weights(meta.get('target_quantize'))}, and the config asks for it "
+            f"{_weights(quantize)}: restore target.quantize or use a new out"
+        )
+
+
+def _weights(quantize: str | None) -> str:
+    return f"quantized to {quantize}" if quantize else "as stored"
+

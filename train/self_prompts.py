@@ -138,7 +138,7 @@ def write_prompts(args) -> None:
     """`python -m train.data prompts`."""
     from tqdm import tqdm
 
-    from jaxspec.cli.loading import load_target_and_tokenizer, resolve_target
+    from jaxspec.cli.loading import kernels_impl, load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import Generator
     from jaxspec.prompts import excluded_prompts, stop_token_ids
@@ -155,7 +155,9 @@ def write_prompts(args) -> None:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p)
     target_dir = resolve_target(args.target)
     load_target_config(target_dir)
-    model, tokenizer = load_target_and_tokenizer(target_dir, args.dtype, numerics=args.numerics)
+    model, tokenizer = load_target_and_tokenizer(
+        target_dir, args.dtype, numerics=args.numerics, kernels=kernels_impl(args), quantize=args.quantize
+    )
     prefix = user_turn_prefix(tokenizer)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     gen = Generator(model, batch_size=args.batch_size)

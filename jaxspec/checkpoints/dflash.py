@@ -139,7 +139,7 @@ def load_dflash(path: str | Path, target: TargetConfig, *, dtype=jnp.float32) ->
 
 def export_dflash(
     drafter: DFlashDrafter, out_dir: str | Path, *, target: TargetConfig, dtype="bfloat16",
-    verifier: str | None = None, acceptance: list[dict] | None = None,
+    verifier: str | None = None, acceptance: list[dict] | None = None, quantization: str | None = None,
 ) -> Path:
     """Write a drafter in z-lab's layout (config.json and model.safetensors), loadable by `load_dflash` and by
     the z-lab/vLLM/SGLang loaders, with jaxspec's record (the `jaxspec` key the published layouts have no field for,
@@ -170,7 +170,7 @@ def export_dflash(
         "layer_types": ["full_attention"] * cfg.num_layers, "tie_word_embeddings": False,
         "attention_bias": cfg.attention_bias, "torch_dtype": str(np.dtype(np_dtype)),
     }
-    record = verifier_record(target, verifier, cfg.aux_layer_ids)
+    record = verifier_record(target, verifier, cfg.aux_layer_ids, quantization)
     config[RECORD_KEY] = {"verifier": record, **({"acceptance": check_acceptance(acceptance)} if acceptance else {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -273,7 +273,7 @@ def load_head(path: str | Path, target: TargetConfig, *, dtype=jnp.float32, allo
 
 def export_head(
     head: Eagle3Head, out_dir: str | Path, *, layout: str, target: TargetConfig, dtype="bfloat16",
-    verifier: str | None = None, acceptance: list[dict[str, Any]] | None = None,
+    verifier: str | None = None, acceptance: list[dict[str, Any]] | None = None, quantization: str | None = None,
 ) -> Path:
     """Write a head as config.json + model.safetensors in the speculators, SGLang/SpecForge or EAGLE layout, with
     the record of its verifier (`target`, named `verifier`: a Hub id, a path absolute or relative to out_dir, or the
@@ -311,7 +311,7 @@ def export_head(
         value = value.T if transposed else value
         tensors[checkpoint_key(key, layout)] = np.ascontiguousarray(value.astype(np_dtype))
     aux = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else target.aux_layer_ids
-    record = verifier_record(target, verifier, aux)
+    record = verifier_record(target, verifier, aux, quantization)
     layer = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -124,12 +124,22 @@ def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: Ta
 
 
 def load_target(
-    model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None, mesh=None
+    model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None, mesh=None,
+    quantize: str | None = None,
 ) -> LlamaModel:
     """Build a LlamaModel from a Hugging Face directory (or one converted to orbax by `jaxspec.convert target`),
     casting every tensor to `dtype` as it is read. With a (data, model) `mesh`, an orbax checkpoint is restored
-    straight into the mesh's parameter shardings (safetensors are read on the host and placed later)."""
-    model_dir = Path(model_dir)
+    straight into the mesh's parameter shardings (safetensors are read on the host and placed later). quantize:
+    int8 or fp8 to quantize the decoder's matmul weights once loaded (`--quantize`, models/quantize.py), where
+    every command that runs a target (generation, benchmarks, training data, training) applies it alike."""
+    model = _load_target(Path(model_dir), dtype, aux_layer_ids, mesh)
+    if quantize and model.quantization:
+        raise JaxspecError(f"{str(model_dir)!r} is stored quantized ({model.quantization}); drop --quantize "
+                           "(target.quantize in a training config)")
+    return quantize_target(model, quantize) if quantize else model
+
+
+def _load_target(model_dir: Path, dtype, aux_layer_ids, mesh) -> LlamaModel:
     from jaxspec.checkpoints.orbax_target import is_orbax_target, load_target_orbax
 
     if is_orbax_target(model_dir):

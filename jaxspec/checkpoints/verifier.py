@@ -32,11 +32,14 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 SPECULATORS_VERIFIER_KEYS = ("name_or_path", "architectures")  # what speculators' VerifierConfig defines
 
 
-def verifier_record(target: TargetConfig, name_or_path: str | None, aux_layer_ids=None) -> dict[str, Any]:
+def verifier_record(
+    target: TargetConfig, name_or_path: str | None, aux_layer_ids=None, quantization: str | None = None
+) -> dict[str, Any]:
     """What a head records about the verifier it is exported for. aux_layer_ids: Hugging Face hidden_states indices
-    the head reads (default: the target's)."""
+    the head reads (default: the target's); quantization: int8 or fp8 when it was trained against the target with
+    its weights quantized (`target.quantize`), recorded so that a user knows which verifier it was made for."""
     aux = aux_layer_ids if aux_layer_ids is not None else target.aux_layer_ids
-    return {
+    return ({"quantization": quantization} if quantization else {}) | {
         "name_or_path": name_or_path,
         "architectures": [ARCHITECTURES.get(target.model_type, "LlamaForCausalLM")],
         "model_type": target.model_type,

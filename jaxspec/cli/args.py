@@ -73,24 +73,40 @@ NUMERICS_HELP = {
 }
 
 
-def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant", numerics_why: str = "") -> None:
+def add_target_args(
+    parser: argparse.ArgumentParser, numerics: str = "invariant", numerics_why: str = "", generates: bool = True
+) -> None:
     """--target, --dtype, --quantize, --numerics (default `numerics`; `numerics_why` says why a command changes it), --kernels,
-    --no-compile-cache."""
+    --no-compile-cache; generates=False (a command that only runs the target's forward in a dtype of its own, such as
+    `train.data features`): --target, --quantize and --no-compile-cache alone, so that no flag is accepted and ignored."""
     parser.add_argument(
         "--target",
         metavar="DIR",
         help="Hugging Face model directory (config.json + *.safetensors + tokenizer); "
         "default: the built-in SmolLM2-135M-Instruct, built on first use",
     )
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)"
-    )
+    if generates:
+        parser.add_argument(
+            "--dtype", choices=("float32", "bfloat16"),
+            help="parameter dtype (default: float32 on CPU, bfloat16 on GPU/TPU)",
+        )
     parser.add_argument(
         "--quantize", choices=("int8", "fp8"),
         help="the decoder's matmul weights as int8 or fp8 (e4m3) with one scale per output channel, quantized at load "
-        "(embeddings and LM head stay in --dtype; a compressed-tensors FP8 checkpoint is read as it is, without this "
-        "flag); speculation stays exact against the quantized target",
+        "(embeddings and LM head stay in their dtype; a compressed-tensors FP8 checkpoint is read as it is, without "
+        "this flag); speculation stays exact against the quantized target (default: none, the checkpoint's weights)",
     )
+    if generates:
+        _add_numerics_args(parser, numerics, numerics_why)
+    parser.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="do not keep compiled programs on disk (default: kept under the user's cache directory, "
+        "$XDG_CACHE_HOME/jaxspec/jax-compile-cache, or JAXSPEC_COMPILE_CACHE=DIR|off, so a second run of the same "
+        "shapes skips compilation)",
+    )
+
+
+def _add_numerics_args(parser: argparse.ArgumentParser, numerics: str, numerics_why: str) -> None:
     parser.add_argument(
         "--numerics", choices=tuple(NUMERICS_HELP), default=numerics,
         help="; ".join(text + (" (default)" if name == numerics else "") for name, text in NUMERICS_HELP.items())
@@ -102,12 +118,6 @@ def add_target_args(parser: argparse.ArgumentParser, numerics: str = "invariant"
         "auto (default): the kernels on backends where they have been validated on the chip (none yet), else the "
         "references; pallas on CPU runs them in interpret mode (slow), as interpret does anywhere. JAXSPEC_KERNELS sets "
         "what auto means",
-    )
-    parser.add_argument(
-        "--no-compile-cache", action="store_true",
-        help="do not keep compiled programs on disk (default: kept under the user's cache directory, "
-        "$XDG_CACHE_HOME/jaxspec/jax-compile-cache, or JAXSPEC_COMPILE_CACHE=DIR|off, so a second run of the same "
-        "shapes skips compilation)",
     )
 
 

@@ -147,13 +147,8 @@ def load_target_and_tokenizer(
     from pallas_kernels.dispatch import describe, resolve_kernels
 
     start = time.perf_counter()
-    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh)
-    if quantize and model.quantization:
-        raise JaxspecError(f"{str(target_dir)!r} is stored quantized ({model.quantization}); drop --quantize")
-    if quantize:
-        from jaxspec.models.quantize import quantize_target
-
-        quantize_target(model, quantize)
+    model = load_target(target_dir, dtype=dtype or default_dtype(), aux_layer_ids=aux_layer_ids, mesh=mesh,
+                        quantize=quantize)
     model.numerics = None if numerics == "plain" else model.invariant_numerics(kernels)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_dir)
     if log:
