@@ -14,6 +14,7 @@ from spec_fixtures import PROMPTS, fitted_head, in_dtype, random_head, tiny_targ
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
+from jaxspec.errors import JaxspecError
 from jaxspec.models.quantize import (
     held_dtype_for, quantize_target, quantize_weight, quantized_linears,
 )
@@ -188,6 +189,17 @@ def test_a_compressed_tensors_fp8_checkpoint_loads_as_the_same_weights_quantized
     for a, b in zip(jax.tree.leaves(nnx.state(stored, nnx.Param)), jax.tree.leaves(nnx.state(at_load, nnx.Param))):
         assert a.dtype == b.dtype and bool(jnp.array_equal(a, b))
 
+    # `load_target(quantize=)` quantizes each kernel as it is read: the same model as quantizing it once loaded
+    for mode, dtype in (("fp8", jnp.float32), ("int8", jnp.bfloat16)):
+        whole = quantize_target(load_target(float_checkpoint, dtype=dtype), mode)
+        read = load_target(float_checkpoint, dtype=dtype, quantize=mode)
+        assert read.quantization == mode
+        pairs = zip(jax.tree.leaves(nnx.state(read, nnx.Param)), jax.tree.leaves(nnx.state(whole, nnx.Param)),
+                    strict=True)
+        assert all(a.dtype == b.dtype and bool(jnp.array_equal(a, b)) for a, b in pairs)
+    with pytest.raises(JaxspecError, match="is stored quantized \\(fp8\\); drop --quantize"):
+        load_target(ct, quantize="int8")
+
     per_tensor = float_checkpoint.parent / "fp8-tensor"
     compressed_tensors_copy(float_checkpoint, per_tensor, strategy="tensor")
     scale = next(quantized_linears(load_target(per_tensor))).scale[...]
@@ -205,7 +217,6 @@ def test_a_compressed_tensors_fp8_checkpoint_loads_as_the_same_weights_quantized
 ])
 def test_quantized_checkpoints_jaxspec_does_not_read_are_one_line_errors(float_checkpoint, changes, message):
     from jaxspec.checkpoints.hf import load_target
-    from jaxspec.errors import JaxspecError
 
     path = float_checkpoint.parent / f"bad-{abs(hash(message))}"
     compressed_tensors_copy(float_checkpoint, path, **changes)
@@ -245,6 +256,26 @@ def test_quantization_drift_is_zero_against_itself_and_small_for_int8():
     drift = quantization_drift(target, quantized(target), prompts)  # this target's embeddings dominate: small
     assert -1e-6 < drift["next_token_kl"] < 0.1 and drift["argmax_agreement"] > 0.8  # (KL ~0: rounding either way)
     assert all(0.99 < a["cosine"] <= 1 + 1e-6 and 0 < a["relative_error"] < 0.1 for a in drift["aux_layers"])
+
+
+def test_a_bfloat16_training_copy_of_a_quantized_target_keeps_its_values_and_scales():
+    """`target.quantize` with a bfloat16 training step (train/precision.py): the copy holds the same 8-bit values,
+    keeps the float32 scales, and its features stay those of the float32 quantized target up to bfloat16."""
+    from train.precision import computing_in
+    from train.step import target_features
+
+    target = quantized(tiny_target())
+    target.numerics = None  # training runs the target with plain numerics
+    narrow = computing_in(target, jnp.bfloat16)
+    for wide, thin in zip(quantized_linears(target), quantized_linears(narrow), strict=True):
+        assert thin.scale[...].dtype == jnp.float32 and bool(jnp.array_equal(thin.scale[...], wide.scale[...]))
+        assert bool(jnp.array_equal(thin.kernel[...].astype(jnp.float32), wide.kernel[...].astype(jnp.float32)))
+        assert thin.accumulate == jnp.float32
+    ids = jnp.asarray([PROMPTS[0]])
+    for want, got in zip(target_features(target, ids), target_features(narrow, ids), strict=True):
+        want, got = np.asarray(want[0], np.float32), np.asarray(got[0], np.float32)  # [T, F]
+        cosine = (want * got).sum(-1) / np.linalg.norm(want, axis=-1) / np.linalg.norm(got, axis=-1)
+        assert got.dtype == np.float32 and cosine.min() > 0.999, cosine.min()
 
 
 def test_bench_quantization_drift_needs_quantize(capsys):

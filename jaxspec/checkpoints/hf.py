@@ -19,7 +19,8 @@ from jaxspec.config import TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.files import read_json
 from jaxspec.models.llama import LlamaModel
-from jaxspec.models.quantize import quantize_target
+from jaxspec.models.numerics import held_dtype
+from jaxspec.models.quantize import quantize_target, quantize_weight
 
 # Buffers some exporters write that carry no weights.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -130,48 +131,59 @@ def load_target(
     """Build a LlamaModel from a Hugging Face directory (or one converted to orbax by `jaxspec.convert target`),
     casting every tensor to `dtype` as it is read. With a (data, model) `mesh`, an orbax checkpoint is restored
     straight into the mesh's parameter shardings (safetensors are read on the host and placed later). quantize:
-    int8 or fp8 to quantize the decoder's matmul weights once loaded (`--quantize`, models/quantize.py), where
-    every command that runs a target (generation, benchmarks, training data, training) applies it alike."""
-    model = _load_target(Path(model_dir), dtype, aux_layer_ids, mesh)
-    if quantize and model.quantization:
-        raise JaxspecError(f"{str(model_dir)!r} is stored quantized ({model.quantization}); drop --quantize "
-                           "(target.quantize in a training config)")
-    return quantize_target(model, quantize) if quantize else model
-
-
-def _load_target(model_dir: Path, dtype, aux_layer_ids, mesh) -> LlamaModel:
+    int8 or fp8 to quantize the decoder's matmul weights (`--quantize`, models/quantize.py), where every command that
+    runs a target (generation, benchmarks, training data, training) applies it alike; from safetensors each kernel
+    is quantized as it is read, so the float weights are never all on the device at once (an 8B bfloat16 target
+    quantized to int8 peaks near its 8 GB, not 16 + 8)."""
+    model_dir = Path(model_dir)
     from jaxspec.checkpoints.orbax_target import is_orbax_target, load_target_orbax
 
-    if is_orbax_target(model_dir):
-        return load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids, mesh=mesh)
+    if is_orbax_target(model_dir):  # `convert` writes float targets only
+        model = load_target_orbax(model_dir, dtype=dtype, aux_layer_ids=aux_layer_ids, mesh=mesh)
+        return quantize_target(model, quantize) if quantize else model
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
     model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
     scheme = checkpoint_quantization(model_dir)
-    if scheme is not None:  # 8-bit kernels and their scales, read as they are stored
-        quantize_target(model, scheme)
+    if scheme and quantize:
+        raise JaxspecError(f"{str(model_dir)!r} is stored quantized ({scheme}); drop --quantize (target.quantize in "
+                           "a training config)")
+    if scheme or quantize:  # 8-bit kernels and their scales: read as stored, or made from each float kernel read
+        quantize_target(model, scheme or quantize)
     params = model_params(model)
-    _check_keys(params, index, model_dir, cfg)
+    # --quantize: kernel key → its scale's key, both set from the float weight as it is read
+    made = {k.removesuffix("_scale"): k for k in params if k.endswith(".weight_scale")} if quantize else {}
+    read = [k for k in params if k not in made.values()]
+    _check_keys(dict.fromkeys(read), index, model_dir, cfg)
     np_dtype = numpy_dtype(dtype)
     views: dict[Path, dict[str, np.ndarray]] = {}
-    for path in sorted(set(index[key] for key in params)):
+    for path in sorted(set(index[key] for key in read)):
         with _open(path):  # the library checks the header first: a corrupt file is one line
             pass
         views[path] = tensor_views(path)
 
-    def prepared(key: str) -> jax.Array:
+    def prepared(key: str) -> jax.Array | tuple[jax.Array, jax.Array]:
         param, transposed = params[key]
         view = views[index[key]][key]
+        what = f"tensor {key!r}"
         if isinstance(view, str):  # a dtype jaxspec does not read (tensor_views)
-            raise JaxspecError(f"tensor {key!r} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
+            raise JaxspecError(f"{what} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
         if key.endswith(".weight_scale"):
-            return channel_scale(view, param.shape[0], f"tensor {key!r}")
-        return prepare(view, param, transposed, np_dtype, f"tensor {key!r}", "config.json")
+            return channel_scale(view, param.shape[0], what)
+        if key in made:  # the float kernel as a float model holds it, then its 8-bit values and scale
+            held = jax.ShapeDtypeStruct(param.shape, held_dtype(np_dtype))
+            return quantize_weight(prepare(view, held, transposed, np_dtype, what, "config.json"), quantize,
+                                   held=param.dtype)
+        return prepare(view, param, transposed, np_dtype, what, "config.json")
 
     # Reads (page cache → device) overlap with the casts and transposes of other tensors; the values are set here.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        for key, value in zip(params, pool.map(prepared, params)):
-            params[key][0].set_value(value)
+        for key, value in zip(read, pool.map(prepared, read)):
+            if key in made:
+                params[key][0].set_value(value[0])
+                params[made[key]][0].set_value(value[1])
+            else:
+                params[key][0].set_value(value)
     return model
 
 

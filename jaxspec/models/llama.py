@@ -26,6 +26,7 @@ from jaxspec.models.numerics import (
     Numerics,
     contract,
     default_numerics,
+    exact_mul,
     held_dtype,
     hold,
     invariant_rms_norm,
@@ -79,9 +80,14 @@ class Linear(nnx.Module):
             kernel = self.kernel[...]
             return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
                                 scale=scale)
-        if self.accumulate is not None:
+        if self.accumulate is not None and scale is not None:
+            # a quantized target in a 16-bit training step (frozen: nothing differentiates its weights): the narrow
+            # dot's float32 sums meet the scale before they are rounded, as in inference (`contract`)
+            y = jax.lax.dot_general(x, self.kernel[...].astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                                    preferred_element_type=self.accumulate)
+            y = exact_mul(y, scale.astype(jnp.float32)).astype(x.dtype)
+        elif self.accumulate is not None:
             y = accumulating_matmul(x, self.kernel[...].astype(x.dtype), self.accumulate)
-            y = y if scale is None else (y.astype(jnp.float32) * scale).astype(x.dtype)
         else:
             y = contract(x, self.kernel[...], ((x.ndim - 1,), (0,)), scale)
         return y if bias is None else y + bias.astype(x.dtype)
