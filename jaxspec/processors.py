@@ -126,10 +126,12 @@ def check_vocab(requests: Sequence[LogitProcessors], vocab: int) -> None:
                 )
 
 
-def batch_values(requests: Sequence[LogitProcessors], batch_size: int, vocab: int) -> ProcessorValues | None:
+def batch_values(
+    requests: Sequence[LogitProcessors], batch_size: int, vocab: int, always: bool = False
+) -> ProcessorValues | None:
     """Host arrays for one batch (padding rows neutral), or None when no request uses a processor (then the
-    compiled programs are the plain ones)."""
-    if not any(r.active for r in requests):
+    compiled programs are the plain ones) unless `always` (continuous batching: one program whoever joins)."""
+    if not always and not any(r.active for r in requests):
         return None
     rep = np.ones((batch_size,), np.float32)
     presence, frequency, min_p = (np.zeros((batch_size,), np.float32) for _ in range(3))

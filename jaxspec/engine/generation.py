@@ -163,7 +163,7 @@ class Generator:
         """Cache slots needed beyond prompt + max-new-tokens (a verify block writes ahead)."""
         return 0 if self.proposer is None else self.proposer.extra_capacity()
 
-    def _batch_stats(self, st, n_rows: int) -> list[dict]:
+    def row_stats(self, st, n_rows: int) -> list[dict]:
         """Speculative statistics per row from the state's raw counters, read once per batch: integer counts
         (`verify_calls`, `accepted_per_position`, `draft_calls`) and the rates derived from them."""
         if self.proposer is None:
@@ -273,6 +273,23 @@ class Generator:
         bar.close()
         return results
 
+    @property
+    def program_params(self) -> tuple:
+        """(target params, proposer params): the first arguments of the compiled programs (`programs`)."""
+        return self.params, self.proposer_params
+
+    def programs(self, prefill_args: tuple, capacity: int, sampling: SamplingConfig) -> tuple[Callable, Callable]:
+        """(prefill, step) compiled for one batch shape, each once per shape while held: prefill(*program_params,
+        prompt [B, T], prompt_lens [B], max_new [B], eos_ids [n], key, processor values or None) → GenState;
+        step(*program_params, state, eos_ids) → the state after up to `chunk_steps` steps (the state donated)."""
+        # budgets are data (max_new): no compile per budget
+        prefill = self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity, sampling=sampling)
+        step = self._compiled_fn(
+            "step", _steps, prefill.out_info, prefill_args[3], num_steps=self.chunk_steps, sampling=sampling,
+            forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
+        )
+        return prefill, step
+
     def batch_capacity(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> int:
         """Cache slots for one batch of prompts: its longest prompt, the new tokens and the verify block's slots,
         bucketed (`capacity_bucket`)."""
@@ -298,13 +315,8 @@ class Generator:
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key, processor_values)
-        static = dict(capacity=capacity, sampling=sampling)  # budgets are data (max_new): no compile per budget
-        prefill = self._compiled_fn("prefill", _prefill, *args, **static)
-        step = self._compiled_fn(
-            "step", _steps, prefill.out_info, args[3], num_steps=self.chunk_steps, sampling=sampling,
-            forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
-        )
-        params = (self.params, self.proposer_params)
+        prefill, step = self.programs(args, capacity, sampling)
+        params = self.program_params
 
         start = time.perf_counter()
         st = prefill(*params, *args)
@@ -324,7 +336,7 @@ class Generator:
         tokens, counts = sharding.to_host(st.tokens), sharding.to_host(st.num_generated)
         stop = set(int(s) for s in stop_ids)
         out = []
-        for i, (p, stats) in enumerate(zip(batch, self._batch_stats(st, len(batch)))):
+        for i, (p, stats) in enumerate(zip(batch, self.row_stats(st, len(batch)))):
             ids = tokens[i, : counts[i]].tolist()
             finished = bool(ids) and ids[-1] in stop
             out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), stats))

@@ -1,0 +1,202 @@
+"""Continuous batching: a fixed set of rows ("slots") that requests join and leave between steps.
+
+Why: a server cannot hold a short request until the long ones beside it finish, nor compile for every arrival.
+What: `SlotBatcher` keeps one generation state of `Generator.batch_size` rows on the device at one cache capacity,
+so its step compiles once and its prefill once per prompt bucket. A request joins a free slot between steps: its
+prompt is prefilled in a batch of the same shape (other requests joining at the same time beside it, the remaining
+rows padding), and those rows are written into the running state (`_join_rows`, a scatter of the joining rows in
+place); it leaves when its EOS or its budget ends it, and its slot is free for the next. The prefill and the step
+are `Generator`'s own programs, and rows never interact under the engine's batch-invariant numerics, so a request's
+greedy output is the one `Generator.generate` gives it alone, whoever shares the batch (tests/test_slots.py).
+
+Not yet: chunked prefill (a long prompt's prefill runs between two steps whole), per-request sampling settings
+(one `SamplingConfig` per batcher) and per-request seeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import processors as procs
+from jaxspec import sharding
+from jaxspec.engine.core import GenState, constrain_state
+from jaxspec.engine.generation import Completion, Generator, prompt_bucket
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRequest:
+    """One request: its tokenized prompt, its budget of new tokens and its logit processors."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    processors: procs.LogitProcessors = procs.LogitProcessors()
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotUpdate:
+    """What one request produced since the last update: its new tokens, and its completion once it has ended."""
+
+    handle: Hashable  # the caller's name for the request (`SlotBatcher.join`)
+    new_tokens: list[int]
+    completion: Completion | None  # None while the request runs
+
+
+class SlotBatcher:
+    """Requests joining and leaving the rows of one running generation state (module docstring).
+
+    capacity: cache slots per row, the same for every request (prompt + budget + the slots a verify writes ahead
+    must fit); stop_ids: tokens that end a request; sampling: every request's (greedy by default)."""
+
+    def __init__(
+        self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (),
+        sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+    ):
+        limit = generator.config.context_length + generator.extra_capacity
+        if not generator.extra_capacity < capacity <= limit:
+            raise JaxspecError(f"a slot's cache capacity must be in ({generator.extra_capacity}, {limit}], got "
+                               f"{capacity}")
+        self.generator = generator
+        self.capacity = capacity
+        self.sampling = sampling
+        self.eos = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+        self.stop_ids = frozenset(int(s) for s in stop_ids)
+        self.key = jax.random.key(seed)
+        self.state: GenState | None = None  # after the first join
+        self.step_program = None
+        rows = generator.batch_size
+        self.held: list[tuple[Hashable, SlotRequest] | None] = [None] * rows  # each slot's request, None: free
+        self.emitted = np.zeros((rows,), np.int64)  # tokens of each slot's request reported so far
+        self.joined_at = np.zeros((rows,), np.float64)
+        self.prefill_seconds = np.zeros((rows,), np.float64)
+        self.join_program = jax.jit(_join_rows, donate_argnums=(0,))
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, held in enumerate(self.held) if held is None]
+
+    @property
+    def running(self) -> int:
+        return len(self.held) - len(self.free_slots)
+
+    def check(self, request: SlotRequest) -> None:
+        """A one-line error for a request no slot can take (empty, or prompt + budget past the capacity)."""
+        if not request.prompt:
+            raise JaxspecError("the prompt is empty after tokenization")
+        if request.max_new_tokens < 1:
+            raise JaxspecError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        room = self.capacity - self.generator.extra_capacity
+        if len(request.prompt) + request.max_new_tokens > room:
+            raise JaxspecError(
+                f"the prompt has {len(request.prompt)} tokens; with {request.max_new_tokens} new tokens that exceeds "
+                f"the {room} tokens a slot holds (shorten the prompt or lower the budget)"
+            )
+        procs.check_vocab([request.processors], self.generator.config.vocab_size)
+
+    def join(self, requests: Sequence[tuple[Hashable, SlotRequest]]) -> list[int]:
+        """Prefill `requests` (handle, request) into free slots, all in one prefill; returns their slots. Their
+        first tokens come with the next `collect`."""
+        free = self.free_slots
+        if len(requests) > len(free):
+            raise JaxspecError(f"{len(requests)} requests for {len(free)} free slots")
+        if not requests:
+            return []
+        for _, request in requests:
+            self.check(request)
+        gen, rows = self.generator, len(self.held)
+        slots = free[: len(requests)]
+        t = min(prompt_bucket(max(len(r.prompt) for _, r in requests)), self.capacity)
+        prompt = np.zeros((rows, t), np.int32)
+        lens, max_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+        processors = [procs.LogitProcessors()] * rows
+        for slot, (_, request) in zip(slots, requests):
+            prompt[slot, : len(request.prompt)] = request.prompt
+            lens[slot], max_new[slot] = len(request.prompt), request.max_new_tokens
+            processors[slot] = request.processors
+        # processor arrays always (neutral rows change no bit): one program whoever joins
+        values = procs.batch_values(processors, rows, gen.config.vocab_size, always=True)
+        self.key, key = jax.random.split(self.key)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, key, values)
+        prefill, self.step_program = gen.programs(args, self.capacity, self.sampling)
+        start = time.perf_counter()
+        fresh = prefill(*gen.program_params, *args)
+        if self.state is None:
+            self.state = fresh
+        else:
+            joining = np.zeros((rows,), bool)
+            joining[slots] = True
+            with sharding.mesh_context(gen.mesh):
+                self.state = self.join_program(self.state, fresh, jnp.asarray(joining))
+        jax.block_until_ready(self.state.num_generated)
+        now = time.perf_counter()
+        for slot, held in zip(slots, requests):
+            self.held[slot] = held
+            self.emitted[slot] = 0
+            self.joined_at[slot], self.prefill_seconds[slot] = start, now - start
+        return slots
+
+    def step(self) -> list[SlotUpdate]:
+        """One compiled chunk of steps (`Generator.chunk_steps`) over every running slot, then `collect`."""
+        if self.state is not None and self.running:
+            self.state = self.step_program(*self.generator.program_params, self.state, self.eos)
+        return self.collect()
+
+    def collect(self) -> list[SlotUpdate]:
+        """The tokens each request produced since the last collect, and the completions of the requests that have
+        ended (their slots are free again)."""
+        if self.state is None or not self.running:
+            return []
+        st = self.state
+        counts, done = sharding.to_host(st.num_generated), sharding.to_host(st.done)
+        ending = done & self.busy
+        tokens = sharding.to_host(st.tokens) if np.any(counts > self.emitted) or np.any(ending) else None
+        stats = self.generator.row_stats(st, len(self.held)) if np.any(ending) else None
+        now = time.perf_counter()
+        updates = []
+        for slot, held in enumerate(self.held):
+            if held is None:
+                continue
+            handle, request = held
+            n, seen = int(counts[slot]), int(self.emitted[slot])
+            new = tokens[slot, seen:n].tolist() if n > seen else []
+            self.emitted[slot] = n
+            completion = None
+            if done[slot]:
+                ids = tokens[slot, :n].tolist()
+                completion = Completion(
+                    ids, bool(ids) and ids[-1] in self.stop_ids, len(request.prompt), now - self.joined_at[slot],
+                    float(self.prefill_seconds[slot]), len(self.held), stats[slot],
+                )
+                self.held[slot] = None
+            if new or completion is not None:
+                updates.append(SlotUpdate(handle, new, completion))
+        return updates
+
+    @property
+    def busy(self) -> np.ndarray:
+        """[rows] bool: which slots hold a request."""
+        return np.asarray([held is not None for held in self.held])
+
+
+def _join_rows(running: GenState, fresh: GenState, joining: jax.Array) -> GenState:
+    """The running state with the joining rows ([B] bool) taken from `fresh` (a prefill of the same batch shape):
+    every per-row array (batch first) scattered row by row, in place when `running` is donated; the PRNG key stays
+    the running state's."""
+    rows = joining.shape[0]
+    where = jnp.where(joining, jnp.arange(rows), rows)  # rows not joining: out of range, dropped
+
+    def one(old, new):
+        if old.ndim == 0 or jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+            return old
+        if old.shape[0] != rows:
+            raise ValueError(f"a state array of shape {old.shape} has no batch-first layout")
+        return old.at[where].set(new, mode="drop")
+
+    return constrain_state(jax.tree.map(one, running, fresh))

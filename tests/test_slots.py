@@ -1,0 +1,78 @@
+"""Continuous batching (jaxspec/engine/slots.py): requests that join and leave slots between steps each get the
+output `Generator.generate` gives them alone, streamed as they go."""
+
+import pytest
+from spec_fixtures import PROMPTS, fitted_head, tiny_target
+
+from jaxspec.engine.generation import Generator
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.slots import SlotBatcher, SlotRequest
+from jaxspec.errors import JaxspecError
+from jaxspec.processors import LogitProcessors
+
+# (prompt, budget): more requests than slots, other lengths and budgets, one with a processor
+REQUESTS = [
+    (PROMPTS[0], 12, LogitProcessors()), (PROMPTS[1], 5, LogitProcessors()), (PROMPTS[2], 20, LogitProcessors()),
+    (PROMPTS[3], 9, LogitProcessors(repetition_penalty=1.3, logit_bias=((7, 2.0),))), (PROMPTS[1][:3], 16, LogitProcessors()),
+]
+
+
+def alone(make, stop_ids, requests=REQUESTS) -> list[list[int]]:
+    gen = make(1)
+    return [gen.generate([p], max_new_tokens=n, stop_ids=stop_ids, processors=proc)[0].token_ids
+            for p, n, proc in requests]
+
+
+def served(batcher: SlotBatcher) -> tuple[dict, dict, int]:
+    """Each request joins when a slot is free (one per chunk of steps, so that they overlap at other points):
+    (completions, streamed tokens, the most requests running at once)."""
+    pending = list(enumerate(REQUESTS))
+    completions, streamed, most = {}, {i: [] for i in range(len(REQUESTS))}, 0
+    while pending or batcher.running:
+        if pending and batcher.free_slots:
+            i, (prompt, budget, proc) = pending.pop(0)
+            batcher.join([(i, SlotRequest(tuple(prompt), budget, proc))])
+        most = max(most, batcher.running)
+        for update in batcher.step():
+            streamed[update.handle] += update.new_tokens
+            if update.completion is not None:
+                completions[update.handle] = update.completion
+    return completions, streamed, most
+
+
+@pytest.mark.parametrize("drafter", [
+    pytest.param("none", marks=pytest.mark.slow),  # CI: the speculative case (the same join, the head's state too)
+    "eagle3",
+])
+def test_requests_joining_between_steps_get_their_own_output(drafter):
+    model = tiny_target()
+
+    def make(rows, chunk_steps=None):  # the batcher's: chunks of 2 steps, so that requests join mid-way
+        if drafter == "none":
+            return Generator(model, batch_size=rows, chunk_steps=chunk_steps)
+        return SpeculativeGenerator(model, fitted_head(), num_draft=3, batch_size=rows, chunk_steps=chunk_steps)
+
+    stop = alone(make, (), REQUESTS[2:3])[0][6]  # a token request 2 produces: a stop id ends it (maybe others) early
+    want = alone(make, (stop,))
+    batcher = SlotBatcher(make(2, chunk_steps=2), capacity=64, stop_ids=(stop,))
+    completions, streamed, most = served(batcher)
+    assert most == 2 and batcher.running == 0
+    for i, ids in enumerate(want):
+        assert completions[i].token_ids == ids, i
+        assert streamed[i] == ids, i  # streamed as produced, nothing lost or repeated
+        assert completions[i].finished_by_eos == (ids[-1] == stop)
+    assert any(c.finished_by_eos for c in completions.values())
+    if drafter == "eagle3":
+        assert all(c.stats["verify_calls"] > 0 for c in completions.values() if c.num_generated > 1)
+
+
+def test_a_request_no_slot_can_hold_is_refused_in_one_line():
+    batcher = SlotBatcher(Generator(tiny_target(), batch_size=2), capacity=32)
+    with pytest.raises(JaxspecError, match="exceeds the 32 tokens a slot holds"):
+        batcher.check(SlotRequest(tuple(PROMPTS[1]), 30))
+    with pytest.raises(JaxspecError, match="prompt is empty"):
+        batcher.check(SlotRequest((), 4))
+    with pytest.raises(JaxspecError, match="3 requests for 2 free slots"):
+        batcher.join([(i, SlotRequest((1, 2), 4)) for i in range(3)])
+    with pytest.raises(JaxspecError, match="capacity must be in"):
+        SlotBatcher(Generator(tiny_target(), batch_size=2), capacity=4096)
