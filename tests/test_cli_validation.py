@@ -168,7 +168,10 @@ def test_the_closing_line_names_the_method_and_tokens_per_verify(tiny_dir, tiny_
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
-    found = {"generate": generate.build_parser(), "bench": bench.build_parser(), "convert": convert.build_parser()}
+    from jaxspec.serve.__main__ import build_parser as serve_parser
+
+    found = {"generate": generate.build_parser(), "bench": bench.build_parser(), "convert": convert.build_parser(),
+             "serve": serve_parser()}
     for action in found["convert"]._actions:  # argparse keeps subparsers only here
         if isinstance(action, argparse._SubParsersAction):
             found |= {f"convert {name}": sub for name, sub in action.choices.items()}

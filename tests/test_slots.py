@@ -41,8 +41,8 @@ def served(batcher: SlotBatcher) -> tuple[dict, dict, int]:
 
 
 @pytest.mark.parametrize("drafter", [
-    pytest.param("none", marks=pytest.mark.slow),  # CI: the speculative case (the same join, the head's state too)
-    "eagle3",
+    "none",
+    pytest.param("eagle3", marks=pytest.mark.slow),  # CI: tests/test_serve.py joins a head's state too
 ])
 def test_requests_joining_between_steps_get_their_own_output(drafter):
     model = tiny_target()

@@ -31,6 +31,9 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig
 
 
+_WARM_UP = object()  # the handle of `SlotBatcher.warm_up`'s request
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotRequest:
     """One request: its tokenized prompt, its budget of new tokens and its logit processors."""
@@ -77,6 +80,7 @@ class SlotBatcher:
         self.joined_at = np.zeros((rows,), np.float64)
         self.prefill_seconds = np.zeros((rows,), np.float64)
         self.join_program = jax.jit(_join_rows, donate_argnums=(0,))
+        self.end_program = jax.jit(_end_row, donate_argnums=(0,))
 
     @property
     def free_slots(self) -> list[int]:
@@ -142,6 +146,26 @@ class SlotBatcher:
             self.joined_at[slot], self.prefill_seconds[slot] = start, now - start
         return slots
 
+    def warm_up(self, token: int = 0) -> float:
+        """Compile the step and the shortest prompt bucket's prefill before any request comes (a one-token prompt
+        run for two tokens in one slot; nothing of it stays); returns the seconds it took."""
+        start = time.perf_counter()
+        self.join([(_WARM_UP, SlotRequest((token,), 2))])
+        while self.running:
+            self.step()
+        return time.perf_counter() - start
+
+    def cancel(self, handle: Hashable) -> bool:
+        """End a running request now (its client went away): its row is marked done, so the next steps skip it,
+        and its slot is free. False if no slot holds it."""
+        for slot, held in enumerate(self.held):
+            if held is not None and held[0] == handle:
+                with sharding.mesh_context(self.generator.mesh):
+                    self.state = self.end_program(self.state, jnp.int32(slot))
+                self.held[slot] = None
+                return True
+        return False
+
     def step(self) -> list[SlotUpdate]:
         """One compiled chunk of steps (`Generator.chunk_steps`) over every running slot, then `collect`."""
         if self.state is not None and self.running:
@@ -200,3 +224,8 @@ def _join_rows(running: GenState, fresh: GenState, joining: jax.Array) -> GenSta
         return old.at[where].set(new, mode="drop")
 
     return constrain_state(jax.tree.map(one, running, fresh))
+
+
+def _end_row(st: GenState, slot: jax.Array) -> GenState:
+    """The state with row `slot` marked done (a cancelled request): the steps skip it from now on."""
+    return constrain_state(st._replace(done=st.done.at[slot].set(True)))

@@ -1,0 +1,146 @@
+"""python -m jaxspec.serve: an OpenAI-compatible server over the speculative engine, with continuous batching.
+
+Examples:
+  python -m jaxspec.serve                                  # the built-in SmolLM2 target and its head, port 8000
+  python -m jaxspec.serve --target DIR --draft HEAD_DIR --num-speculative-tokens 5 --slots 16 --max-model-len 4096
+  python -m jaxspec.serve --no-draft --port 9000
+
+Then any OpenAI client: base_url http://127.0.0.1:8000/v1 (README, "Serve").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from jaxspec.cli.args import (
+    AUTO,
+    OneLineParser,
+    add_draft_args,
+    add_target_args,
+    check_generation_args,
+    integer,
+    parse_tree,
+)
+from jaxspec.cli.program import main_guard, run_program, use_compile_cache
+from jaxspec.errors import JaxspecError
+
+DEFAULT_SPECULATIVE_TOKENS = 3  # a fixed chain: `auto` chooses per batch, which slots do not have yet
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="python -m jaxspec.serve",
+        description="Serve a Llama-family target over HTTP (OpenAI's completions and chat APIs), speculating with "
+        "a draft, continuously batched.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
+    add_target_args(parser)
+    add_draft_args(parser)
+    parser.add_argument("--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
+                        help="draft EAGLE-2 dynamic trees instead of chains (default: none, chains)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=integer(1), default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--slots", type=integer(1), default=4, metavar="N",
+                        help="requests generated at once (the compiled batch; more wait in a queue) "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-model-len", type=integer(1), default=2048, metavar="N",
+                        help="prompt + new tokens one request may hold (each slot's cache; capped at the model's "
+                        "context) (default: %(default)s)")
+    parser.add_argument("--chunk-steps", type=integer(1), default=2, metavar="N",
+                        help="engine steps between two chances for waiting requests to join (default: %(default)s)")
+    parser.add_argument("--default-max-tokens", type=integer(1), default=256, metavar="N",
+                        help="new tokens for a chat request that names no max_tokens (default: %(default)s)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the model id clients name (default: the target directory's name)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="every request's sampling temperature (default: 0.0, greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="every request's nucleus mass, (0, 1] (default: 1.0, off)")
+    parser.add_argument("--top-k", type=integer(0), default=0, metavar="K",
+                        help="every request's top-k (default: 0, off)")
+    parser.add_argument("--seed", type=integer(0), default=0, help="the sampling stream's seed (default: 0)")
+    return parser
+
+
+def build_server(args):
+    """(FastAPI app, Scheduler) for parsed arguments: the target and draft loaded, the engine thread started."""
+    from jaxspec.cli.loading import (
+        draft_generator,
+        head_aux_layer_ids,
+        kernels_impl,
+        load_draft_for,
+        load_target_and_tokenizer,
+        ngram_proposer,
+        resolve_draft,
+        resolve_target,
+    )
+    from jaxspec.engine.generation import Generator, capacity_bucket
+    from jaxspec.engine.slots import SlotBatcher
+    from jaxspec.prompts import stop_token_ids
+    from jaxspec.sampling import SamplingConfig
+    from jaxspec.serve.app import ServedModel, make_app
+    from jaxspec.serve.scheduler import Scheduler
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    kernels = kernels_impl(args)
+    draft = resolve_draft(args)
+    target_dir = resolve_target(args.target)
+    model, tokenizer = load_target_and_tokenizer(
+        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), numerics=args.numerics,
+        kernels=kernels, quantize=args.quantize,
+    )
+    context = model.config.context_length
+    if args.max_model_len > context:
+        raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
+    if draft:
+        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
+        generator = draft_generator(model, drafter, draft, args.num_speculative_tokens, args.tree,
+                                    batch_size=args.slots, kernels=kernels)
+        generator.chunk_steps = args.chunk_steps
+    else:
+        generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots,
+                              chunk_steps=args.chunk_steps, kernels=kernels)
+    generator.on_compile = lambda msg: print(msg, file=sys.stderr)
+    capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
+    stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
+    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, sampling=sampling, seed=args.seed)
+    print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
+    scheduler = Scheduler(batcher)
+    name = args.served_model_name or target_dir.name
+    served = ServedModel(scheduler, tokenizer, name, stops, sampling, args.default_max_tokens,
+                         model.config.vocab_size)
+    return make_app(served), scheduler
+
+
+@main_guard
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_speculative_tokens is None and not args.no_draft and args.tree is None:
+        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
+    check_generation_args(args, tree_sets_depth=True)
+    if args.num_speculative_tokens == AUTO:
+        raise JaxspecError("--num-speculative-tokens auto is not served yet (slots run one fixed chain); give a number "
+                           f"(default {DEFAULT_SPECULATIVE_TOKENS}) or --no-draft")
+    if getattr(args, "proposer", "eagle3") == "draft-model":
+        raise JaxspecError("--proposer draft-model is not served yet; use an EAGLE-3 head, a DFlash drafter or ngram")
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise JaxspecError(f"the server needs {', '.join(missing)}: pip install 'jaxspec[serve]'")
+    import uvicorn
+
+    use_compile_cache(args)
+    app, scheduler = build_server(args)
+    scheduler.start()
+    print(f"serving on http://{args.host}:{args.port}/v1 ({args.slots} slots)", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        scheduler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    run_program(main)

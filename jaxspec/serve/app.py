@@ -1,0 +1,267 @@
+"""The HTTP side: an OpenAI-compatible FastAPI app over the engine thread (`Scheduler`).
+
+Routes: /v1/completions, /v1/chat/completions (streamed as server-sent events with `stream: true`), /v1/models,
+/health, /metrics (Prometheus). Errors are OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`,
+with 4xx codes for what the client sent; the server keeps serving after any of them.
+
+Text: each update's tokens are detokenized as a whole sequence and the new suffix sent, held back while it ends in
+an incomplete character or could be the start of a stop string, so streamed text concatenates to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxspec.engine.slots import SlotRequest
+from jaxspec.errors import JaxspecError
+from jaxspec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from jaxspec.serve.scheduler import Scheduler
+
+
+class ServedModel:
+    """What the routes need: the engine thread, the tokenizer, the model's name, stop ids and default budget."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, name: str, stop_ids, sampling, default_max_tokens: int,
+                 vocab: int):
+        self.scheduler, self.tokenizer, self.name = scheduler, tokenizer, name
+        self.stop_ids, self.sampling, self.default_max_tokens = frozenset(stop_ids), sampling, default_max_tokens
+        self.vocab = vocab  # the target's (token ids and logit_bias keys are checked against it)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+class TextTracker:
+    """A request's text so far from its tokens, cut at the first stop string; `advance` returns the part of the
+    text that can be sent now."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text sent so far
+        self.stopped = False  # a stop string was found
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped = True
+            return text[: min(cuts)]
+        return text
+
+    def advance(self, new_ids: list[int], final: bool) -> str:
+        self.ids += new_ids
+        text = self.text()
+        end = len(text)
+        if not final and not self.stopped:
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                end = text.rstrip("\ufffd").__len__()
+            for s in self.stops:  # a suffix that could grow into a stop string stays back
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:k]):
+                        end -= k
+                        break
+        out = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return out
+
+
+def make_app(served: ServedModel) -> FastAPI:
+    app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None)
+    scheduler = served.scheduler
+    registry = CollectorRegistry()
+    requests_total = Counter("jaxspec_requests", "HTTP requests by route and status", ["route", "status"],
+                             registry=registry)
+    prompt_tokens = Counter("jaxspec_prompt_tokens", "prompt tokens of accepted requests", registry=registry)
+    in_flight = Gauge("jaxspec_requests_in_flight", "requests being answered", registry=registry)
+    registry.register(_EngineCollector(scheduler))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        kind = first.get("type", "")
+        message = ("the body is not valid JSON" if kind == "json_invalid"
+                   else f"unknown field {where!r}" if kind == "extra_forbidden"
+                   else f"{where}: {first.get('msg', 'invalid')}")
+        requests_total.labels(request.url.path, "400").inc()
+        return error_body(message, 400, where or None)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return error_body(f"the engine stopped: {scheduler.error!r}", 503)
+        return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                            "owned_by": "jaxspec"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def answer(route: str, body, prompt_ids: list[int], budget: int, chat: bool):
+        try:
+            body.check_unsupported()
+            body.check_sampling(served.sampling)
+            stops = body.stop_strings()
+            if not all(0 <= i < served.vocab for i in prompt_ids):
+                raise JaxspecError(f"prompt token ids must be in [0, {served.vocab})")
+            request = SlotRequest(tuple(prompt_ids), budget, body.processors(served.vocab))
+            loop = asyncio.get_running_loop()
+            updates: asyncio.Queue = asyncio.Queue()
+            handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        except JaxspecError as e:
+            requests_total.labels(route, "400").inc()
+            return error_body(str(e), 400)
+        prompt_tokens.inc(len(prompt_ids))
+        requests_total.labels(route, "200").inc()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tracker = TextTracker(served.tokenizer, stops)
+        if body.stream:
+            events = _stream(served, scheduler, handle, updates, tracker, rid, chat, body.include_usage,
+                             len(prompt_ids), in_flight)
+            return StreamingResponse(events, media_type="text/event-stream")
+        in_flight.inc()
+        try:
+            completion = None
+            while completion is None:
+                update = await updates.get()
+                if isinstance(update, BaseException):
+                    return error_body(f"the engine failed: {update!r}", 500)
+                tracker.advance(update.new_tokens, final=False)
+                if tracker.stopped:
+                    scheduler.cancel(handle)
+                    break
+                completion = update.completion
+            text = tracker.text()
+            reason = _finish_reason(completion, tracker, served.stop_ids)
+            n = len(tracker.ids)
+            return _response(rid, served.name, chat, text, reason, len(prompt_ids), n)
+        except asyncio.CancelledError:
+            scheduler.cancel(handle)
+            raise
+        finally:
+            in_flight.dec()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer(body.prompt).input_ids
+        return await answer("/v1/completions", body, list(ids), body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        if not getattr(served.tokenizer, "chat_template", None):
+            return error_body("this model's tokenizer has no chat template; use /v1/completions", 400)
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = served.tokenizer(text, add_special_tokens=False).input_ids
+        return await answer("/v1/chat/completions", body, ids, body.budget(served.default_max_tokens), chat=True)
+
+    return app
+
+
+def _finish_reason(completion, tracker: TextTracker, stop_ids) -> str:
+    if tracker.stopped or (completion is not None and completion.finished_by_eos):
+        return "stop"
+    return "length"
+
+
+def _response(rid, model, chat, text, reason, prompt_n, completion_n) -> dict:
+    usage = {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "logprobs": None}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [choice], "usage": usage}
+    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage}
+
+
+async def _stream(served, scheduler, handle, updates, tracker, rid, chat, include_usage, prompt_n, in_flight):
+    """Server-sent events: one chunk per update with new text, the last with the finish reason, then [DONE]. A
+    client that goes away cancels the request (its slot is freed before the next step)."""
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        body = {"id": rid, "object": obj, "created": created, "model": served.name, "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    in_flight.inc()
+    finished = False
+    try:
+        if chat:
+            yield chunk("", None, first=True)
+        completion = None
+        while completion is None:
+            update = await updates.get()
+            if isinstance(update, BaseException):
+                error = {"error": {"message": f"the engine failed: {update!r}", "type": "server_error",
+                                   "param": None, "code": 500}}
+                yield f"data: {json.dumps(error)}\n\n"
+                return
+            completion = update.completion
+            text = tracker.advance(update.new_tokens, final=completion is not None)
+            if tracker.stopped:
+                scheduler.cancel(handle)
+                text += tracker.advance([], final=True)
+            if text:
+                yield chunk(text, None)
+            if tracker.stopped:
+                break
+        finished = True
+        yield chunk(None, _finish_reason(completion, tracker, served.stop_ids))
+        if include_usage:
+            n = len(tracker.ids)
+            usage = {"prompt_tokens": prompt_n, "completion_tokens": n, "total_tokens": prompt_n + n}
+            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': served.name, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        in_flight.dec()
+        if not finished:  # the client went away mid-stream
+            scheduler.cancel(handle)
+
+
+class _EngineCollector:
+    """The engine thread's counters as Prometheus metrics, read when scraped."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        s, st = self.scheduler, self.scheduler.stats
+        yield GaugeMetricFamily("jaxspec_slots_running", "requests in engine slots", value=s.running)
+        yield GaugeMetricFamily("jaxspec_requests_waiting", "requests waiting for a slot", value=s.waiting)
+        yield CounterMetricFamily("jaxspec_engine_steps", "compiled step chunks run", value=st.steps)
+        yield CounterMetricFamily("jaxspec_engine_step_seconds", "wall time in step chunks", value=st.step_seconds)
+        yield CounterMetricFamily("jaxspec_generated_tokens", "tokens generated", value=st.generated_tokens)
+        yield CounterMetricFamily("jaxspec_requests_completed", "requests that ended", value=st.completed)
+        yield CounterMetricFamily("jaxspec_requests_cancelled", "requests cancelled", value=st.cancelled)
+        yield CounterMetricFamily("jaxspec_verify_calls", "target verify steps of completed requests",
+                                  value=st.verify_calls)
+        rejections = CounterMetricFamily("jaxspec_verify_outcomes", "why verify steps stopped accepting",
+                                         labels=["outcome"])
+        for outcome, count in sorted(st.rejections.items()):
+            rejections.add_metric([outcome], count)
+        yield rejections

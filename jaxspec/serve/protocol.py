@@ -1,0 +1,128 @@
+"""The OpenAI request bodies the server accepts (pydantic), checked into what the engine runs.
+
+Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
+Fields OpenAI defines that this server cannot honour yet (n > 1, logprobs, echo, best_of, structured
+`response_format`, per-request sampling settings other than the server's) are refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxspec.errors import JaxspecError
+from jaxspec.processors import LogitProcessors
+from jaxspec.sampling import SamplingConfig
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+class _Common(BaseModel):
+    """Fields completions and chat share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM/SGLang's extension
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM/SGLang's extension
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}
+    user: str | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise JaxspecError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {stops!r}")
+        return tuple(stops)
+
+    def processors(self, vocab: int) -> LogitProcessors:
+        bias = []
+        for token, value in (self.logit_bias or {}).items():
+            if not token.lstrip("-").isdigit() or not 0 <= int(token) < vocab:
+                raise JaxspecError(f"logit_bias keys are token ids in [0, {vocab}), got {token!r}")
+            if not -100 <= value <= 100:
+                raise JaxspecError(f"logit_bias values are in [-100, 100], got {value} for token {token}")
+            bias.append((int(token), float(value)))
+        return LogitProcessors(
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=tuple(sorted(bias)),
+        )
+
+    def check_sampling(self, served: SamplingConfig) -> None:
+        """The server samples with one setting (`python -m jaxspec.serve --temperature/--top-p/--top-k`); a
+        request may restate it but not change it (per-request settings need per-row sampling in the engine)."""
+        asked = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        have = {"temperature": served.temperature, "top_p": served.top_p, "top_k": served.top_k}
+        for name, value in asked.items():
+            if value is not None and value != have[name] and not (name == "top_k" and value in (0, -1) and not
+                                                                 have[name]):
+                raise JaxspecError(
+                    f"this server samples with {name}={have[name]} for every request (python -m jaxspec.serve "
+                    f"--{name.replace('_', '-')}); got {value}: per-request sampling settings are not supported yet"
+                )
+        if self.seed is not None and not served.greedy:
+            raise JaxspecError("per-request seeds are not supported yet: leave seed out (the server draws from one "
+                               "stream)")
+        if self.n != 1:
+            raise JaxspecError(f"n={self.n}: this server returns one choice per request (n=1)")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: a prompt as text or token ids, fed as is (no chat template)."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("logprobs", "best_of", "suffix"):
+            if getattr(self, name) not in (None, 1) or (name == "suffix" and self.suffix):
+                raise JaxspecError(f"{name} is not supported by this server yet")
+        if self.echo:
+            raise JaxspecError("echo is not supported by this server yet")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions: messages rendered with the tokenizer's chat template, the assistant turn open."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        if self.logprobs or self.top_logprobs:
+            raise JaxspecError("logprobs are not supported by this server yet")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise JaxspecError(f"response_format {kind!r} is not supported by this server yet (only text)")
+
+    def budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default

@@ -1,0 +1,135 @@
+"""The server's engine thread: requests in, token updates out, over one `SlotBatcher`.
+
+Why a thread: the engine's steps block (compiled programs), and the HTTP side is asyncio; one thread owns the device
+state, so nothing in it is shared. Requests wait in a queue until a slot is free; each step's updates go back to
+each request's own callback (the HTTP side's asyncio queue, `loop.call_soon_threadsafe`). A cancelled request (its
+client went away, or a stop string ended it) leaves its queue or its slot before the next step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from jaxspec.engine.slots import SlotBatcher, SlotRequest, SlotUpdate
+
+Sink = Callable[[SlotUpdate | BaseException], None]
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """Counters the /metrics endpoint reads (written by the engine thread only)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    joins: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    generated_tokens: int = 0
+    verify_calls: int = 0  # of completed speculative requests
+    rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class Scheduler:
+    """Owns a SlotBatcher in a daemon thread (module docstring). `submit` and `cancel` may be called from any
+    thread."""
+
+    def __init__(self, batcher: SlotBatcher):
+        self.batcher = batcher
+        self.stats = SchedulerStats()
+        self._inbox: queue.Queue = queue.Queue()  # ("submit", handle, request, sink) | ("cancel", handle)
+        self._waiting: collections.OrderedDict = collections.OrderedDict()  # handle → (request, sink)
+        self._sinks: dict = {}  # handle → sink, of requests in slots
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxspec-engine", daemon=True)
+        self.error: BaseException | None = None  # what stopped the engine thread, if anything did
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=60)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return self.batcher.running
+
+    def submit(self, request: SlotRequest, sink: Sink) -> int:
+        """Queue a request (checked first: a JaxspecError for one no slot can hold); returns its handle."""
+        self.batcher.check(request)
+        handle = next(self._ids)
+        self._inbox.put(("submit", handle, request, sink))
+        return handle
+
+    def cancel(self, handle: int) -> None:
+        self._inbox.put(("cancel", handle))
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                message = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if message[0] == "submit":
+                _, handle, request, sink = message
+                self._waiting[handle] = (request, sink)
+            elif message[0] == "cancel":
+                handle = message[1]
+                if self._waiting.pop(handle, None) is not None or self.batcher.cancel(handle):
+                    self.stats.cancelled += 1
+                self._sinks.pop(handle, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.batcher.running and not self._waiting)
+                joining = []
+                while self._waiting and len(joining) < len(self.batcher.free_slots):
+                    handle, (request, sink) = self._waiting.popitem(last=False)
+                    self._sinks[handle] = sink
+                    joining.append((handle, request))
+                if joining:
+                    self.batcher.join(joining)
+                    self.stats.joins += len(joining)
+                    self._deliver(self.batcher.collect())
+                if self.batcher.running:
+                    start = time.perf_counter()
+                    updates = self.batcher.step()
+                    self.stats.steps += 1
+                    self.stats.step_seconds += time.perf_counter() - start
+                    self._deliver(updates)
+        except BaseException as e:  # noqa: BLE001 (every waiting request is told, then the server reports it)
+            self.error = e
+            for sink in [*self._sinks.values(), *(s for _, s in self._waiting.values())]:
+                sink(e)
+
+    def _deliver(self, updates: list[SlotUpdate]) -> None:
+        for update in updates:
+            self.stats.generated_tokens += len(update.new_tokens)
+            if update.completion is not None:
+                self.stats.completed += 1
+                stats = update.completion.stats
+                self.stats.verify_calls += stats.get("verify_calls", 0)
+                self.stats.rejections.update(stats.get("rejections", {}))
+                sink = self._sinks.pop(update.handle, None)
+            else:
+                sink = self._sinks.get(update.handle)
+            if sink is not None:
+                sink(update)

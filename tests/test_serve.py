@@ -1,0 +1,194 @@
+"""python -m jaxspec.serve: the OpenAI API over continuously batched speculative generation, talked to with the
+`openai` client on a loopback port. Outputs equal the engine's for each prompt alone; concurrent clients get their
+own; a disconnect frees its slot; bad requests get 4xx JSON errors and the server keeps serving."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hf_tiny import make_tiny, write_char_tokenizer
+
+from jaxspec.serve.__main__ import build_parser, build_server
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from fit_head import head_config_for
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from jaxspec.checkpoints.heads import export_head
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.models.eagle3 import Eagle3Head
+
+    path = tmp_path_factory.mktemp("serve") / "target"
+    make_tiny("smollm2_tied", path, seed=5)
+    write_char_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    model = load_target(path)
+    head = path.parent / "head"
+    export_head(Eagle3Head(head_config_for(model), rngs=nnx.Rngs(0)), head, layout="sglang", target=model.config,
+                dtype="float32")
+    return path, head
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    """The server with the tiny target and a (random) EAGLE-3 head, chains of 3, 4 slots, in this process."""
+    import uvicorn
+
+    path, head = target
+    port = free_port()
+    args = build_parser().parse_args(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3",
+                                      "--slots", "4", "--max-model-len", "96", "--port", str(port)])
+    app, scheduler = build_server(args)
+    scheduler.start()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not uv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert uv.started
+    yield f"http://127.0.0.1:{port}", app, scheduler
+    uv.should_exit = True
+    thread.join(timeout=30)
+    scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    """text(prompt_ids, max_tokens): what the engine gives a prompt alone (batch 1, the same head and chain)."""
+    from jaxspec.checkpoints.heads import load_head
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generator import SpeculativeGenerator
+    from jaxspec.prompts import load_tokenizer, stop_token_ids
+
+    path, head_dir = target
+    model = load_target(path)
+    tokenizer = load_tokenizer(path)
+    gen = SpeculativeGenerator(model, load_head(head_dir, model.config), num_draft=3, batch_size=1)
+    stops = stop_token_ids(tokenizer, path, model.config.eos_token_ids)
+
+    def text(ids: list[int], max_tokens: int) -> str:
+        out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops)[0].token_ids
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    return text, tokenizer
+
+
+def client(base: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def post(base: str, route: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(base + route, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alone):
+    base, _, _ = server
+    text, tokenizer = alone
+    api = client(base)
+    for prompt, n in (("abc", 12), ("hello there", 7)):
+        got = api.completions.create(model="target", prompt=prompt, max_tokens=n)
+        assert got.choices[0].text == text(tokenizer(prompt).input_ids, n)
+        assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens <= n
+        streamed = "".join(c.choices[0].text for c in api.completions.create(
+            model="target", prompt=prompt, max_tokens=n, stream=True))
+        assert streamed == got.choices[0].text
+    messages = [{"role": "user", "content": "what is x?"}]
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False).input_ids
+    chat = api.chat.completions.create(model="target", messages=messages, max_tokens=10)
+    assert chat.choices[0].message.content == text(ids, 10) and chat.choices[0].finish_reason in ("stop", "length")
+    chunks = list(api.chat.completions.create(model="target", messages=messages, max_tokens=10, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # a stop string cuts the text where it first occurs, streamed or not
+    full = text(tokenizer("abc").input_ids, 12)
+    stop = full[3:5]
+    cut = api.completions.create(model="target", prompt="abc", max_tokens=12, stop=[stop])
+    assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model="target", prompt="abc", max_tokens=12, stop=stop, stream=True))
+    assert streamed == cut.choices[0].text
+    assert [m.id for m in api.models.list().data] == ["target"]
+
+
+def test_concurrent_clients_each_get_their_own_output(server, alone):
+    base, _, scheduler = server
+    text, tokenizer = alone
+    prompts = [("abc", 9), ("hello there", 4), ("x", 14), ("the quick fox", 6)]
+    want = {p: text(tokenizer(p).input_ids, n) for p, n in prompts}
+    api = client(base)
+
+    def ask(i):
+        p, n = prompts[i % len(prompts)]
+        return p, api.completions.create(model="target", prompt=p, max_tokens=n).choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(ask, range(32)))
+    assert all(got == want[p] for p, got in results)
+    assert scheduler.stats.joins >= 32 and scheduler.running == 0
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
+    base, _, scheduler = server
+    cancelled = scheduler.stats.cancelled
+    stream = client(base).completions.create(model="target", prompt="abc", max_tokens=80, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 60
+    while (scheduler.stats.cancelled == cancelled or scheduler.running) and time.time() < deadline:
+        time.sleep(0.05)
+    assert scheduler.stats.cancelled == cancelled + 1 and scheduler.running == 0
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert float(values["jaxspec_requests_cancelled_total"]) == scheduler.stats.cancelled
+    assert float(values["jaxspec_generated_tokens_total"]) == scheduler.stats.generated_tokens > 0
+    assert float(values["jaxspec_slots_running"]) == 0
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokenz": 3}', "unknown field 'max_tokenz'"),
+    ("/v1/completions", json.dumps({"prompt": "a" * 200}).encode(), "exceeds the"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": 0.7}', "per-request sampling settings are not supported"),
+    ("/v1/completions", b'{"prompt": "a", "n": 2}', "n=2"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": [1, 500]}', "prompt token ids must be in"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '
+                             b'"response_format": {"type": "json_object"}}', "not supported"),
+])
+def test_bad_requests_get_openai_style_400s_and_the_server_keeps_serving(server, route, body, message):
+    base, _, _ = server
+    status, reply = post(base, route, body)
+    assert status == 400 and message in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    status, reply = post(base, "/v1/completions", b'{"prompt": "ab", "max_tokens": 2}')
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
