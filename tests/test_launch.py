@@ -135,7 +135,7 @@ def test_a_head_trains_against_the_quantized_target(setup, tmp_path):
     target is refused, and so are cached features of another target."""
     from jaxspec.errors import JaxspecError
     from train.config import load_config
-    from train.data import FEATURES_META, check_features_quantization
+    from train.data import FEATURES_META, check_features_quantization, check_heldout_quantization
     from train.launch import run
 
     run(load_config(config(setup, "float-teacher", 1)))
@@ -152,6 +152,11 @@ def test_a_head_trains_against_the_quantized_target(setup, tmp_path):
                                            "quantized to int8"):
         check_features_quantization([tmp_path], "int8")
     check_features_quantization([tmp_path], None)
+    # held-out replay scores the data's tokens as the target's own greedy output: int8 needs int8-written data
+    with pytest.raises(JaxspecError, match="written by the target as stored, and this run scores the target "
+                                           "quantized to int8"):
+        check_heldout_quantization([setup / "data"], "int8")
+    check_heldout_quantization([setup / "data"], None)
 
 
 @pytest.mark.slow

@@ -162,12 +162,13 @@ def main(argv=None) -> int:
         from jaxspec.cli.loading import head_aux_layer_ids, resolve_target
         from jaxspec.engine.generation import default_dtype
         from jaxspec.engine.generator import check_head_fits
-        from train.data import read_shards, require_shards
+        from train.data import check_heldout_quantization, read_shards, require_shards
 
         if args.num_draft < 1:
             raise JaxspecError(f"--num-draft must be at least 1, got {args.num_draft}")
         for d in args.data:
             require_shards(Path(d), "held-out shards")
+        check_heldout_quantization(args.data, args.quantize)
         target_dir = resolve_target(args.target)
         # the target returns the layers this head reads (checked against both configs before any weights load)
         aux = head_aux_layer_ids(args.draft, target_dir)

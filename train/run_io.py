@@ -31,7 +31,7 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
 
     from jaxspec.cli.loading import resolve_target
     from jaxspec.files import check_writable_dir, make_dir
-    from train.data import require_shards
+    from train.data import check_heldout_quantization, require_shards
 
     t = cfg.train
     if cfg.distributed:  # multi-host (a TPU slice, several GPU hosts): one process per host
@@ -52,6 +52,7 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
     eval_dirs = list(t.eval_data or ()) if t.eval_every else []  # scored only at evaluations
     for eval_dir in eval_dirs:
         require_shards(Path(eval_dir).expanduser(), "held-out shards (train.eval_data)")
+    check_heldout_quantization([Path(d).expanduser() for d in eval_dirs], cfg.target.quantize)
     if t.eval_every and t.eval_prompts:
         from jaxspec.prompts import prompt_set_path, read_prompts_file
 
