@@ -56,7 +56,7 @@ def server(target):
     path, head = target
     port = free_port()
     args = build_parser().parse_args(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3",
-                                      "--slots", "4", "--max-model-len", "96", "--port", str(port)])
+                                      "--slots", "4", "--max-model-len", "256", "--port", str(port)])
     app, scheduler = build_server(args)
     scheduler.start()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -88,7 +88,7 @@ def alone(target):
 
     def text(ids: list[int], max_tokens: int) -> str:
         out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops)[0].token_ids
-        return tokenizer.decode(out, skip_special_tokens=True)
+        return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     return text, tokenizer
 
@@ -137,6 +137,9 @@ def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alo
         model="target", prompt="abc", max_tokens=12, stop=stop, stream=True))
     assert streamed == cut.choices[0].text
     assert [m.id for m in api.models.list().data] == ["target"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what "}, {"type": "text", "text": "is x?"}]}]
+    assert api.chat.completions.create(model="target", messages=parts, max_tokens=10).choices[0].message.content == \
+        chat.choices[0].message.content
 
 
 def test_concurrent_clients_each_get_their_own_output(server, alone):
@@ -159,7 +162,7 @@ def test_concurrent_clients_each_get_their_own_output(server, alone):
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     base, _, scheduler = server
     cancelled = scheduler.stats.cancelled
-    stream = client(base).completions.create(model="target", prompt="abc", max_tokens=80, stream=True)
+    stream = client(base).completions.create(model="target", prompt="abc", max_tokens=240, stream=True)
     next(iter(stream))
     stream.close()
     deadline = time.time() + 60
@@ -176,7 +179,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
 @pytest.mark.parametrize("route, body, message", [
     ("/v1/completions", b"{not json", "not valid JSON"),
     ("/v1/completions", b'{"prompt": "a", "max_tokenz": 3}', "unknown field 'max_tokenz'"),
-    ("/v1/completions", json.dumps({"prompt": "a" * 200}).encode(), "exceeds the"),
+    ("/v1/completions", json.dumps({"prompt": "a" * 300}).encode(), "exceeds the 256 tokens"),
+    ("/v1/completions", b'{"prompt": "a", "logprobs": 1}', "logprobs is not supported"),
     ("/v1/completions", b'{"prompt": "a", "temperature": 0.7}', "per-request sampling settings are not supported"),
     ("/v1/completions", b'{"prompt": "a", "n": 2}', "n=2"),
     ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}', "max_tokens"),
@@ -192,3 +196,27 @@ def test_bad_requests_get_openai_style_400s_and_the_server_keeps_serving(server,
     assert reply["error"]["type"] == "invalid_request_error"
     status, reply = post(base, "/v1/completions", b'{"prompt": "ab", "max_tokens": 2}')
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.slow  # the server's default: auto chosen once at start-up
+def test_auto_chooses_the_served_method_once_at_start_up(target, capsys):
+    path, head = target
+    args = build_parser().parse_args(["--target", str(path), "--draft", str(head), "--slots", "2",
+                                      "--max-model-len", "64", "--no-stored-step-costs"])
+    assert args.num_speculative_tokens is None  # filled by the checks: auto for a head
+    from jaxspec.cli.args import check_generation_args
+
+    check_generation_args(args, tree_sets_depth=True)
+    app, scheduler = build_server(args)
+    err = capsys.readouterr().err
+    assert "auto: " in err and "for 2 slots (first batch" in err  # a random head records no acceptance
+    assert scheduler.batcher.generator.num_draft >= 1 and scheduler.batcher.running == 0
+
+
+def test_an_unknown_model_or_route_is_an_openai_style_404(server):
+    base, _, _ = server
+    status, reply = post(base, "/v1/completions", b'{"model": "gpt-9", "prompt": "a"}')
+    assert status == 404 and "'gpt-9' does not exist" in reply["error"]["message"]
+    status, reply = post(base, "/v1/nothing", b"{}")
+    assert status == 404 and reply["error"]["type"] == "invalid_request_error"
+

@@ -66,9 +66,32 @@ def test_requests_joining_between_steps_get_their_own_output(drafter):
         assert all(c.stats["verify_calls"] > 0 for c in completions.values() if c.num_generated > 1)
 
 
+def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
+    """The n-gram proposer's history is max(capacity, T + 1) wide: a prefill bucket at the capacity would make it
+    wider than the running state's (the join keeps buckets below the capacity)."""
+    from jaxspec.engine.proposers.ngram import NgramProposer
+
+    model = tiny_target()
+    long = (PROMPTS[1] * 2)[:20]  # bucket 32 = the capacity
+    requests = [(PROMPTS[0], 8, LogitProcessors()), (long, 6, LogitProcessors())]
+
+    def make(rows, chunk_steps=None):
+        return Generator(model, proposer=NgramProposer(3), batch_size=rows, chunk_steps=chunk_steps)
+
+    want = alone(make, (), requests)
+    batcher = SlotBatcher(make(2, chunk_steps=1), capacity=32)
+    batcher.join([(0, SlotRequest(tuple(requests[0][0]), requests[0][1]))])
+    batcher.step()
+    batcher.join([(1, SlotRequest(tuple(long), 6))])  # into the running state of the first prefill
+    done = {}
+    while batcher.running:
+        done |= {u.handle: u.completion for u in batcher.step() if u.completion is not None}
+    assert [done[0].token_ids, done[1].token_ids] == want
+
+
 def test_a_request_no_slot_can_hold_is_refused_in_one_line():
     batcher = SlotBatcher(Generator(tiny_target(), batch_size=2), capacity=32)
-    with pytest.raises(JaxspecError, match="exceeds the 32 tokens a slot holds"):
+    with pytest.raises(JaxspecError, match="exceeds the 32 tokens a request may hold"):
         batcher.check(SlotRequest(tuple(PROMPTS[1]), 30))
     with pytest.raises(JaxspecError, match="prompt is empty"):
         batcher.check(SlotRequest((), 4))

@@ -9,8 +9,11 @@ place); it leaves when its EOS or its budget ends it, and its slot is free for t
 are `Generator`'s own programs, and rows never interact under the engine's batch-invariant numerics, so a request's
 greedy output is the one `Generator.generate` gives it alone, whoever shares the batch (tests/test_slots.py).
 
-Not yet: chunked prefill (a long prompt's prefill runs between two steps whole), per-request sampling settings
-(one `SamplingConfig` per batcher) and per-request seeds.
+Costs: a join prefills a whole batch (`batch_size` rows at the longest joining prompt's bucket, padding rows
+included) while the running rows wait, and holds that batch's fresh state beside the running one until the rows
+are copied over (twice the KV cache's memory at that moment). Not yet: chunked prefill (a long prompt's prefill
+runs between two steps whole), prefill batches smaller than the slots, per-request sampling settings (one
+`SamplingConfig` per batcher) and per-request seeds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig
 
 
-_WARM_UP = object()  # the handle of `SlotBatcher.warm_up`'s request
+_WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up`'s requests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,7 @@ class SlotBatcher:
 
     def __init__(
         self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (),
-        sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+        sampling: SamplingConfig = SamplingConfig(), seed: int = 0, max_tokens: int | None = None,
     ):
         limit = generator.config.context_length + generator.extra_capacity
         if not generator.extra_capacity < capacity <= limit:
@@ -68,6 +71,8 @@ class SlotBatcher:
                                f"{capacity}")
         self.generator = generator
         self.capacity = capacity
+        # prompt + new tokens of one request: what the cache holds, or less (a server's --max-model-len)
+        self.room = min(capacity - generator.extra_capacity, max_tokens or capacity)
         self.sampling = sampling
         self.eos = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
@@ -96,11 +101,10 @@ class SlotBatcher:
             raise JaxspecError("the prompt is empty after tokenization")
         if request.max_new_tokens < 1:
             raise JaxspecError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        room = self.capacity - self.generator.extra_capacity
-        if len(request.prompt) + request.max_new_tokens > room:
+        if len(request.prompt) + request.max_new_tokens > self.room:
             raise JaxspecError(
                 f"the prompt has {len(request.prompt)} tokens; with {request.max_new_tokens} new tokens that exceeds "
-                f"the {room} tokens a slot holds (shorten the prompt or lower the budget)"
+                f"the {self.room} tokens a request may hold (shorten the prompt or lower the budget)"
             )
         procs.check_vocab([request.processors], self.generator.config.vocab_size)
 
@@ -116,7 +120,9 @@ class SlotBatcher:
             self.check(request)
         gen, rows = self.generator, len(self.held)
         slots = free[: len(requests)]
-        t = min(prompt_bucket(max(len(r.prompt) for _, r in requests)), self.capacity)
+        # below the capacity: every state array then has the shapes the running one has (an n-gram history is
+        # max(capacity, T + 1) wide); `check` keeps every prompt shorter than the capacity
+        t = min(prompt_bucket(max(len(r.prompt) for _, r in requests)), self.capacity - 1)
         prompt = np.zeros((rows, t), np.int32)
         lens, max_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
         processors = [procs.LogitProcessors()] * rows
@@ -147,10 +153,14 @@ class SlotBatcher:
         return slots
 
     def warm_up(self, token: int = 0) -> float:
-        """Compile the step and the shortest prompt bucket's prefill before any request comes (a one-token prompt
-        run for two tokens in one slot; nothing of it stays); returns the seconds it took."""
+        """Compile the step, the shortest prompt bucket's prefill, the join into a running state and a cancel
+        before any request comes (one-token prompts in two slots; nothing of them stays); longer prompt buckets
+        compile their prefill when the first such prompt joins. Returns the seconds it took."""
         start = time.perf_counter()
         self.join([(_WARM_UP, SlotRequest((token,), 2))])
+        if len(self.held) > 1:
+            self.join([(_WARM_UP_2, SlotRequest((token,), 2))])
+            self.cancel(_WARM_UP_2)
         while self.running:
             self.step()
         return time.perf_counter() - start
@@ -219,8 +229,8 @@ def _join_rows(running: GenState, fresh: GenState, joining: jax.Array) -> GenSta
     def one(old, new):
         if old.ndim == 0 or jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
             return old
-        if old.shape[0] != rows:
-            raise ValueError(f"a state array of shape {old.shape} has no batch-first layout")
+        if old.shape[0] != rows or old.shape != new.shape:
+            raise ValueError(f"a state array of shape {old.shape} cannot take rows of shape {new.shape}")
         return old.at[where].set(new, mode="drop")
 
     return constrain_state(jax.tree.map(one, running, fresh))

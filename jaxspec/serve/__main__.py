@@ -15,9 +15,9 @@ import importlib.util
 import sys
 
 from jaxspec.cli.args import (
-    AUTO,
     OneLineParser,
     add_draft_args,
+    add_step_cost_args,
     add_target_args,
     check_generation_args,
     integer,
@@ -26,7 +26,6 @@ from jaxspec.cli.args import (
 from jaxspec.cli.program import main_guard, run_program, use_compile_cache
 from jaxspec.errors import JaxspecError
 
-DEFAULT_SPECULATIVE_TOKENS = 3  # a fixed chain: `auto` chooses per batch, which slots do not have yet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2],
     )
     add_target_args(parser)
+    add_step_cost_args(parser)
     add_draft_args(parser)
     parser.add_argument("--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
                         help="draft EAGLE-2 dynamic trees instead of chains (default: none, chains)")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests generated at once (the compiled batch; more wait in a queue) "
                         "(default: %(default)s)")
     parser.add_argument("--max-model-len", type=integer(1), default=2048, metavar="N",
-                        help="prompt + new tokens one request may hold (each slot's cache; capped at the model's "
+                        help="prompt + new tokens one request may hold (each slot's cache; at most the model's "
                         "context) (default: %(default)s)")
     parser.add_argument("--chunk-steps", type=integer(1), default=2, metavar="N",
                         help="engine steps between two chances for waiting requests to join (default: %(default)s)")
@@ -76,7 +76,9 @@ def build_server(args):
         ngram_proposer,
         resolve_draft,
         resolve_target,
+        step_cost_store,
     )
+    from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
     from jaxspec.engine.generation import Generator, capacity_bucket
     from jaxspec.engine.slots import SlotBatcher
     from jaxspec.prompts import stop_token_ids
@@ -95,18 +97,29 @@ def build_server(args):
     context = model.config.context_length
     if args.max_model_len > context:
         raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
+    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if draft:
         drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
         generator = draft_generator(model, drafter, draft, args.num_speculative_tokens, args.tree,
-                                    batch_size=args.slots, kernels=kernels)
+                                    batch_size=args.slots, kernels=kernels, store=step_cost_store(args))
+        if isinstance(generator, AutoSpeculativeGenerator):
+            # auto: chosen once for the slots and a full cache (not yet per step from the live batch)
+            generator.on_compile = say
+            choice, basis = generator.choose(generator.cost_capacity([[0]], args.max_model_len - 1))
+            what = ("target-only" if choice.method == 0 else f"tree {choice.tree.spec}" if choice.tree
+                    else f"chain K={choice.method}")
+            expected = f"; expected {choice.tokens_per_second:.1f} tokens/s per request" if choice.candidates else ""
+            say(f"auto: {what} for {args.slots} slots ({basis}{expected})")
+            generator = generator.generator_for(choice.method)
         generator.chunk_steps = args.chunk_steps
     else:
         generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots,
                               chunk_steps=args.chunk_steps, kernels=kernels)
-    generator.on_compile = lambda msg: print(msg, file=sys.stderr)
+    generator.on_compile = say
     capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, sampling=sampling, seed=args.seed)
+    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, sampling=sampling, seed=args.seed,
+                          max_tokens=args.max_model_len)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name
@@ -118,12 +131,7 @@ def build_server(args):
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_speculative_tokens is None and not args.no_draft and args.tree is None:
-        args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS
     check_generation_args(args, tree_sets_depth=True)
-    if args.num_speculative_tokens == AUTO:
-        raise JaxspecError("--num-speculative-tokens auto is not served yet (slots run one fixed chain); give a number "
-                           f"(default {DEFAULT_SPECULATIVE_TOKENS}) or --no-draft")
     if getattr(args, "proposer", "eagle3") == "draft-model":
         raise JaxspecError("--proposer draft-model is not served yet; use an EAGLE-3 head, a DFlash drafter or ngram")
     missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]

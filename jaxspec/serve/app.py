@@ -18,13 +18,16 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxspec.engine.slots import SlotRequest
 from jaxspec.errors import JaxspecError
 from jaxspec.serve.protocol import ChatCompletionRequest, CompletionRequest
-from jaxspec.serve.scheduler import Scheduler
+from jaxspec.serve.scheduler import EngineStopped, Scheduler
+
+DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 
 
 class ServedModel:
@@ -39,7 +42,8 @@ class ServedModel:
 
 def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+    code = {404: "not_found", 503: "engine_stopped"}.get(status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
 
@@ -54,7 +58,8 @@ class TextTracker:
         self.stopped = False  # a stop string was found
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        # no clean-up of spaces before punctuation: it could rewrite text already streamed
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
             self.stopped = True
@@ -88,6 +93,11 @@ def make_app(served: ServedModel) -> FastAPI:
     in_flight = Gauge("jaxspec_requests_in_flight", "requests being answered", registry=registry)
     registry.register(_EngineCollector(scheduler))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        requests_total.labels(request.url.path, str(exc.status_code)).inc()
+        return error_body(str(exc.detail), exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -114,17 +124,26 @@ def make_app(served: ServedModel) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def answer(route: str, body, prompt_ids: list[int], budget: int, chat: bool):
+    async def answer(http: Request, route: str, body, prompt_ids: list[int], budget: int | None, chat: bool):
+        if body.model is not None and body.model != served.name:
+            requests_total.labels(route, "404").inc()
+            return error_body(f"the model {body.model!r} does not exist; this server serves {served.name!r}", 404,
+                              "model")
         try:
             body.check_unsupported()
             body.check_sampling(served.sampling)
             stops = body.stop_strings()
             if not all(0 <= i < served.vocab for i in prompt_ids):
                 raise JaxspecError(f"prompt token ids must be in [0, {served.vocab})")
+            if budget is None:  # the server's default, within the room the prompt leaves (as vLLM)
+                budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - len(prompt_ids)))
             request = SlotRequest(tuple(prompt_ids), budget, body.processors(served.vocab))
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
             handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        except EngineStopped as e:
+            requests_total.labels(route, "503").inc()
+            return error_body(str(e), 503)
         except JaxspecError as e:
             requests_total.labels(route, "400").inc()
             return error_body(str(e), 400)
@@ -140,12 +159,18 @@ def make_app(served: ServedModel) -> FastAPI:
         try:
             completion = None
             while completion is None:
-                update = await updates.get()
+                try:  # a client that goes away cancels its request (the server does not notice that by itself)
+                    update = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_POLL_SECONDS)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        scheduler.cancel(handle)
+                        return Response(status_code=499)
+                    continue
                 if isinstance(update, BaseException):
                     return error_body(f"the engine failed: {update!r}", 500)
                 tracker.advance(update.new_tokens, final=False)
                 if tracker.stopped:
-                    scheduler.cancel(handle)
+                    scheduler.cancel(handle, stopped=True)
                     break
                 completion = update.completion
             text = tracker.text()
@@ -159,18 +184,21 @@ def make_app(served: ServedModel) -> FastAPI:
             in_flight.dec()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, http: Request):
         ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer(body.prompt).input_ids
-        return await answer("/v1/completions", body, list(ids), body.max_tokens or 16, chat=False)
+        return await answer(http, "/v1/completions", body, list(ids), body.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
         if not getattr(served.tokenizer, "chat_template", None):
             return error_body("this model's tokenizer has no chat template; use /v1/completions", 400)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        try:
+            text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 (a template's own raise_exception: e.g. roles out of order)
+            return error_body(f"the chat template refused these messages: {e}", 400, "messages")
         ids = served.tokenizer(text, add_special_tokens=False).input_ids
-        return await answer("/v1/chat/completions", body, ids, body.budget(served.default_max_tokens), chat=True)
+        return await answer(http, "/v1/chat/completions", body, ids, body.budget, chat=True)
 
     return app
 
@@ -224,7 +252,7 @@ async def _stream(served, scheduler, handle, updates, tracker, rid, chat, includ
             completion = update.completion
             text = tracker.advance(update.new_tokens, final=completion is not None)
             if tracker.stopped:
-                scheduler.cancel(handle)
+                scheduler.cancel(handle, stopped=True)
                 text += tracker.advance([], final=True)
             if text:
                 yield chunk(text, None)

@@ -92,19 +92,33 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
-        for name in ("logprobs", "best_of", "suffix"):
-            if getattr(self, name) not in (None, 1) or (name == "suffix" and self.suffix):
-                raise JaxspecError(f"{name} is not supported by this server yet")
+        if self.logprobs is not None:
+            raise JaxspecError("logprobs is not supported by this server yet")
+        if self.best_of not in (None, 1):
+            raise JaxspecError("best_of is not supported by this server yet")
+        if self.suffix:
+            raise JaxspecError("suffix is not supported by this server yet")
         if self.echo:
             raise JaxspecError("echo is not supported by this server yet")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]  # a string, or text parts (joined); images and audio are not read
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -124,5 +138,7 @@ class ChatCompletionRequest(_Common):
         if kind != "text":
             raise JaxspecError(f"response_format {kind!r} is not supported by this server yet (only text)")
 
-    def budget(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    @property
+    def budget(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (the server's default, within the room left)."""
+        return self.max_completion_tokens or self.max_tokens

@@ -14,6 +14,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from jaxspec.engine.slots import SlotBatcher, SlotRequest, SlotUpdate
@@ -71,14 +72,18 @@ class Scheduler:
         return self.batcher.running
 
     def submit(self, request: SlotRequest, sink: Sink) -> int:
-        """Queue a request (checked first: a JaxspecError for one no slot can hold); returns its handle."""
+        """Queue a request (checked first: a JaxspecError for one no slot can hold; EngineStopped once the engine
+        thread has failed); returns its handle."""
+        if self.error is not None:
+            raise EngineStopped(f"the engine stopped: {self.error!r}")
         self.batcher.check(request)
         handle = next(self._ids)
         self._inbox.put(("submit", handle, request, sink))
         return handle
 
-    def cancel(self, handle: int) -> None:
-        self._inbox.put(("cancel", handle))
+    def cancel(self, handle: int, stopped: bool = False) -> None:
+        """End a request before its EOS or budget: its client went away, or (stopped) a stop string ended it."""
+        self._inbox.put(("cancel", handle, stopped))
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -91,9 +96,12 @@ class Scheduler:
                 _, handle, request, sink = message
                 self._waiting[handle] = (request, sink)
             elif message[0] == "cancel":
-                handle = message[1]
+                _, handle, stopped = message
                 if self._waiting.pop(handle, None) is not None or self.batcher.cancel(handle):
-                    self.stats.cancelled += 1
+                    if stopped:
+                        self.stats.completed += 1
+                    else:
+                        self.stats.cancelled += 1
                 self._sinks.pop(handle, None)
 
     def _run(self) -> None:
@@ -115,10 +123,19 @@ class Scheduler:
                     self.stats.steps += 1
                     self.stats.step_seconds += time.perf_counter() - start
                     self._deliver(updates)
-        except BaseException as e:  # noqa: BLE001 (every waiting request is told, then the server reports it)
+        except BaseException as e:  # noqa: BLE001 (every request is told, later ones are refused, /health says so)
             self.error = e
-            for sink in [*self._sinks.values(), *(s for _, s in self._waiting.values())]:
-                sink(e)
+            traceback.print_exc()
+            sinks = [*self._sinks.values(), *(s for _, s in self._waiting.values())]
+            while True:  # requests queued but not yet seen
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if message[0] == "submit":
+                    sinks.append(message[3])
+            for sink in sinks:
+                _tell(sink, e)
 
     def _deliver(self, updates: list[SlotUpdate]) -> None:
         for update in updates:
@@ -132,4 +149,16 @@ class Scheduler:
             else:
                 sink = self._sinks.get(update.handle)
             if sink is not None:
-                sink(update)
+                _tell(sink, update)
+
+
+def _tell(sink: Sink, what) -> None:
+    """Hand an update to a request's sink; a sink that fails (its event loop closed at shutdown) fails alone."""
+    try:
+        sink(what)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class EngineStopped(Exception):
+    """The engine thread has failed: new requests are refused (503)."""

@@ -280,7 +280,7 @@ class AutoSpeculativeGenerator(Generator):
         rates = self.acceptance().rates
         args = (batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values)
         trees = self.tree_tokens()
-        gen = self._generator(choice.method)
+        gen = self.generator_for(choice.method)
         completions = gen.generate_batch(*args)
         self.memory = gen.memory
         for c in completions:  # a tree's path is not a chain's: its counts are kept apart
@@ -325,8 +325,9 @@ class AutoSpeculativeGenerator(Generator):
         for calibration in (self.calibration, self.own_calibration):
             calibration.add(method, seconds, predicted)
 
-    def _generator(self, method: Method) -> Generator:
-        """The generator of one choice (0: target-only), built on first use; each compiles its own programs."""
+    def generator_for(self, method: Method) -> Generator:
+        """The generator of one choice (0: target-only), built on first use; each compiles its own programs (the
+        server runs the one `choose` picks at start-up)."""
         if method not in self._generators:
             if method == 0:
                 gen = Generator(self.model, batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
