@@ -289,6 +289,7 @@ SAMPLING_VOCAB, SAMPLING_N = 16, 20000
 SAMPLING_SHAPE = dict(vocab=SAMPLING_VOCAB, embed_scale=20.0, logit_scale=15.0)
 
 
+@pytest.mark.slow  # CI's lossless-sampling representative: tests/test_spec_sampling.py (the same rejection walk)
 def test_sampling_is_lossless():
     from scipy import stats
 

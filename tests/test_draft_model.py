@@ -103,6 +103,7 @@ def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
     assert auto["basis"] == "first batch" and auto["num_speculative_tokens"] == 5  # its first batch measures it
 
 
+@pytest.mark.slow  # CI: the CLI test above runs auto's first batch with a draft model; test_dflash prices another drafter
 def test_auto_prices_a_draft_model_and_keeps_the_output(reference):
     """`--num-speculative-tokens auto` with a draft model: the first batch drafts the default chain to measure its
     acceptance, later batches choose from this machine's timed costs (a draft-model step, verifies, a decode) and

@@ -40,9 +40,9 @@ def served(batcher: SlotBatcher) -> tuple[dict, dict, int]:
     return completions, streamed, most
 
 
-@pytest.mark.parametrize("drafter", [
-    "none",
-    pytest.param("eagle3", marks=pytest.mark.slow),  # CI: tests/test_serve.py joins a head's state too
+@pytest.mark.parametrize("drafter", [  # CI: tests/test_serve.py (joins with a head) and the n-gram join below
+    pytest.param("none", marks=pytest.mark.slow),
+    pytest.param("eagle3", marks=pytest.mark.slow),
 ])
 def test_requests_joining_between_steps_get_their_own_output(drafter):
     model = tiny_target()
@@ -68,12 +68,14 @@ def test_requests_joining_between_steps_get_their_own_output(drafter):
 
 def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
     """The n-gram proposer's history is max(capacity, T + 1) wide: a prefill bucket at the capacity would make it
-    wider than the running state's (the join keeps buckets below the capacity)."""
+    wider than the running state's (the join keeps buckets below the capacity). The joining row brings its own
+    logit processors."""
     from jaxspec.engine.proposers.ngram import NgramProposer
 
     model = tiny_target()
     long = (PROMPTS[1] * 2)[:20]  # bucket 32 = the capacity
-    requests = [(PROMPTS[0], 8, LogitProcessors()), (long, 6, LogitProcessors())]
+    biased = LogitProcessors(repetition_penalty=1.3, logit_bias=((7, 2.0),))  # per-row processors join too
+    requests = [(PROMPTS[0], 8, LogitProcessors()), (long, 6, biased)]
 
     def make(rows, chunk_steps=None):
         return Generator(model, proposer=NgramProposer(3), batch_size=rows, chunk_steps=chunk_steps)
@@ -82,7 +84,7 @@ def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
     batcher = SlotBatcher(make(2, chunk_steps=1), capacity=32)
     batcher.join([(0, SlotRequest(tuple(requests[0][0]), requests[0][1]))])
     batcher.step()
-    batcher.join([(1, SlotRequest(tuple(long), 6))])  # into the running state of the first prefill
+    batcher.join([(1, SlotRequest(tuple(long), 6, biased))])  # into the running state of the first prefill
     done = {}
     while batcher.running:
         done |= {u.handle: u.completion for u in batcher.step() if u.completion is not None}
