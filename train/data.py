@@ -116,8 +116,8 @@ def check_features_quantization(directories, quantize: str | None) -> None:
         found = features_quantization(d)
         if found != quantize:
             raise JaxspecError(
-                f"the features cached in {str(d)!r} come from the target {_weights(found)}, and target.quantize asks "
-                f"for it {_weights(quantize)}: recompute them (python -m train.data features"
+                f"the features cached in {str(d)!r} come from the target {weights_phrase(found)}, and target.quantize asks "
+                f"for it {weights_phrase(quantize)}: recompute them (python -m train.data features"
                 f"{f' --quantize {quantize}' if quantize else ''}, after deleting features-*.npy) or set "
                 f"target.quantize: {found or 'null'}"
             )
@@ -134,13 +134,14 @@ def check_heldout_quantization(directories, quantize: str | None) -> None:
         found = read_json(meta, "the dataset's meta.json").get("quantize") if meta.is_file() else None
         if found != quantize:
             raise JaxspecError(
-                f"the held-out responses in {str(d)!r} were written by the target {_weights(found)}, and this run "
-                f"scores the target {_weights(quantize)}: the replay needs its own greedy output (python -m "
+                f"the held-out responses in {str(d)!r} were written by the target {weights_phrase(found)}, and this run "
+                f"scores the target {weights_phrase(quantize)}: the replay needs its own greedy output (python -m "
                 f"train.data generate{f' --quantize {quantize}' if quantize else ''} --prompts SET --out DIR)"
             )
 
 
-def _weights(quantize: str | None) -> str:
+def weights_phrase(quantize: str | None) -> str:
+    """How a target's weights were taken, for messages: 'quantized to int8' or 'as stored'."""
     return f"quantized to {quantize}" if quantize else "as stored"
 
 
@@ -233,8 +234,8 @@ def compute_features(args) -> None:
     found = features_quantization(args.data)
     if len(todo) < len(shards) and found != args.quantize:  # one dataset's features all come from one target
         raise JaxspecError(
-            f"{args.data} holds features of the target {_weights(found)}; delete its features-*.npy to cache them "
-            f"{_weights(args.quantize)}, or run with{f' --quantize {found}' if found else 'out --quantize'}"
+            f"{args.data} holds features of the target {weights_phrase(found)}; delete its features-*.npy to cache them "
+            f"{weights_phrase(args.quantize)}, or run with{f' --quantize {found}' if found else 'out --quantize'}"
         )
     (Path(args.data) / FEATURES_META).write_text(json.dumps({"quantize": args.quantize}) + "\n")
     if not todo:

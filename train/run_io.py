@@ -260,13 +260,12 @@ def eval_on(t: TrainSection) -> list:
 def check_resumed_target(out: Path, meta: dict, quantize: str | None) -> None:
     """Refuse to resume a run whose checkpoints learned another verifier: the target quantized otherwise
     (`target.quantize`; a checkpoint without the key was trained against the weights as stored)."""
-    if meta.get("target_quantize") != quantize:
+    from train.data import weights_phrase
+
+    trained = meta.get("target_quantize")
+    if trained != quantize:
         raise JaxspecError(
-            f"{out} was trained against the target {_weights(meta.get('target_quantize'))}, and the config asks for it "
-            f"{_weights(quantize)}: restore target.quantize or use a new out"
+            f"{out} was trained against the target {weights_phrase(trained)}, and the config asks for it "
+            f"{weights_phrase(quantize)}: restore target.quantize or use a new out"
         )
-
-
-def _weights(quantize: str | None) -> str:
-    return f"quantized to {quantize}" if quantize else "as stored"
 

@@ -123,7 +123,7 @@ def build_server(args):
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name
-    served = ServedModel(scheduler, tokenizer, name, stops, sampling, args.default_max_tokens,
+    served = ServedModel(scheduler, tokenizer, name, sampling, args.default_max_tokens,
                          model.config.vocab_size)
     return make_app(served), scheduler
 

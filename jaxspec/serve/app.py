@@ -31,12 +31,11 @@ DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks
 
 
 class ServedModel:
-    """What the routes need: the engine thread, the tokenizer, the model's name, stop ids and default budget."""
+    """What the routes need: the engine thread, the tokenizer, the model's name, sampling and default budget."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, name: str, stop_ids, sampling, default_max_tokens: int,
-                 vocab: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, name: str, sampling, default_max_tokens: int, vocab: int):
         self.scheduler, self.tokenizer, self.name = scheduler, tokenizer, name
-        self.stop_ids, self.sampling, self.default_max_tokens = frozenset(stop_ids), sampling, default_max_tokens
+        self.sampling, self.default_max_tokens = sampling, default_max_tokens
         self.vocab = vocab  # the target's (token ids and logit_bias keys are checked against it)
 
 
@@ -174,7 +173,7 @@ def make_app(served: ServedModel) -> FastAPI:
                     break
                 completion = update.completion
             text = tracker.text()
-            reason = _finish_reason(completion, tracker, served.stop_ids)
+            reason = _finish_reason(completion, tracker)
             n = len(tracker.ids)
             return _response(rid, served.name, chat, text, reason, len(prompt_ids), n)
         except asyncio.CancelledError:
@@ -203,7 +202,7 @@ def make_app(served: ServedModel) -> FastAPI:
     return app
 
 
-def _finish_reason(completion, tracker: TextTracker, stop_ids) -> str:
+def _finish_reason(completion, tracker: TextTracker) -> str:
     if tracker.stopped or (completion is not None and completion.finished_by_eos):
         return "stop"
     return "length"
@@ -259,7 +258,7 @@ async def _stream(served, scheduler, handle, updates, tracker, rid, chat, includ
             if tracker.stopped:
                 break
         finished = True
-        yield chunk(None, _finish_reason(completion, tracker, served.stop_ids))
+        yield chunk(None, _finish_reason(completion, tracker))
         if include_usage:
             n = len(tracker.ids)
             usage = {"prompt_tokens": prompt_n, "completion_tokens": n, "total_tokens": prompt_n + n}
