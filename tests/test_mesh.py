@@ -118,7 +118,7 @@ def test_parameters_and_caches_are_split_not_replicated():
     (prefill,) = gen.compiled_programs("prefill")
     prompt = jnp.zeros((4, 16), jnp.int32)
     st = prefill(gen.params, gen.head_params, prompt, jnp.full((4,), 5), jnp.full((4,), 8), jnp.zeros((1,), jnp.int32),
-                 jax.random.key(0), None)  # no logit processors
+                 jax.random.split(jax.random.key(0), 4), None, None)  # no logit processors, greedy
     capacity = st.cache.capacity
     for cache, kv_heads in ((st.cache, 4), (st.proposer.head_cache, 4)):
         k = cache.k[0]

@@ -47,8 +47,8 @@ def test_the_parallel_drafts_are_one_forward_of_each_row():
     running = jnp.asarray([1, 1, 0, 1], jnp.int32)  # row 2 has finished: its head cache must not move
     view = StepView(jnp.zeros((b,), jnp.int32), jnp.full((b,), 9, jnp.int32), running, None)
     proposer = PEagleProposer(nnx.graphdef(head), num_draft=k)
-    propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view, SamplingConfig(),
-                                                                jax.random.key(0)))
+    propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view,
+                                                                jax.random.split(jax.random.key(0), b)))
     proposal, after = propose(nnx.state(head), st, view)
     for row in range(b):
         n = int(st.num_pending[row])

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hf_tiny import make_tiny, write_char_tokenizer
 
+from jaxspec.sampling import SamplingConfig
 from jaxspec.serve.__main__ import build_parser, build_server
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -86,8 +87,8 @@ def alone(target):
     gen = SpeculativeGenerator(model, load_head(head_dir, model.config), num_draft=3, batch_size=1)
     stops = stop_token_ids(tokenizer, path, model.config.eos_token_ids)
 
-    def text(ids: list[int], max_tokens: int) -> str:
-        out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops)[0].token_ids
+    def text(ids: list[int], max_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> str:
+        out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops, sampling=sampling, seed=seed)[0].token_ids
         return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     return text, tokenizer
@@ -159,6 +160,32 @@ def test_concurrent_clients_each_get_their_own_output(server, alone):
     assert scheduler.stats.joins >= 32 and scheduler.running == 0
 
 
+def test_each_request_samples_with_its_own_settings_and_seed(server, alone):
+    """Sampled and greedy requests share the running batch: a seeded request gets what the engine gives its prompt
+    alone with that seed and those settings, whoever runs beside it; greedy ones stay greedy's output."""
+    base, _, _ = server
+    text, tokenizer = alone
+    api = client(base)
+    hot = dict(temperature=1.3, top_p=0.95, top_k=40)
+    asks = [("abc", 12, hot, 7), ("abc", 12, hot, 7), ("hello there", 10, hot, 8), ("x", 12, {}, None),
+            ("the quick fox", 9, dict(temperature=0.9, top_k=-1), 9), ("x", 12, dict(temperature=0), 3)]
+
+    def ask(i):
+        prompt, n, settings, seed = asks[i]
+        extra = {"top_k": settings["top_k"]} if "top_k" in settings else None  # vLLM's extension: not in the client
+        openai_fields = {k: v for k, v in settings.items() if k != "top_k"}
+        return api.completions.create(model="target", prompt=prompt, max_tokens=n, seed=seed, extra_body=extra,
+                                      **openai_fields)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = [r.choices[0].text for r in pool.map(ask, range(len(asks)))]
+    for (prompt, n, settings, seed), answer in zip(asks, got):
+        cfg = SamplingConfig(settings.get("temperature", 0.0), max(settings.get("top_k", 0), 0),
+                             settings.get("top_p", 1.0))
+        assert answer == text(tokenizer(prompt).input_ids, n, cfg, seed or 0), (prompt, settings, seed)
+    assert got[2] != text(tokenizer("hello there").input_ids, 10)  # sampled: not the greedy text
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     base, _, scheduler = server
     cancelled = scheduler.stats.cancelled
@@ -181,7 +208,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     ("/v1/completions", b'{"prompt": "a", "max_tokenz": 3}', "unknown field 'max_tokenz'"),
     ("/v1/completions", json.dumps({"prompt": "a" * 300}).encode(), "exceeds the 256 tokens"),
     ("/v1/completions", b'{"prompt": "a", "logprobs": 1}', "logprobs is not supported"),
-    ("/v1/completions", b'{"prompt": "a", "temperature": 0.7}', "per-request sampling settings are not supported"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": -1}', "temperature must be a finite number >= 0"),
+    ("/v1/completions", b'{"prompt": "a", "top_p": 0}', "top-p must be in (0, 1]"),
     ("/v1/completions", b'{"prompt": "a", "n": 2}', "n=2"),
     ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}', "max_tokens"),
     ("/v1/completions", b'{"prompt": [1, 500]}', "prompt token ids must be in"),

@@ -9,7 +9,6 @@ from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, tiny_target
 
 from jaxspec.engine.generation import Generator
-from jaxspec.sampling import SamplingConfig
 from jaxspec.engine.proposers.eagle3 import Eagle3Proposer
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.proposers.ngram import NgramProposer
@@ -123,8 +122,8 @@ def test_eagle3_chain_candidates_start_with_the_draft():
     lens = jnp.full((b,), t, jnp.int32)
     st = proposer.init(params, target, PrefillView(prompt, lens, prompt[:, -1], aux, None), 64)
     view = StepView(prompt[:, -1], lens, jnp.ones((b,), jnp.int32), None)
-    propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view, SamplingConfig(),
-                                                                jax.random.key(0))[0])  # one compile, not op by op
+    propose = jax.jit(lambda params, st, view: proposer.propose(params, target, st, view,
+                                                                jax.random.split(jax.random.key(0), b))[0])  # one compile, not op by op
     proposal = propose(params, st, view)
     cands = np.asarray(proposal.candidates)
     assert cands.shape == (b, 5, 8)

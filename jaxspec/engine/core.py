@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
-from jaxspec.sampling import SamplingConfig, filtered_logits, sample
+from jaxspec.sampling import (
+    RowSampling, exponential_rows, filtered_logits, sample, split_rows, uniform_rows,
+)
 from jaxspec.engine import telemetry
 from jaxspec.engine.accept import forced_accept
 from jaxspec.engine.proposers.base import PrefillView, Proposer, StepView, Verified
@@ -70,8 +72,9 @@ class GenState(NamedTuple):
     num_generated: jax.Array  # [B]
     done: jax.Array  # [B] bool
     max_new: jax.Array  # [B] per-row budget (0 for padding rows)
-    key: jax.Array  # PRNG key
+    keys: jax.Array  # [B] PRNG keys, one per row (`jaxspec.sampling.row_keys`)
     processors: procs.ProcessorState | None  # logit processors' values and output counts (None: none requested)
+    sampling: RowSampling | None  # per-row temperature, top-k, top-p (None: every row greedy)
     stats: Stats
     proposer: Any  # the proposer's own state (None: target-only)
 
@@ -102,11 +105,11 @@ def prefill(
     prompt_lens: jax.Array,  # [B] int32 (0 for padding rows)
     max_new: jax.Array,  # [B] int32
     eos_ids: jax.Array,  # [n_eos] int32
-    key: jax.Array,
+    keys: jax.Array,  # [B] PRNG keys
     processor_values: procs.ProcessorValues | None,
+    sampling: RowSampling | None,
     *,
     capacity: int,
-    sampling: SamplingConfig,
 ) -> GenState:
     """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
     wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
@@ -121,7 +124,7 @@ def prefill(
         return_hidden=proposer is not None and proposer.needs_hidden,
     )
     processors = procs.init_state(processor_values, prompt, prompt_lens)
-    key, sub = jax.random.split(key)
+    keys, sub = split_rows(keys, 2)
     first = sample(procs.process(out.logits, processors)[:, 0], sampling, sub, procs.min_p_of(processors))
     own = None
     if proposer is not None:
@@ -135,8 +138,9 @@ def prefill(
         num_generated=jnp.zeros((b,), jnp.int32),
         done=max_new <= 0,
         max_new=max_new,
-        key=key,
+        keys=keys,
         processors=processors,
+        sampling=sampling,
         stats=Stats(
             jnp.zeros((b,), jnp.int32), jnp.zeros((b, depth), jnp.int32),
             jnp.zeros((b, len(telemetry.OUTCOMES)), jnp.int32), jnp.zeros((b,), jnp.int32),
@@ -146,25 +150,25 @@ def prefill(
     return constrain_state(emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
 
 
-def decode_step(target, st: GenState, eos_ids: jax.Array, sampling: SamplingConfig) -> GenState:
+def decode_step(target, st: GenState, eos_ids: jax.Array) -> GenState:
     """Target-only: run x_m, sample x_{m+1}."""
     running = ~st.done
-    key, sub = jax.random.split(st.key)
-    out, token = _run_root(target, st, sub, sampling)
-    st = st._replace(cache=kvc.advance(out.cache, running.astype(jnp.int32)), key=key)
+    keys, sub = split_rows(st.keys, 2)
+    out, token = _run_root(target, st, sub)
+    st = st._replace(cache=kvc.advance(out.cache, running.astype(jnp.int32)), keys=keys)
     st = emit(st, token[:, None], jnp.ones_like(token), eos_ids)
     return st._replace(last_token=jnp.where(running, token, st.last_token))
 
 
-def _run_root(target, st: GenState, key: jax.Array, sampling: SamplingConfig, **wanted):
+def _run_root(target, st: GenState, keys: jax.Array, **wanted):
     """x_m alone through the target, and the processed target's token after it: (target output, token [B])."""
     out = target(st.last_token[:, None], st.cache.lengths[:, None], st.cache, **wanted)
     logits = procs.process(out.logits, st.processors)[:, 0]  # [B, V]
-    return out, sample(logits, sampling, key, procs.min_p_of(st.processors))
+    return out, sample(logits, st.sampling, keys, procs.min_p_of(st.processors))
 
 
 def spec_step(
-    target, proposer: Proposer, params, st: GenState, eos_ids: jax.Array, *, sampling: SamplingConfig,
+    target, proposer: Proposer, params, st: GenState, eos_ids: jax.Array, *,
     forced_accept_prob: float | None = None, kernels: str = "reference",
 ) -> GenState:
     """propose → verify → accept → commit (module docstring). `forced_accept_prob`: the benchmark-only acceptance
@@ -175,14 +179,14 @@ def spec_step(
     token (the root's logits are the same bits under invariant numerics; sampling draws from the same distribution)
     for a one-token forward."""
     running = (~st.done).astype(jnp.int32)
-    k_propose, k_uniform, k_noise, key = jax.random.split(st.key, 4)
-    view = StepView(st.last_token, st.cache.lengths, running, st.processors)
-    proposal, own = proposer.propose(params, target, st.proposer, view, sampling, k_propose)
+    k_propose, k_uniform, k_noise, keys = split_rows(st.keys, 4)
+    view = StepView(st.last_token, st.cache.lengths, running, st.processors, st.sampling)
+    proposal, own = proposer.propose(params, target, st.proposer, view, k_propose)
     tokens = proposal.tokens.at[:, 0].set(st.last_token)  # [B, N]
     b, n = tokens.shape
     parents = chain_parents(b, n) if proposal.tree is None else proposal.tree.parents
     args = (target, proposer, st, proposal, tokens, parents, k_uniform, k_noise)
-    opts = dict(sampling=sampling, forced_accept_prob=forced_accept_prob, kernels=kernels)
+    opts = dict(forced_accept_prob=forced_accept_prob, kernels=kernels)
     if proposal.has_draft is None:
         a, emitted, path, target_cache, aux, hidden = _verify(*args, **opts)
     else:
@@ -201,14 +205,14 @@ def spec_step(
     return st._replace(
         cache=kvc.advance(target_cache, count * running),
         last_token=jnp.where(running > 0, own_token, st.last_token),
-        key=key,
+        keys=keys,
         stats=_count(st.stats, proposal, tokens, parents, path, a, own_token, st.num_generated - before < count,
                      proposer.depth, running),
         proposer=proposer.commit(params, own, verified),
     )
 
 
-def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *, sampling,
+def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
             forced_accept_prob, kernels):
     """All N nodes through the target, then acceptance: (a [B], emitted [B, D+1] (-1 past a), path [B, D+1] or None,
     the target cache with the root and accepted nodes at m .. m + a, aux and hidden [B, D+1, ...] on the path)."""
@@ -224,27 +228,32 @@ def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents,
         paths = procs.tree_paths(tokens, dt.ancestors, dt.depths)
     logits = procs.process(verify.logits, st.processors, paths)  # [B, N, V]
 
-    if forced_accept_prob is not None:
-        a, emitted = forced_accept(tokens[:, 1:], logits, jax.random.uniform(k_uniform, (b, n - 1)), forced_accept_prob)
-        path = None
-    elif sampling.greedy:
-        a, emitted, path = verify_draft(
-            tokens, parents, logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth,
-            impl=kernels,
+    def greedy():
+        return verify_draft(
+            tokens, parents, logits, jnp.zeros((b, n)), jnp.ones((b, 1)), mode="greedy", max_depth=depth, impl=kernels
         )
-    else:
-        p = jax.nn.softmax(filtered_logits(logits, sampling, procs.min_p_of(st.processors)), axis=-1)
-        uniforms = jax.random.uniform(k_uniform, (b, n))
-        noise = jax.random.exponential(k_noise, (b, p.shape[-1]), jnp.float32)
+
+    def sampled():  # lossless rejection sampling for the rows that sample
+        p = jax.nn.softmax(filtered_logits(logits, st.sampling, procs.min_p_of(st.processors)), axis=-1)
+        uniforms = uniform_rows(k_uniform, (n,))
+        noise = exponential_rows(k_noise, (p.shape[-1],))
         if proposal.q is not None:  # Leviathan / Chen with the chain's draft probabilities
             q_nodes = jnp.concatenate([proposal.q, jnp.zeros_like(proposal.q[:, :1])], axis=1)  # node j's child's q
-            a, emitted, path = verify_draft(
-                tokens, parents, p, uniforms, noise, q_nodes, mode="chain", max_depth=depth, impl=kernels
-            )
-        else:  # deterministic drafts or a tree: the walk that needs no q
-            a, emitted, path = verify_draft(
-                tokens, parents, p, uniforms, noise, mode="tree", max_depth=depth, impl=kernels
-            )
+            return verify_draft(tokens, parents, p, uniforms, noise, q_nodes, mode="chain", max_depth=depth,
+                                impl=kernels)
+        # deterministic drafts or a tree: the walk that needs no q
+        return verify_draft(tokens, parents, p, uniforms, noise, mode="tree", max_depth=depth, impl=kernels)
+
+    if forced_accept_prob is not None:
+        a, emitted = forced_accept(tokens[:, 1:], logits, uniform_rows(k_uniform, (n - 1,)), forced_accept_prob)
+        path = None
+    elif st.sampling is None:
+        a, emitted, path = greedy()
+    else:  # greedy rows keep the greedy walk's result (the argmax of the same logits: greedy's bits)
+        chosen = greedy()
+        drawn = jax.lax.cond(jnp.any(st.sampling.sampled), sampled, lambda: chosen)
+        pick = lambda s, g: jnp.where(st.sampling.sampled.reshape((b,) + (1,) * (g.ndim - 1)), s, g)  # noqa: E731
+        a, emitted, path = jax.tree.map(pick, drawn, chosen)
 
     if dt is None:  # a chain's accepted nodes already sit in order at m .. m + a
         return a, emitted, path, verify.cache, _first(verify.aux, depth + 1), _first(verify.hidden, depth + 1)
@@ -255,13 +264,13 @@ def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents,
 
 
 def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
-               sampling, forced_accept_prob, kernels):
+               forced_accept_prob, kernels):
     """The root alone through the target, as `decode_step` runs it: `_verify`'s outputs for a step that accepts no
     draft (a = 0; aux and hidden zero past the root). Same signature as `_verify`, for `lax.cond`."""
     del proposal, parents, k_noise, kernels
     b, width = tokens.shape[0], proposer.depth + 1
     out, token = _run_root(
-        target, st, k_uniform, sampling, return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden
+        target, st, k_uniform, return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden
     )
     emitted = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(token)  # [B, D+1]
     path = None if forced_accept_prob is not None else jnp.full((b, width), -1, jnp.int32).at[:, 0].set(0)
@@ -298,7 +307,6 @@ def steps(
     eos_ids: jax.Array,
     *,
     num_steps: int,
-    sampling: SamplingConfig,
     forced_accept_prob: float | None = None,
     kernels: str = "reference",
 ) -> GenState:
@@ -313,10 +321,10 @@ def steps(
     def body(carry):
         i, st = carry
         if proposer is None:
-            st = decode_step(target, st, eos_ids, sampling)
+            st = decode_step(target, st, eos_ids)
         else:
             st = spec_step(
-                target, proposer, proposer_params, st, eos_ids, sampling=sampling,
+                target, proposer, proposer_params, st, eos_ids,
                 forced_accept_prob=forced_accept_prob, kernels=kernels,
             )
         return i + 1, constrain_state(st)

@@ -20,7 +20,7 @@ from jaxspec.compiled_programs import ProgramCache
 from jaxspec.errors import JaxspecError
 from jaxspec.memory import MemoryReport, compiled_peak_bytes, device_bytes
 from jaxspec.models.llama import LlamaModel
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import SamplingConfig, row_keys, row_sampling
 from jaxspec.engine import core as engine
 from jaxspec.engine.proposers.base import Proposer
 from jaxspec.engine.telemetry import OUTCOMES
@@ -70,12 +70,10 @@ def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
     return sum(c.num_generated - 1 for c in speculated if c.num_generated) / calls
 
 
-_prefill = jax.jit(
-    engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "sampling")
-)
+_prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity"))
 _steps = jax.jit(
     engine.steps,
-    static_argnames=("target_graphdef", "proposer", "num_steps", "sampling", "forced_accept_prob", "kernels"),
+    static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels"),
     donate_argnums=(4,),
 )
 
@@ -215,7 +213,9 @@ class Generator:
     def _compiled_fn(self, name: str, fn, *args, **static):
         """AOT-compile once per static shape (while the program is held); compile time is kept apart from
         generation time."""
-        key = (name, *(getattr(a, "shape", None) for a in jax.tree.leaves(args)), *sorted(static.items()))
+        # the arguments' structure too: a batch that samples (per-row settings) is another program than a greedy one
+        key = (name, jax.tree.structure(args), *(getattr(a, "shape", None) for a in jax.tree.leaves(args)),
+               *sorted(static.items()))
 
         def compile_program():
             if self.on_compile is not None:
@@ -238,7 +238,7 @@ class Generator:
         prompts: Sequence[Sequence[int]],
         *,
         max_new_tokens: int,
-        sampling: SamplingConfig = SamplingConfig(),
+        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
         stop_ids: Sequence[int] = (),
         seed: int = 0,
         on_tokens: Callable[[int, list[int]], None] | None = None,
@@ -246,9 +246,10 @@ class Generator:
         processors: procs.LogitProcessors | Sequence[procs.LogitProcessors] | None = None,
     ) -> list[Completion]:
         """Continuations in input order. on_tokens(prompt_index, new_ids) streams tokens as chunks finish;
-        `progress` names a progress bar over prompts on stderr (none by default). processors: logit processors
-        for every prompt, or one per prompt (`jaxspec.processors`); their values are arrays, so new values reuse
-        the compiled programs."""
+        `progress` names a progress bar over prompts on stderr (none by default). sampling and processors: one
+        setting for every prompt, or one per prompt (`jaxspec.sampling`, `jaxspec.processors`); their values are
+        arrays, so new values reuse the compiled programs. Prompt i draws from the key `row_keys(seed, [i])`: its
+        sampled output depends on the seed and i, not on the batch size or what shares its batch."""
         if max_new_tokens < 1:
             raise JaxspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         self.check_lengths([len(p) for p in prompts], max_new_tokens)
@@ -259,16 +260,20 @@ class Generator:
             if len(requests) != len(prompts):
                 raise JaxspecError(f"{len(requests)} logit processor settings for {len(prompts)} prompts")
         procs.check_vocab(requests, self.config.vocab_size)
+        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(settings) != len(prompts):
+            raise JaxspecError(f"{len(settings)} sampling settings for {len(prompts)} prompts")
         results: list[Completion] = []
-        key = jax.random.key(seed)
         bar = tqdm(total=len(prompts), desc=progress, unit="prompt", disable=progress is None, leave=False)
         for start in range(0, len(prompts), self.batch_size):
-            key, sub = jax.random.split(key)
             batch = prompts[start : start + self.batch_size]
-            values = procs.batch_values(
-                requests[start : start + self.batch_size], self.batch_size, self.config.vocab_size
+            rows = slice(start, start + self.batch_size)
+            values = procs.batch_values(requests[rows], self.batch_size, self.config.vocab_size)
+            row_settings = row_sampling(settings[rows], self.batch_size)
+            keys = row_keys(seed, np.arange(start, start + self.batch_size))
+            results += self.generate_batch(
+                batch, start, max_new_tokens, stop_ids, keys, on_tokens, values, row_settings
             )
-            results += self.generate_batch(batch, start, max_new_tokens, sampling, stop_ids, sub, on_tokens, values)
             bar.update(len(batch))
         bar.close()
         return results
@@ -278,14 +283,14 @@ class Generator:
         """(target params, proposer params): the first arguments of the compiled programs (`programs`)."""
         return self.params, self.proposer_params
 
-    def programs(self, prefill_args: tuple, capacity: int, sampling: SamplingConfig) -> tuple[Callable, Callable]:
+    def programs(self, prefill_args: tuple, capacity: int) -> tuple[Callable, Callable]:
         """(prefill, step) compiled for one batch shape, each once per shape while held: prefill(*program_params,
-        prompt [B, T], prompt_lens [B], max_new [B], eos_ids [n], key, processor values or None) → GenState;
-        step(*program_params, state, eos_ids) → the state after up to `chunk_steps` steps (the state donated)."""
-        # budgets are data (max_new): no compile per budget
-        prefill = self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity, sampling=sampling)
+        prompt [B, T], prompt_lens [B], max_new [B], eos_ids [n], keys [B], processor values or None, row sampling
+        settings or None) → GenState; step(*program_params, state, eos_ids) → the state after up to `chunk_steps`
+        steps (the state donated). Budgets, sampling settings and processor values are data: no compile per value."""
+        prefill = self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity)
         step = self._compiled_fn(
-            "step", _steps, prefill.out_info, prefill_args[3], num_steps=self.chunk_steps, sampling=sampling,
+            "step", _steps, prefill.out_info, prefill_args[3], num_steps=self.chunk_steps,
             forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
         )
         return prefill, step
@@ -299,10 +304,11 @@ class Generator:
         )
 
     def generate_batch(
-        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
+        self, batch, offset, max_new_tokens, stop_ids, keys, on_tokens, processor_values, sampling=None
     ) -> list[Completion]:
-        """One batch of at most `batch_size` prompts (`generate` splits the prompts and the key): prefill, then
-        compiled chunks of steps until every row is done. offset: the first prompt's index, for `on_tokens`."""
+        """One batch of at most `batch_size` prompts (`generate` splits the prompts, their keys [B] and settings):
+        prefill, then compiled chunks of steps until every row is done. offset: the first prompt's index, for
+        `on_tokens`; sampling: the rows' settings (`row_sampling`; None: greedy)."""
         b = self.batch_size
         longest = max(len(p) for p in batch)
         capacity = self.batch_capacity(batch, max_new_tokens)
@@ -314,8 +320,9 @@ class Generator:
             lens[i] = len(p)
         max_new = np.where(lens > 0, max_new_tokens, 0).astype(np.int32)
         eos = np.asarray(list(stop_ids) or [-1], np.int32)
-        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), key, processor_values)
-        prefill, step = self.programs(args, capacity, sampling)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), jnp.asarray(eos), keys,
+                processor_values, sampling)
+        prefill, step = self.programs(args, capacity)
         params = self.program_params
 
         start = time.perf_counter()

@@ -12,8 +12,12 @@ greedy output is the one `Generator.generate` gives it alone, whoever shares the
 Costs: a join prefills a whole batch (`batch_size` rows at the longest joining prompt's bucket, padding rows
 included) while the running rows wait, and holds that batch's fresh state beside the running one until the rows
 are copied over (twice the KV cache's memory at that moment). Not yet: chunked prefill (a long prompt's prefill
-runs between two steps whole), prefill batches smaller than the slots, per-request sampling settings (one
-`SamplingConfig` per batcher) and per-request seeds.
+runs between two steps whole), prefill batches smaller than the slots.
+
+Each request has its own sampling settings and seed (`SlotRequest`): they are per-row arrays of the state
+(`jaxspec.sampling`), so greedy and sampled requests share one compiled step, and a seeded request draws from its
+own key (`row_keys(seed, [0])`, what `Generator.generate` gives a lone prompt with that seed), so it samples the same
+tokens whoever shares the batch.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jaxspec import sharding
 from jaxspec.engine.core import GenState, constrain_state
 from jaxspec.engine.generation import Completion, Generator, prompt_bucket
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import SamplingConfig, row_keys, row_sampling
 
 
 _WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up`'s requests
@@ -39,11 +43,14 @@ _WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up
 
 @dataclasses.dataclass(frozen=True)
 class SlotRequest:
-    """One request: its tokenized prompt, its budget of new tokens and its logit processors."""
+    """One request: its tokenized prompt, its budget of new tokens, its logit processors, its sampling settings and
+    seed (None: one drawn by the batcher)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
     processors: procs.LogitProcessors = procs.LogitProcessors()
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +66,11 @@ class SlotBatcher:
     """Requests joining and leaving the rows of one running generation state (module docstring).
 
     capacity: cache slots per row, the same for every request (prompt + budget + the slots a verify writes ahead
-    must fit); stop_ids: tokens that end a request; sampling: every request's (greedy by default)."""
+    must fit); stop_ids: tokens that end a request; seed: where the seeds of requests that bring none come from."""
 
     def __init__(
-        self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (),
-        sampling: SamplingConfig = SamplingConfig(), seed: int = 0, max_tokens: int | None = None,
+        self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (), seed: int = 0,
+        max_tokens: int | None = None,
     ):
         limit = generator.config.context_length + generator.extra_capacity
         if not generator.extra_capacity < capacity <= limit:
@@ -73,10 +80,9 @@ class SlotBatcher:
         self.capacity = capacity
         # prompt + new tokens of one request: what the cache holds, or less (a server's --max-model-len)
         self.room = min(capacity - generator.extra_capacity, max_tokens or capacity)
-        self.sampling = sampling
         self.eos = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
-        self.key = jax.random.key(seed)
+        self.seeds = np.random.default_rng(seed)  # for requests without a seed of their own
         self.state: GenState | None = None  # after the first join
         self.step_program = None
         rows = generator.batch_size
@@ -126,15 +132,20 @@ class SlotBatcher:
         prompt = np.zeros((rows, t), np.int32)
         lens, max_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
         processors = [procs.LogitProcessors()] * rows
+        settings = [SamplingConfig()] * rows
+        keys = [row_keys(0, [0])[0]] * rows
         for slot, (_, request) in zip(slots, requests):
             prompt[slot, : len(request.prompt)] = request.prompt
             lens[slot], max_new[slot] = len(request.prompt), request.max_new_tokens
-            processors[slot] = request.processors
-        # processor arrays always (neutral rows change no bit): one program whoever joins
+            processors[slot], settings[slot] = request.processors, request.sampling
+            seed = request.seed if request.seed is not None else int(self.seeds.integers(2**31))
+            keys[slot] = row_keys(seed, [0])[0]
+        # processor and sampling arrays always (neutral rows change no bit): one program whoever joins
         values = procs.batch_values(processors, rows, gen.config.vocab_size, always=True)
-        self.key, key = jax.random.split(self.key)
-        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, key, values)
-        prefill, self.step_program = gen.programs(args, self.capacity, self.sampling)
+        sampling = row_sampling(settings, rows, always=True)
+        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, jnp.stack(keys), values,
+                sampling)
+        prefill, self.step_program = gen.programs(args, self.capacity)
         start = time.perf_counter()
         fresh = prefill(*gen.program_params, *args)
         if self.state is None:
@@ -221,13 +232,13 @@ class SlotBatcher:
 
 def _join_rows(running: GenState, fresh: GenState, joining: jax.Array) -> GenState:
     """The running state with the joining rows ([B] bool) taken from `fresh` (a prefill of the same batch shape):
-    every per-row array (batch first) scattered row by row, in place when `running` is donated; the PRNG key stays
-    the running state's."""
+    every per-row array (batch first, the rows' PRNG keys included) scattered row by row, in place when `running` is
+    donated."""
     rows = joining.shape[0]
     where = jnp.where(joining, jnp.arange(rows), rows)  # rows not joining: out of range, dropped
 
     def one(old, new):
-        if old.ndim == 0 or jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+        if old.ndim == 0:
             return old
         if old.shape[0] != rows or old.shape != new.shape:
             raise ValueError(f"a state array of shape {old.shape} cannot take rows of shape {new.shape}")

@@ -56,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", metavar="NAME",
                         help="the model id clients name (default: the target directory's name)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                        help="every request's sampling temperature (default: 0.0, greedy)")
+                        help="the sampling temperature of requests that name none (default: 0.0, greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                        help="every request's nucleus mass, (0, 1] (default: 1.0, off)")
+                        help="the nucleus mass of requests that name none, (0, 1] (default: 1.0, off)")
     parser.add_argument("--top-k", type=integer(0), default=0, metavar="K",
-                        help="every request's top-k (default: 0, off)")
-    parser.add_argument("--seed", type=integer(0), default=0, help="the sampling stream's seed (default: 0)")
+                        help="the top-k of requests that name none (default: 0, off)")
+    parser.add_argument("--seed", type=integer(0), default=0, help="where the seeds of requests that name none come from (default: 0)")
     return parser
 
 
@@ -118,8 +118,7 @@ def build_server(args):
     generator.on_compile = say
     capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, sampling=sampling, seed=args.seed,
-                          max_tokens=args.max_model_len)
+    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name

@@ -31,7 +31,8 @@ DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks
 
 
 class ServedModel:
-    """What the routes need: the engine thread, the tokenizer, the model's name, sampling and default budget."""
+    """What the routes need: the engine thread, the tokenizer, the model's name, the default sampling settings
+    (for what a request leaves out) and default budget."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, name: str, sampling, default_max_tokens: int, vocab: int):
         self.scheduler, self.tokenizer, self.name = scheduler, tokenizer, name
@@ -130,13 +131,13 @@ def make_app(served: ServedModel) -> FastAPI:
                               "model")
         try:
             body.check_unsupported()
-            body.check_sampling(served.sampling)
+            sampling = body.sampling(served.sampling)
             stops = body.stop_strings()
             if not all(0 <= i < served.vocab for i in prompt_ids):
                 raise JaxspecError(f"prompt token ids must be in [0, {served.vocab})")
             if budget is None:  # the server's default, within the room the prompt leaves (as vLLM)
                 budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - len(prompt_ids)))
-            request = SlotRequest(tuple(prompt_ids), budget, body.processors(served.vocab))
+            request = SlotRequest(tuple(prompt_ids), budget, body.processors(served.vocab), sampling, body.seed)
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
             handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))

@@ -2,7 +2,8 @@
 
 Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
 Fields OpenAI defines that this server cannot honour yet (n > 1, logprobs, echo, best_of, structured
-`response_format`, per-request sampling settings other than the server's) are refused with a message saying so.
+`response_format`) are refused with a message saying so. Sampling settings and seeds are per request; what a request
+leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/--top-k`).
 """
 
 from __future__ import annotations
@@ -58,23 +59,18 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=tuple(sorted(bias)),
         )
 
-    def check_sampling(self, served: SamplingConfig) -> None:
-        """The server samples with one setting (`python -m jaxspec.serve --temperature/--top-p/--top-k`); a
-        request may restate it but not change it (per-request settings need per-row sampling in the engine)."""
-        asked = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        have = {"temperature": served.temperature, "top_p": served.top_p, "top_k": served.top_k}
-        for name, value in asked.items():
-            if value is not None and value != have[name] and not (name == "top_k" and value in (0, -1) and not
-                                                                 have[name]):
-                raise JaxspecError(
-                    f"this server samples with {name}={have[name]} for every request (python -m jaxspec.serve "
-                    f"--{name.replace('_', '-')}); got {value}: per-request sampling settings are not supported yet"
-                )
-        if self.seed is not None and not served.greedy:
-            raise JaxspecError("per-request seeds are not supported yet: leave seed out (the server draws from one "
-                               "stream)")
+    def sampling(self, default: SamplingConfig) -> SamplingConfig:
+        """The request's settings, each one it leaves out taken from the server's `default`; top_k -1 is off, as
+        in vLLM. Out-of-range values are a one-line error (a 400)."""
         if self.n != 1:
             raise JaxspecError(f"n={self.n}: this server returns one choice per request (n=1)")
+        if self.top_k is not None and self.top_k < -1:
+            raise JaxspecError(f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
+        return SamplingConfig(
+            default.temperature if self.temperature is None else self.temperature,
+            default.top_k if self.top_k is None else max(self.top_k, 0),
+            default.top_p if self.top_p is None else self.top_p,
+        )
 
     @property
     def include_usage(self) -> bool:

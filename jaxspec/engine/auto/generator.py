@@ -273,12 +273,12 @@ class AutoSpeculativeGenerator(Generator):
         return choice, basis
 
     def generate_batch(
-        self, batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values
+        self, batch, offset, max_new_tokens, stop_ids, keys, on_tokens, processor_values, sampling=None
     ) -> list[Completion]:
         capacity = self.cost_capacity(batch, max_new_tokens)
         choice, basis = self.choose(capacity)
         rates = self.acceptance().rates
-        args = (batch, offset, max_new_tokens, sampling, stop_ids, key, on_tokens, processor_values)
+        args = (batch, offset, max_new_tokens, stop_ids, keys, on_tokens, processor_values, sampling)
         trees = self.tree_tokens()
         gen = self.generator_for(choice.method)
         completions = gen.generate_batch(*args)

@@ -29,7 +29,6 @@ from jaxspec.engine.auto.config import StepCosts
 from jaxspec.engine.proposers.base import StepView
 from jaxspec.engine.proposers.dflash import DFlashProposer, DFlashState
 from jaxspec.engine.tree import TreeConfig, draft_tree
-from jaxspec.sampling import SamplingConfig
 
 ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
 TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
@@ -129,8 +128,8 @@ def _propose_call(model: LlamaModel, target_params, proposer, params, state, bat
 
     @jax.jit
     def draft(target_params, params, state, view):
-        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, SamplingConfig(),
-                                       jax.random.key(0))
+        keys = jax.random.split(jax.random.key(0), batch)
+        proposal, _ = proposer.propose(params, nnx.merge(tg, target_params), state, view, keys)
         return proposal.tokens
 
     return draft, (target_params, params, state, view)

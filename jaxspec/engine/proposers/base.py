@@ -24,7 +24,7 @@ import jax
 
 from jaxspec.models import kv_cache as kvc
 from jaxspec.processors import ProcessorState
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import RowSampling
 from jaxspec.engine.tree import DraftTree, TreeConfig
 
 
@@ -45,6 +45,7 @@ class StepView(NamedTuple):
     committed: jax.Array  # [B] tokens in the target cache (the root's position)
     running: jax.Array  # [B] int32, 1 for rows still generating
     processors: ProcessorState | None  # logit processors, for drafting what the processed target would pick
+    sampling: RowSampling | None = None  # the rows' sampling settings (None: all greedy), for sampled drafts
 
 
 class Proposal(NamedTuple):
@@ -121,9 +122,10 @@ class Proposer(Protocol):
         """The proposer's state after the prompt (a pytree; batch-major arrays)."""
 
     def propose(
-        self, params: Any, target, state: Any, view: StepView, sampling: SamplingConfig, key: jax.Array
+        self, params: Any, target, state: Any, view: StepView, keys: jax.Array
     ) -> tuple[Proposal, Any]:
-        """Draft this step's nodes. `target` is the target module (e.g. its embedding table), read-only."""
+        """Draft this step's nodes. `target` is the target module (e.g. its embedding table), read-only; keys [B]:
+        each row's PRNG key for this step (a row's draws must use its own key only)."""
 
     def commit(self, params: Any, state: Any, verified: Verified) -> Any:
         """Take in what was accepted; rows with running == 0 keep their state."""

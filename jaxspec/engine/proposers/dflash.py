@@ -75,7 +75,7 @@ class DFlashProposer(ChainDrafts):
             num_pending=jnp.zeros((b,), jnp.int32),
         )
 
-    def propose(self, params, target, st: DFlashState, view: StepView, sampling, key) -> tuple[Proposal, DFlashState]:
+    def propose(self, params, target, st: DFlashState, view: StepView, keys) -> tuple[Proposal, DFlashState]:
         drafter = nnx.merge(self.drafter_graphdef, params)
         b, width = st.pending_feat.shape[:2]
         positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]

@@ -29,7 +29,7 @@ from flax import nnx
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
-from jaxspec.sampling import SamplingConfig, filtered_logits
+from jaxspec.sampling import RowSampling, draw_draft, split_rows
 from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
 
 TELEMETRY_TOP_K = 8  # candidates per position for the rejection telemetry (`jaxspec.engine.telemetry`)
@@ -59,14 +59,13 @@ def _to_target_vocab(logits: jax.Array, vocab: int) -> jax.Array:
     return jnp.concatenate([logits, pad], axis=-1)
 
 
-def _draft_one(logits: jax.Array, sampling: SamplingConfig, key: jax.Array):
+def _draft_one(logits: jax.Array, sampling: RowSampling | None, keys: jax.Array):
     """(draft [B], the best TELEMETRY_TOP_K tokens [B, C], q [B, V] or None) from logits [B, V] (target ids)."""
     best = jax.lax.top_k(logits, min(TELEMETRY_TOP_K, logits.shape[-1]))[1].astype(jnp.int32)
-    if sampling.greedy:
+    if sampling is None:
         return best[:, 0], best, None
-    filtered = filtered_logits(logits, sampling)
-    draft = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-    return draft, best, jax.nn.softmax(filtered, axis=-1)
+    draft, q = draw_draft(logits, best[:, 0], sampling, keys)
+    return draft, best, q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +110,12 @@ class DraftModelProposer(ChainDrafts):
         )
 
     def propose(
-        self, params, target, st: DraftModelState, view: StepView, sampling: SamplingConfig, key: jax.Array
+        self, params, target, st: DraftModelState, view: StepView, keys: jax.Array
     ) -> tuple[Proposal, DraftModelState]:
         draft = nnx.merge(self.draft_graphdef, params)
         b, k = st.pending_tok.shape[0], self.num_draft
         vocab, v_d = target.config.vocab_size, draft.config.vocab_size
-        keys = jax.random.split(key, k)
+        keys = split_rows(keys, k)  # [K, B]
         # the catch-up: the pending tokens at the committed length; the last one's logits draft d_1
         width = st.pending_tok.shape[1]
         positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]
@@ -124,12 +123,12 @@ class DraftModelProposer(ChainDrafts):
         out = draft(jnp.minimum(st.pending_tok, v_d - 1), positions, st.cache, logit_indices=last)
         running = view.running > 0
         cache = kvc.advance(out.cache, jnp.where(running, st.num_pending, 0))  # [0, m] committed: the root included
-        first, best, q = _draft_one(_to_target_vocab(out.logits[:, 0], vocab), sampling, keys[0])
+        first, best, q = _draft_one(_to_target_vocab(out.logits[:, 0], vocab), view.sampling, keys[0])
 
         def draft_step(carry, step_key):  # d_2..d_K: written past the committed length, never committed
             c, token = carry
             o = draft(jnp.minimum(token, v_d - 1)[:, None], c.lengths[:, None], c)
-            nxt, best, q = _draft_one(_to_target_vocab(o.logits[:, 0], vocab), sampling, step_key)
+            nxt, best, q = _draft_one(_to_target_vocab(o.logits[:, 0], vocab), view.sampling, step_key)
             return (kvc.advance(o.cache, 1), nxt), (nxt, best, q)
 
         (drafted, _), (more, more_best, more_q) = jax.lax.scan(draft_step, (cache, first), keys[1:])

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
-from jaxspec.sampling import SamplingConfig, filtered_logits
+from jaxspec.sampling import RowSampling, draw_draft, split_rows
 from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.tree import TreeConfig, draft_tree
 
@@ -55,20 +55,20 @@ def draft_vocab(head, vocab: int) -> jax.Array:
     return jnp.zeros((vocab,), jnp.bool_).at[ids].set(True)
 
 
-def _propose_one(head, logits, sampling: SamplingConfig, key, vocab: int, processors, path):
+def _propose_one(head, logits, sampling: RowSampling | None, keys, vocab: int, processors, path):
     """Draft token (target id) from draft logits [B, V_d] (processed with the drafts so far, path [B, D]), the
     head's best TELEMETRY_TOP_K tokens there [B, C] (target ids), and the draft's distribution over the target
     vocab when sampling."""
     process = draft_processor(head, processors)
     if process is not None:
         logits = process(logits[:, None], path[:, None])[:, 0]
-    best = head.to_target_ids(jax.lax.top_k(logits, min(TELEMETRY_TOP_K, logits.shape[-1]))[1])
-    if sampling.greedy:
+    top = jax.lax.top_k(logits, min(TELEMETRY_TOP_K, logits.shape[-1]))[1]  # [B, C] draft-vocabulary columns
+    best = head.to_target_ids(top)
+    if sampling is None:
         return best[:, 0], best, None
-    filtered = filtered_logits(logits, sampling, procs.min_p_of(processors))
-    draft = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+    draft, q_draft = draw_draft(logits, top[:, 0], sampling, keys, procs.min_p_of(processors))
     ids = head.to_target_ids(jnp.arange(logits.shape[-1], dtype=jnp.int32))
-    q = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, ids].set(jax.nn.softmax(filtered, axis=-1))
+    q = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, ids].set(q_draft)
     return head.to_target_ids(draft), best, q
 
 
@@ -138,7 +138,7 @@ class Eagle3Proposer:
         )
 
     def propose(
-        self, params, target, st: Eagle3State, view: StepView, sampling: SamplingConfig, key: jax.Array
+        self, params, target, st: Eagle3State, view: StepView, keys: jax.Array
     ) -> tuple[Proposal, Eagle3State]:
         head = nnx.merge(self.head_graphdef, params)
         embed = _embed_table(target, head)
@@ -147,16 +147,16 @@ class Eagle3Proposer:
             dt = draft_tree(head, embed, logits0, state, head_cache, self.tree, draft_processor(head, view.processors))
             proposal = Proposal(dt.tokens, dt, None, dt.candidates)
         else:
-            proposal, head_cache = self._chain(head, target, embed, logits0, state, head_cache, view, sampling, key)
+            proposal, head_cache = self._chain(head, target, embed, logits0, state, head_cache, view, keys)
         proposal = proposal._replace(draft_vocab=draft_vocab(head, target.config.vocab_size))
         # Drop the draft entries (chain steps, tree levels): the next catch-up overwrites them.
         head_cache = head_cache._replace(lengths=h0 + st.num_pending * view.running)
         return proposal, st._replace(head_cache=head_cache)
 
-    def _chain(self, head, target, embed, logits0, state, head_cache, view: StepView, sampling, key):
+    def _chain(self, head, target, embed, logits0, state, head_cache, view: StepView, keys):
         b, k = logits0.shape[0], self.num_draft
-        vocab = target.config.vocab_size
-        keys = jax.random.split(key, k)
+        vocab, sampling = target.config.vocab_size, view.sampling
+        keys = split_rows(keys, k)  # [K, B]
         path = jnp.full((b, k), -1, jnp.int32)  # drafts so far, for the logit processors
         draft, best, q = _propose_one(head, logits0, sampling, keys[0], vocab, view.processors, path)
 
@@ -213,7 +213,7 @@ class PEagleProposer(Eagle3Proposer):
         return 1
 
     def propose(
-        self, params, target, st: Eagle3State, view: StepView, sampling: SamplingConfig, key: jax.Array
+        self, params, target, st: Eagle3State, view: StepView, keys: jax.Array
     ) -> tuple[Proposal, Eagle3State]:
         head = nnx.merge(self.head_graphdef, params)
         embed = _embed_table(target, head)
@@ -230,11 +230,11 @@ class PEagleProposer(Eagle3Proposer):
         positions = h0[:, None] + slot
         at = (st.num_pending - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]  # [B, K]: d_1 .. d_K's logits
         logits, _, head_cache = head(tokens, state, positions, st.head_cache, embed, logit_indices=at)
-        keys = jax.random.split(key, k)
+        keys = split_rows(keys, k)  # [K, B]
         path = jnp.full((b, k), -1, jnp.int32)  # drafts so far, for the logit processors
         drafts, bests, qs = [], [], []
         for j in range(k):  # each position's draft from its own logits (the processors see the drafts before it)
-            draft, best, q = _propose_one(head, logits[:, j], sampling, keys[j], vocab, view.processors, path)
+            draft, best, q = _propose_one(head, logits[:, j], view.sampling, keys[j], vocab, view.processors, path)
             path = path.at[:, j].set(draft)
             drafts.append(draft)
             bests.append(best)

@@ -137,7 +137,7 @@ class NgramProposer(ChainDrafts):
         history = history.at[jnp.arange(b), view.prompt_lens].set(view.first_token)
         return NgramState(history, jnp.where(view.prompt_lens > 0, view.prompt_lens + 1, 0))
 
-    def propose(self, params, target, st: NgramState, view: StepView, sampling, key) -> tuple[Proposal, NgramState]:
+    def propose(self, params, target, st: NgramState, view: StepView, keys) -> tuple[Proposal, NgramState]:
         drafts, match_n = ngram_match(
             st.history, st.length, num_draft=self.num_draft, min_n=self.min_n, max_n=self.max_n
         )  # [B, K], [B]
