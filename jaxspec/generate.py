@@ -9,6 +9,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -17,11 +18,13 @@ from jaxspec.cli.args import (
     OneLineParser,
     add_draft_args,
     add_step_cost_args,
+    add_structured_output_args,
     add_target_args,
     check_generation_args,
     integer,
     method_name,
     parse_tree,
+    structured_output,
 )
 from jaxspec.cli.loading import (
     check_before_loading,
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--logit-bias", metavar="JSON",
         help='add biases to token logits, OpenAI\'s format: \'{"42": -100, "7": 2.5}\' (token id: bias)',
     )
+    add_structured_output_args(parser)
     parser.add_argument("--seed", type=integer(*SEED_RANGE), default=0, help="sampling seed (default: 0)")
     parser.add_argument(
         "--batch-size", type=integer(None), default=1, metavar="B", help="prompts generated together (default: 1)"
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer, quantize=args.quantize,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
+    processors = dataclasses.replace(processors, grammar=structured_output(args, tokenizer, model, stops))
     ngram = ngram_proposer(args)
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(

@@ -5,14 +5,17 @@ Why these and only these: a processor is safe under speculative decoding when th
 are a function of the raw logits there and of the tokens before it — then the verify step, which computes K+1 (or a
 tree's N) positions at once, can give each position exactly the context it would have had in a target-only decode
 step: the committed tokens (prompt and output) plus the drafted tokens on its own path (its ancestors in a tree).
-All five are of that kind; a processor that needs anything else (a host callback, a grammar's state) cannot be
-replayed across drafted positions and is refused (`check_replayable`).
+All five are of that kind, and so is a grammar (`jaxspec.grammar`): its automaton's state at a position is a
+function of the tokens before it, so each position's state is the committed one walked along its own path. A
+processor that needs anything else (a host callback) cannot be replayed across drafted positions and is refused
+(`check_replayable`).
 
 Per entry v of a row's logits x (float32), in this order (vLLM's: bias and penalties on the raw logits, then the
 sampling filters):
     x += bias[v]                                                    logit bias (OpenAI)
     x = x * r if x < 0 else x / r,   if v is in prompt or output    repetition penalty r (transformers)
     x -= frequency · count[v] + presence · (count[v] > 0)           over the output only (OpenAI)
+    x = -inf,   if the row's grammar does not allow v in the position's state        structured output
 then sampling divides by the temperature, applies top-k and top-p, and min-p (transformers' order, `sampling.py`):
 tokens whose probability is below min_p × the top probability are dropped. Greedy takes the argmax of the processed
 logits (min-p never removes the argmax, so it changes nothing there).
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.grammar import TokenAutomaton
 from jaxspec.models.numerics import exact_mul
 
 
@@ -47,6 +51,7 @@ class LogitProcessors:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     min_p: float = 0.0  # in [0, 1]; sampling only
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: TokenAutomaton | None = None  # structured output (`jaxspec.grammar`); None: unconstrained
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
@@ -106,6 +111,8 @@ class ProcessorValues(NamedTuple):
     frequency: jax.Array  # [B] float32
     min_p: jax.Array  # [B] float32
     bias: jax.Array  # [B, V] float32
+    token_class: jax.Array | None = None  # [B, V] int32: each row's grammar (`jaxspec.grammar`; a free one for rows
+    transitions: jax.Array | None = None  # [B, S, C] int32  without), or None when no row has one
 
 
 class ProcessorState(NamedTuple):
@@ -114,6 +121,7 @@ class ProcessorState(NamedTuple):
     values: ProcessorValues
     in_prompt: jax.Array  # [B, V] bool: the token occurs in the row's prompt
     counts: jax.Array  # [B, V] int32: occurrences in the row's output so far (emitted tokens)
+    grammar_state: jax.Array | None = None  # [B] int32: each row's automaton state after its output (with grammars)
 
 
 def check_vocab(requests: Sequence[LogitProcessors], vocab: int) -> None:
@@ -127,10 +135,13 @@ def check_vocab(requests: Sequence[LogitProcessors], vocab: int) -> None:
 
 
 def batch_values(
-    requests: Sequence[LogitProcessors], batch_size: int, vocab: int, always: bool = False
+    requests: Sequence[LogitProcessors], batch_size: int, vocab: int, always: bool = False,
+    grammar_shape: tuple[int, int] | None = None,
 ) -> ProcessorValues | None:
     """Host arrays for one batch (padding rows neutral), or None when no request uses a processor (then the
-    compiled programs are the plain ones) unless `always` (continuous batching: one program whoever joins)."""
+    compiled programs are the plain ones) unless `always` (continuous batching: one program whoever joins).
+    grammar_shape: (states, classes) of every batch's grammar tables, so that any grammar up to that size runs the
+    same program (a larger one is refused); None: tables only when a request has a grammar, sized to fit."""
     if not always and not any(r.active for r in requests):
         return None
     rep = np.ones((batch_size,), np.float32)
@@ -141,7 +152,36 @@ def batch_values(
         min_p[i] = r.min_p
         for token, b in r.logit_bias:
             bias[i, token] = b
-    return ProcessorValues(*(jnp.asarray(x) for x in (rep, presence, frequency, min_p, bias)))
+    token_class, transitions = _grammar_tables([r.grammar for r in requests], batch_size, vocab, grammar_shape)
+    return ProcessorValues(
+        *(jnp.asarray(x) for x in (rep, presence, frequency, min_p, bias)),
+        token_class=None if token_class is None else jnp.asarray(token_class),
+        transitions=None if transitions is None else jnp.asarray(transitions),
+    )
+
+
+def _grammar_tables(automata, batch_size: int, vocab: int, shape: tuple[int, int] | None):
+    """[B, V] token classes and [B, S, C] transitions (rows without a grammar free: every token allowed), or
+    (None, None) when no row has a grammar and no shape is fixed."""
+    if shape is None and all(a is None for a in automata):
+        return None, None
+    real = [a for a in automata if a is not None]
+    states, classes = shape or (max(a.num_states for a in real), max(a.num_classes for a in real))
+    for a in real:
+        if a.num_states > states or a.num_classes > classes:
+            raise JaxspecError(
+                f"the grammar needs {a.num_states} automaton states and {a.num_classes} token classes; this engine "
+                f"holds at most {states} and {classes} per request (a simpler schema or pattern, or raise the limits)"
+            )
+    token_class = np.zeros((batch_size, vocab), np.int32)
+    transitions = np.full((batch_size, states, classes), -1, np.int32)
+    transitions[:, 0, 0] = 0  # the free automaton: one state, one class, allowed
+    for i, a in enumerate(automata):
+        if a is not None:
+            token_class[i] = a.token_class
+            transitions[i] = -1
+            transitions[i, : a.num_states, : a.num_classes] = a.transitions
+    return token_class, transitions
 
 
 def init_state(values: ProcessorValues | None, prompt: jax.Array, prompt_lens: jax.Array) -> ProcessorState | None:
@@ -152,7 +192,8 @@ def init_state(values: ProcessorValues | None, prompt: jax.Array, prompt_lens: j
     valid = jnp.arange(t)[None, :] < prompt_lens[:, None]  # [B, Tp]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     in_prompt = jnp.zeros(values.bias.shape, bool).at[rows, prompt].max(valid)
-    return ProcessorState(values, in_prompt, jnp.zeros(values.bias.shape, jnp.int32))
+    grammar_state = None if values.token_class is None else jnp.zeros((b,), jnp.int32)  # each automaton's start
+    return ProcessorState(values, in_prompt, jnp.zeros(values.bias.shape, jnp.int32), grammar_state)
 
 
 def record(st: ProcessorState | None, tokens: jax.Array, count: jax.Array) -> ProcessorState | None:
@@ -162,7 +203,37 @@ def record(st: ProcessorState | None, tokens: jax.Array, count: jax.Array) -> Pr
     b, w = tokens.shape
     take = (jnp.arange(w)[None, :] < count[:, None]).astype(jnp.int32)
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, w))
-    return st._replace(counts=st.counts.at[rows, jnp.maximum(tokens, 0)].add(take))
+    st = st._replace(counts=st.counts.at[rows, jnp.maximum(tokens, 0)].add(take))
+    if st.grammar_state is None:
+        return st
+    state = st.grammar_state
+    for j in range(w):  # the automaton through the emitted tokens, in order
+        state = jnp.where(take[:, j] > 0, _advance(st.values, state[:, None], tokens[:, j : j + 1])[:, 0], state)
+    return st._replace(grammar_state=state)
+
+
+def _advance(v: ProcessorValues, state: jax.Array, token: jax.Array) -> jax.Array:
+    """Each row's automaton from state [B, N] through token [B, N]. A token the grammar does not allow leads back
+    to the start: only positions that can never be accepted get there (their path holds a draft the processed
+    target gives probability 0), and a start state keeps their logits from being all -inf."""
+    rows = jnp.arange(state.shape[0])[:, None]
+    nxt = v.transitions[rows, state, v.token_class[rows, jnp.maximum(token, 0)]]
+    return jnp.maximum(nxt, 0)
+
+
+def _grammar_mask(st: ProcessorState, n: int, path: jax.Array | None, columns: jax.Array | None) -> jax.Array:
+    """[B, N, V'] bool: the tokens each position's automaton state allows, that state being the row's committed one
+    walked along the position's path (path [B, N, D], -1: none)."""
+    v = st.values
+    b = st.grammar_state.shape[0]
+    state = jnp.broadcast_to(st.grammar_state[:, None], (b, n))
+    for j in range(0 if path is None else path.shape[-1]):
+        token = path[..., j]
+        state = jnp.where(token >= 0, _advance(v, state, token), state)
+    classes = v.token_class if columns is None else v.token_class[:, columns]  # [B, V']
+    table = v.transitions[jnp.arange(b)[:, None], state]  # [B, N, C]
+    index = jnp.broadcast_to(classes[:, None, :], (b, n, classes.shape[-1]))
+    return jnp.take_along_axis(table, index, axis=-1) >= 0
 
 
 def _penalize(x, bias, seen, counts, v: ProcessorValues, expand):
@@ -199,8 +270,13 @@ def process(
         return a[:, None, None]
 
     out = _penalize(logits, bias[:, None], seen[:, None], counts[:, None], v, per_row)
+    if st.grammar_state is not None:  # last: a token the grammar forbids gets -inf whatever the penalties did
+        allowed = _grammar_mask(st, n, path, columns)
+        finish = lambda x: jnp.where(allowed, x, -jnp.inf)  # noqa: E731
+    else:
+        finish = lambda x: x  # noqa: E731
     if path is None or path.shape[-1] == 0:
-        return out
+        return finish(out)
     # Entries of tokens on the path: counts raised by their occurrences on it, seen by the repetition penalty.
     d = path.shape[-1]
     valid = path >= 0  # [B, N, D]
@@ -220,7 +296,7 @@ def process(
     )
     positions = jnp.broadcast_to(jnp.arange(n)[None, :, None], (b, n, d))
     col = jnp.where(valid, col, width)  # out of range: dropped
-    return out.at[jnp.broadcast_to(rows, (b, n, d)), positions, col].set(redone, mode="drop")
+    return finish(out.at[jnp.broadcast_to(rows, (b, n, d)), positions, col].set(redone, mode="drop"))
 
 
 def min_p_of(st: ProcessorState | None) -> jax.Array | None:

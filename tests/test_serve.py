@@ -3,6 +3,7 @@
 own; a disconnect frees its slot; bad requests get 4xx JSON errors and the server keeps serving."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -13,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hf_tiny import make_tiny, write_char_tokenizer
 
+from jaxspec.grammar import Grammar, GrammarCompiler
+from jaxspec.processors import LogitProcessors
 from jaxspec.sampling import SamplingConfig
 from jaxspec.serve.__main__ import build_parser, build_server
 
@@ -87,8 +90,13 @@ def alone(target):
     gen = SpeculativeGenerator(model, load_head(head_dir, model.config), num_draft=3, batch_size=1)
     stops = stop_token_ids(tokenizer, path, model.config.eos_token_ids)
 
-    def text(ids: list[int], max_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0) -> str:
-        out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops, sampling=sampling, seed=seed)[0].token_ids
+    grammars = GrammarCompiler(tokenizer, model.config.vocab_size, stops)
+
+    def text(ids: list[int], max_tokens: int, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             grammar: Grammar | None = None) -> str:
+        processors = LogitProcessors(grammar=None if grammar is None else grammars(grammar))
+        out = gen.generate([ids], max_new_tokens=max_tokens, stop_ids=stops, sampling=sampling, seed=seed,
+                           processors=processors)[0].token_ids
         return tokenizer.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     return text, tokenizer
@@ -186,6 +194,31 @@ def test_each_request_samples_with_its_own_settings_and_seed(server, alone):
     assert got[2] != text(tokenizer("hello there").input_ids, 10)  # sampled: not the greedy text
 
 
+def test_structured_output_matches_and_equals_the_engine_alone(server, alone):
+    """response_format (json_schema) and structured_outputs (regex, choice): each answer follows its grammar and is
+    the constrained engine's own for the prompt alone, greedy, beside free requests."""
+    base, _, _ = server
+    text, tokenizer = alone
+    api = client(base)
+    schema = {"type": "integer"}  # the tiny target's config makes '"' (id 2) a stop token: no JSON strings here
+    asks = [("abc", 24, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+             Grammar.json_schema(schema)),
+            ("hello", 12, {"structured_outputs": {"regex": "[a-c]{2,5}!"}}, Grammar("regex", "[a-c]{2,5}!")),
+            ("x", 6, {"structured_outputs": {"choice": ["yes", "no"]}}, Grammar.choice(["yes", "no"])),
+            ("the quick fox", 9, {}, None)]
+
+    def ask(i):
+        prompt, n, extra, _ = asks[i]
+        return api.completions.create(model="target", prompt=prompt, max_tokens=n, extra_body=extra or None)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        replies = list(pool.map(ask, range(len(asks))))
+    for (prompt, n, _, grammar), reply in zip(asks, replies):
+        assert reply.choices[0].text == text(tokenizer(prompt).input_ids, n, grammar=grammar), prompt
+    assert isinstance(json.loads(replies[0].choices[0].text), int)
+    assert re.fullmatch("[a-c]{2,5}!", replies[1].choices[0].text) and replies[2].choices[0].text in ("yes", "no")
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     base, _, scheduler = server
     cancelled = scheduler.stats.cancelled
@@ -215,7 +248,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     ("/v1/completions", b'{"prompt": [1, 500]}', "prompt token ids must be in"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '
-                             b'"response_format": {"type": "json_object"}}', "not supported"),
+                             b'"response_format": {"type": "yaml"}}', "is not one of text, json_object, json_schema"),
+    ("/v1/completions", b'{"prompt": "a", "structured_outputs": {"regex": "(a"}}', "cannot be compiled"),
 ])
 def test_bad_requests_get_openai_style_400s_and_the_server_keeps_serving(server, route, body, message):
     base, _, _ = server

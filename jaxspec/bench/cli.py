@@ -37,12 +37,14 @@ from jaxspec.cli.args import (
     OneLineParser,
     add_draft_args,
     add_step_cost_args,
+    add_structured_output_args,
     add_target_args,
     check_generation_args,
     integer,
     method_name,
     parse_tree,
     positive_int_list,
+    structured_output,
 )
 from jaxspec.cli.loading import (
     check_before_loading,
@@ -171,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--compiled-cost: batch sizes (default: 1,8)")
     parser.add_argument("--cost-lengths", type=positive_int_list, metavar="L,...",
                         help="--compiled-cost: committed cache lengths (default: 1024,8192)")
+    add_structured_output_args(parser)
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -190,6 +193,8 @@ def check_bench_args(args) -> None:
         raise JaxspecError("--accept-prob applies to chains only; drop --tree")
     if args.compare_numerics and args.suite:
         raise JaxspecError("--compare-numerics applies to single runs (--prompts-file), not --suite")
+    if (args.regex or args.json_schema or args.choice) and args.suite:
+        raise JaxspecError("--regex/--json-schema/--choice apply to single runs (--prompts-file), not --suite")
     if args.quantization_drift and (not args.quantize or args.suite):
         raise JaxspecError("--quantization-drift compares a --quantize target with its float original in a single run "
                            "(--prompts-file): add --quantize int8|fp8")
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxspec.engine.generation import Generator
     from jaxspec.files import check_writable_dir
+    from jaxspec.processors import LogitProcessors
     from jaxspec.prompts import read_prompts_file, stop_token_ids, suite_prompts
 
     if args.load_time:
@@ -301,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=tokenizer, quantize=args.quantize,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
+    automaton = structured_output(args, tokenizer, model, stops)
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
         args, model, tokenizer)
@@ -331,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         methods.append((method_name(ngram.num_draft, None, proposer=ngram), spec, ngram.depth, ngram.name, None))
     label = "target-only" + "".join(f" | {name}" for name, *_ in methods)
     _say(f"generating, interleaved: {label} ({len(encoded)} prompts, batch {args.batch_size})")
-    measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label)
+    processors = None if automaton is None else LogitProcessors(grammar=automaton)
+    measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label,
+                                   processors)
     completions, tokens, seconds = measured[0]
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # what a step reads
     _say("measuring the memory bandwidth (copy probe)")
@@ -349,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": weights_roofline(weight_bytes, args.batch_size, bandwidth),
         "memory": {"target-only": gen.memory.as_dict()},
     }
+    if automaton is not None:  # every answer that ended follows the grammar (one cut by the budget may not yet)
+        ended = [c for c in completions if c.finished_by_eos]
+        result["structured_output"] = {
+            "grammar": next(k for k in ("regex", "json_schema", "choice") if getattr(args, k)),
+            "ended": len(ended), "cut_by_budget": len(completions) - len(ended),
+            "ended_and_matching": sum(automaton.matches(c.token_ids) for c in ended),
+        }
     for (method, spec, depth, source, drafted), m in zip(methods, measured[1:]):
         row = speculative_row(*m, depth, completions, tokens / seconds)
         if drafted is not None and args.components:

@@ -253,3 +253,25 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
         args.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS if fixed or forced else AUTO
     elif k == AUTO and getattr(args, "accept_prob", None) is not None:
         raise JaxspecError("--accept-prob forces acceptance of a fixed chain; give --num-speculative-tokens a number")
+
+
+def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
+    """--regex / --json-schema / --choice (at most one): generate's and bench's structured output."""
+    structured = parser.add_argument_group(
+        "structured output", "the answer must match a pattern: a token automaton masks the logits at every position, "
+        "drafted ones included (jaxspec/grammar.py), so greedy output stays the constrained target's own",
+    ).add_mutually_exclusive_group()
+    structured.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole answer matches")
+    structured.add_argument("--json-schema", metavar="JSON|FILE",
+                            help="a JSON schema the answer follows: inline JSON or a file holding it")
+    structured.add_argument("--choice", action="append", metavar="TEXT",
+                            help="one of the answers allowed (repeatable): the answer is exactly one of them")
+
+
+def structured_output(args, tokenizer, model, stop_ids):
+    """The automaton of --regex / --json-schema / --choice for this tokenizer and vocabulary (None: none given); a
+    pattern or schema it cannot compile is a one-line error."""
+    from jaxspec.grammar import GrammarCompiler, grammar_of
+
+    grammar = grammar_of(args.regex, args.json_schema, args.choice)
+    return None if grammar is None else GrammarCompiler(tokenizer, model.config.vocab_size, stop_ids)(grammar)

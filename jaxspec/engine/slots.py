@@ -66,11 +66,13 @@ class SlotBatcher:
     """Requests joining and leaving the rows of one running generation state (module docstring).
 
     capacity: cache slots per row, the same for every request (prompt + budget + the slots a verify writes ahead
-    must fit); stop_ids: tokens that end a request; seed: where the seeds of requests that bring none come from."""
+    must fit); stop_ids: tokens that end a request; seed: where the seeds of requests that bring none come from;
+    grammar_shape: (automaton states, token classes) every request's grammar tables are held at, so that any grammar
+    up to that size joins the same compiled step (None: requests cannot bring grammars)."""
 
     def __init__(
         self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (), seed: int = 0,
-        max_tokens: int | None = None,
+        max_tokens: int | None = None, grammar_shape: tuple[int, int] | None = None,
     ):
         limit = generator.config.context_length + generator.extra_capacity
         if not generator.extra_capacity < capacity <= limit:
@@ -80,6 +82,7 @@ class SlotBatcher:
         self.capacity = capacity
         # prompt + new tokens of one request: what the cache holds, or less (a server's --max-model-len)
         self.room = min(capacity - generator.extra_capacity, max_tokens or capacity)
+        self.grammar_shape = grammar_shape
         self.eos = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.seeds = np.random.default_rng(seed)  # for requests without a seed of their own
@@ -113,6 +116,17 @@ class SlotBatcher:
                 f"the {self.room} tokens a request may hold (shorten the prompt or lower the budget)"
             )
         procs.check_vocab([request.processors], self.generator.config.vocab_size)
+        grammar = request.processors.grammar
+        if grammar is not None:
+            if self.grammar_shape is None:
+                raise JaxspecError("this engine was started without room for grammars (structured output)")
+            states, classes = self.grammar_shape
+            if grammar.num_states > states or grammar.num_classes > classes:
+                raise JaxspecError(
+                    f"the grammar needs {grammar.num_states} automaton states and {grammar.num_classes} token "
+                    f"classes; this server holds at most {states} and {classes} per request (a simpler schema or "
+                    "pattern, or start the server with higher --max-grammar-states/--max-grammar-classes)"
+                )
 
     def join(self, requests: Sequence[tuple[Hashable, SlotRequest]]) -> list[int]:
         """Prefill `requests` (handle, request) into free slots, all in one prefill; returns their slots. Their
@@ -141,7 +155,8 @@ class SlotBatcher:
             seed = request.seed if request.seed is not None else int(self.seeds.integers(2**31))
             keys[slot] = row_keys(seed, [0])[0]
         # processor and sampling arrays always (neutral rows change no bit): one program whoever joins
-        values = procs.batch_values(processors, rows, gen.config.vocab_size, always=True)
+        values = procs.batch_values(processors, rows, gen.config.vocab_size, always=True,
+                                    grammar_shape=self.grammar_shape)
         sampling = row_sampling(settings, rows, always=True)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, jnp.stack(keys), values,
                 sampling)

@@ -61,7 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the nucleus mass of requests that name none, (0, 1] (default: 1.0, off)")
     parser.add_argument("--top-k", type=integer(0), default=0, metavar="K",
                         help="the top-k of requests that name none (default: 0, off)")
-    parser.add_argument("--seed", type=integer(0), default=0, help="where the seeds of requests that name none come from (default: 0)")
+    parser.add_argument("--max-grammar-states", type=integer(0), default=2048, metavar="S",
+                        help="structured output: automaton states one request's grammar may have; every slot holds "
+                        "tables of this size, so any grammar up to it runs the compiled step (0: structured output "
+                        "off) (default: %(default)s)")
+    parser.add_argument("--max-grammar-classes", type=integer(1), default=256, metavar="C",
+                        help="structured output: token classes (tokens alike in every state) one request's grammar "
+                        "may have (default: %(default)s)")
+    parser.add_argument("--seed", type=integer(0), default=0,
+                        help="where the seeds of requests that name none come from (default: 0)")
     return parser
 
 
@@ -81,6 +89,7 @@ def build_server(args):
     from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
     from jaxspec.engine.generation import Generator, capacity_bucket
     from jaxspec.engine.slots import SlotBatcher
+    from jaxspec.grammar import GrammarCompiler
     from jaxspec.prompts import stop_token_ids
     from jaxspec.sampling import SamplingConfig
     from jaxspec.serve.app import ServedModel, make_app
@@ -118,12 +127,15 @@ def build_server(args):
     generator.on_compile = say
     capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len)
+    grammar_shape = (args.max_grammar_states, args.max_grammar_classes) if args.max_grammar_states else None
+    batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len,
+                          grammar_shape=grammar_shape)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name
-    served = ServedModel(scheduler, tokenizer, name, sampling, args.default_max_tokens,
-                         model.config.vocab_size)
+    grammars = GrammarCompiler(tokenizer, model.config.vocab_size, stops) if grammar_shape else None
+    served = ServedModel(scheduler, tokenizer, name, sampling, args.default_max_tokens, model.config.vocab_size,
+                         grammars)
     return make_app(served), scheduler
 
 

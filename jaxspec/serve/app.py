@@ -11,6 +11,7 @@ an incomplete character or could be the start of a stop string, so streamed text
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -34,10 +35,12 @@ class ServedModel:
     """What the routes need: the engine thread, the tokenizer, the model's name, the default sampling settings
     (for what a request leaves out) and default budget."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, name: str, sampling, default_max_tokens: int, vocab: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, name: str, sampling, default_max_tokens: int, vocab: int,
+                 grammars=None):
         self.scheduler, self.tokenizer, self.name = scheduler, tokenizer, name
         self.sampling, self.default_max_tokens = sampling, default_max_tokens
         self.vocab = vocab  # the target's (token ids and logit_bias keys are checked against it)
+        self.grammars = grammars  # a jaxspec.grammar.GrammarCompiler; None: no structured output
 
 
 def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -137,7 +140,15 @@ def make_app(served: ServedModel) -> FastAPI:
                 raise JaxspecError(f"prompt token ids must be in [0, {served.vocab})")
             if budget is None:  # the server's default, within the room the prompt leaves (as vLLM)
                 budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - len(prompt_ids)))
-            request = SlotRequest(tuple(prompt_ids), budget, body.processors(served.vocab), sampling, body.seed)
+            processors = body.processors(served.vocab)
+            grammar = body.grammar()
+            if grammar is not None:
+                if served.grammars is None:
+                    raise JaxspecError("structured output is off on this server (--max-grammar-states 0)")
+                # compiled off the event loop (seconds for a JSON schema; cached per grammar)
+                automaton = await asyncio.get_running_loop().run_in_executor(None, served.grammars, grammar)
+                processors = dataclasses.replace(processors, grammar=automaton)
+            request = SlotRequest(tuple(prompt_ids), budget, processors, sampling, body.seed)
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
             handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))

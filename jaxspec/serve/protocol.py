@@ -1,8 +1,9 @@
 """The OpenAI request bodies the server accepts (pydantic), checked into what the engine runs.
 
 Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
-Fields OpenAI defines that this server cannot honour yet (n > 1, logprobs, echo, best_of, structured
-`response_format`) are refused with a message saying so. Sampling settings and seeds are per request; what a request
+Fields OpenAI defines that this server cannot honour yet (n > 1, logprobs, echo, best_of) are refused with a
+message saying so. Structured output comes as OpenAI's `response_format` (json_schema, json_object) or vLLM's
+`structured_outputs` (regex, choice, json), on both routes. Sampling settings and seeds are per request; what a request
 leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/--top-k`).
 """
 
@@ -13,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxspec.errors import JaxspecError
+from jaxspec.grammar import Grammar
 from jaxspec.processors import LogitProcessors
 from jaxspec.sampling import SamplingConfig
 
@@ -39,6 +41,37 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}
     user: str | None = None
+    response_format: dict | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None  # vLLM's: {"regex": ...} | {"choice": [...]} | {"json": schema}
+
+    def grammar(self) -> Grammar | None:
+        """The request's structured output, or None for free text."""
+        kind = (self.response_format or {}).get("type", "text")
+        if self.structured_outputs and kind != "text":
+            raise JaxspecError("give response_format or structured_outputs, not both")
+        if kind == "json_object":
+            return Grammar.json_schema({"type": "object"})
+        if kind == "json_schema":
+            spec = (self.response_format or {}).get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise JaxspecError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            return Grammar.json_schema(spec["schema"])
+        if kind != "text":
+            raise JaxspecError(f"response_format type {kind!r} is not one of text, json_object, json_schema")
+        if not self.structured_outputs:
+            return None
+        if len(self.structured_outputs) != 1:
+            raise JaxspecError("structured_outputs takes one of regex, choice, json, got "
+                               f"{sorted(self.structured_outputs)}")
+        (key, value), = self.structured_outputs.items()
+        if key == "regex" and isinstance(value, str):
+            return Grammar("regex", value)
+        if key == "choice" and isinstance(value, list):
+            return Grammar.choice(value)
+        if key == "json" and isinstance(value, (dict, str)):
+            return Grammar.json_schema(value)
+        raise JaxspecError(f"structured_outputs: {key!r} is not one of regex (a string), choice (a list of strings), "
+                           "json (a schema)")
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -123,16 +156,12 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
     def check_unsupported(self) -> None:
         if self.logprobs or self.top_logprobs:
             raise JaxspecError("logprobs are not supported by this server yet")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise JaxspecError(f"response_format {kind!r} is not supported by this server yet (only text)")
 
     @property
     def budget(self) -> int | None:
