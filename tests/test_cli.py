@@ -344,8 +344,10 @@ def test_bench_load_time_compares_safetensors_and_orbax(mesh, tiny_dir, tmp_path
     assert exc.value.code == 2 and "is not an orbax target; make one with" in capsys.readouterr().err
 
 
+# CI: the kernels in interpret mode per mesh shard (tests/test_mesh.py) and against the references
+# (tests/test_invariant_kernel_lowering.py)
 @pytest.mark.parametrize("extra", [pytest.param(["--num-speculative-tokens", "3"], marks=pytest.mark.slow),
-                                   ["--tree", "6,3,2"]])
+                                   pytest.param(["--tree", "6,3,2"], marks=pytest.mark.slow)])
 def test_kernels_pallas_gives_the_references_output_and_the_log_says_which(extra, tiny_dir, tiny_head, capsys,
                                                                            monkeypatch):
     """`--kernels pallas` on CPU runs the attention and verification kernels in interpret mode: same tokens as the

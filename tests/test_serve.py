@@ -282,3 +282,31 @@ def test_an_unknown_model_or_route_is_an_openai_style_404(server):
     status, reply = post(base, "/v1/nothing", b"{}")
     assert status == 404 and reply["error"]["type"] == "invalid_request_error"
 
+
+
+def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
+    """`python -m jaxspec.bench --serve-load`: the server at each concurrency, every request answered (with a draft it
+    also runs target-only: here --no-draft, one server, to keep CI short)."""
+    from jaxspec.bench.cli import main as bench
+
+    path, head = target
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                               for i, p in enumerate(["abc", "hello there", "x", "what is x?", "the fox"])))
+    assert bench(["--serve-load", str(prompts), "--target", str(path), "--no-draft", "--slots", "4",
+                  "--max-model-len", "256", "--concurrency", "1,4", "--max-new-tokens", "6", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["load"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("target-only", 1), ("target-only", 4)]
+    for r in rows:
+        assert r["requests"] == 5 and 5 <= r["tokens"] <= 30 and r["requests_per_second"] > 0
+        assert 0 < r["time_to_first_token_ms"]["p50"] <= r["time_to_first_token_ms"]["p90"]
+        assert r["mean_accepted_length"] is None
+    from jaxspec.bench.cli import build_parser, serve_argv
+
+    # with a draft: the speculative server's arguments, the slots from the highest concurrency
+    args = build_parser().parse_args(["--serve-load", str(prompts), "--draft", str(head), "--tree", "6,3,2",
+                                      "--concurrency", "1,4,16", "--dtype", "bfloat16"])
+    common = ["--slots", "16", "--max-model-len", "1024", "--dtype", "bfloat16", "--numerics", "invariant",
+              "--kernels", "auto"]
+    assert serve_argv(args, draft=True) == [*common, "--draft", str(head), "--tree", "6,3,2"]
+    assert serve_argv(args, draft=False) == [*common, "--no-draft"]

@@ -66,6 +66,7 @@ def test_requests_joining_between_steps_get_their_own_output(drafter):
         assert all(c.stats["verify_calls"] > 0 for c in completions.values() if c.num_generated > 1)
 
 
+@pytest.mark.slow  # CI: the server's joins (tests/test_serve.py)
 def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
     """The n-gram proposer's history is max(capacity, T + 1) wide: a prefill bucket at the capacity would make it
     wider than the running state's (the join keeps buckets below the capacity). The joining row brings its own

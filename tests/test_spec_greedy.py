@@ -117,7 +117,8 @@ def test_head_variants_keep_output_exact(variant, reference):
     assert [c.token_ids for c in got] == reference
 
 
-@pytest.mark.parametrize("prob, k", [(0.6, 4), pytest.param(1.0, 4, marks=pytest.mark.slow),
+# CI: forced acceptance through the bench suite (tests/test_cli.py, [forced])
+@pytest.mark.parametrize("prob, k", [pytest.param(0.6, 4, marks=pytest.mark.slow), pytest.param(1.0, 4, marks=pytest.mark.slow),
                                      pytest.param(0.0, 3, marks=pytest.mark.slow)])
 def test_forced_acceptance_sets_the_mean_accepted_length(prob, k):
     """Benchmark-only forced acceptance: a chain accepts 1 + p + ... + p^K tokens per verify on average, whatever the

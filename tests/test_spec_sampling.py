@@ -66,9 +66,9 @@ def first_two(completions) -> np.ndarray:
 @pytest.mark.parametrize(
     "sampling",
     [pytest.param(SamplingConfig(1.0), marks=pytest.mark.slow), pytest.param(SamplingConfig(1.5, top_k=6), marks=pytest.mark.slow),
-     SamplingConfig(2.0, top_p=0.9)],
+     pytest.param(SamplingConfig(2.0, top_p=0.9), marks=pytest.mark.slow)],
     ids=str,
-)  # CI: a temperature with top-p here, top-k in the tree case below
+)  # CI: a chain's chi-square with top-p under a grammar (tests/test_grammar.py), top-k in the tree case below
 def test_joint_distribution_and_acceptance_rate(sampling):
     target, head = plain_target(), fitted_head(**SHAPE)
     joint, p2, q = exact_joint(sampling)

@@ -110,6 +110,7 @@ def test_ngram_counters_say_no_draft_without_a_match():
     assert sum(c.stats["rejections"]["no_draft"] for c in out) > 0
 
 
+@pytest.mark.slow  # CI: the chain counters above read the same candidates
 def test_eagle3_chain_candidates_start_with_the_draft():
     """Greedy: a chain node's first candidate is the next draft (its top-1)."""
     target, head = tiny_target(), fitted_head()

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(onto --mesh when given; median of --repeats)",
     )
     source.add_argument(
+        "--serve-load", metavar="FILE.jsonl",
+        help="load test of python -m jaxspec.serve, started here with --slots and --max-model-len, once with the "
+        "draft and once target-only: the prompts (chat, streamed) at each --concurrency; requests/s, time to first "
+        "token, tokens/s per request (jaxspec/bench/serve_load.py)",
+    )
+    source.add_argument(
         "--kernels-micro", action="store_true",
         help="kernel micro-benchmark, no model: the attention and draft-verification Pallas kernels vs their jax.numpy "
         "references vs the bytes floor at the probe's bandwidth, at --kernel-shapes (GPU: compiled; CPU, or --kernels "
@@ -174,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cost-lengths", type=positive_int_list, metavar="L,...",
                         help="--compiled-cost: committed cache lengths (default: 1024,8192)")
     add_structured_output_args(parser)
+    parser.add_argument("--concurrency", type=positive_int_list, default=[1, 4, 16], metavar="C,...",
+                        help="--serve-load: clients at once, one level after another (default: 1,4,16)")
+    parser.add_argument("--slots", type=integer(1), metavar="N",
+                        help="--serve-load: the server's slots (default: the highest --concurrency)")
+    parser.add_argument("--max-model-len", type=integer(1), default=1024, metavar="N",
+                        help="--serve-load: prompt + new tokens one request may hold (default: 1024)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -285,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_kernels_micro(args)
     check_generation_args(args, tree_sets_depth=False)
     check_bench_args(args)
+    if args.serve_load:
+        return run_serve_load(args)
     use_compile_cache(args)
     prompts = suite_prompts(args.suite) if args.suite else read_prompts_file(args.prompts_file)
     if args.limit:
@@ -486,6 +500,60 @@ def run_compiled_cost(args) -> int:
     else:
         versions = ", ".join(f"{k} {v}" for k, v in machine_versions().items())
         print(f"{args.cost_shape} (bfloat16), compiled on {result['machine']}, {versions}\n\n{markdown(rows)}")
+    return 0
+
+
+def serve_argv(args, draft: bool) -> list[str]:
+    """The server's arguments for --serve-load, from the benchmark's own (target, numerics, the draft or none)."""
+    argv = ["--slots", str(args.slots or max(args.concurrency)), "--max-model-len", str(args.max_model_len)]
+    for flag in ("target", "dtype", "quantize", "numerics", "kernels"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
+    if not draft:
+        return argv + ["--no-draft"]
+    if getattr(args, "proposer", "eagle3") != "eagle3":
+        argv += ["--proposer", args.proposer]
+    if args.draft:
+        argv += ["--draft", args.draft]
+    if args.num_speculative_tokens is not None:
+        argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    if args.tree:
+        argv += ["--tree", args.tree[0].spec]
+    return argv + (["--allow-pickle"] if args.allow_pickle else [])
+
+
+def run_serve_load(args) -> int:
+    """--serve-load: jaxspec/bench/serve_load.py, speculative then target-only (or target-only alone)."""
+    from jaxspec.bench.serve_load import run_load
+    from jaxspec.prompts import read_prompts_file
+
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
+        raise JaxspecError("--serve-load starts the server, which needs fastapi and uvicorn: "
+                           "pip install 'jaxspec[serve]'")
+    if getattr(args, "proposer", "eagle3") == "draft-model":
+        raise JaxspecError("--serve-load: the server does not serve --proposer draft-model yet")
+    if len(args.tree) > 1:
+        raise JaxspecError("--serve-load serves one --tree; give at most one")
+    prompts = [text for _, text in read_prompts_file(args.serve_load)]
+    prompts = prompts[: args.limit] if args.limit else prompts
+    use_compile_cache(args)
+    methods = [("target-only", serve_argv(args, draft=False))]
+    if not args.no_draft:
+        methods.insert(0, ("speculative", serve_argv(args, draft=True)))
+    rows = run_load(methods, prompts, args.max_new_tokens, args.concurrency, say=_say)
+    result = {"machine": _machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "max_model_len": args.max_model_len, "load": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print("| method | concurrency | requests/s | TTFT mean / p50 / p90 (ms) | tokens/s per request | tokens/s | "
+          "tokens per verify |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["time_to_first_token_ms"]
+        print(f"| {r['method']} | {r['concurrency']} | {r['requests_per_second']} | {t['mean']} / {t['p50']} / "
+              f"{t['p90']} | {r['tokens_per_second_per_request']} | {r['tokens_per_second']} | "
+              f"{r['mean_accepted_length'] or ''} |")
     return 0
 
 
