@@ -26,7 +26,7 @@ class FakeGenerator:
     def __init__(self, name: str, batch_size: int, cost: float, calls: list):
         self.name, self.batch_size, self.cost, self.calls = name, batch_size, cost, calls
 
-    def generate(self, prompts, *, max_new_tokens, stop_ids):
+    def generate(self, prompts, *, max_new_tokens, stop_ids, processors=None):
         self.calls.append((self.name, tuple(map(tuple, prompts))))
         return [FakeCompletion(list(p)[:max_new_tokens], self.cost) for p in prompts]
 
