@@ -138,7 +138,7 @@ def test_a_zlab_checkpoint_drafts_as_the_published_description(tmp_path):
     view = PrefillView(tokens, jnp.asarray([t]), jnp.asarray([root]), out.aux, None)
     state = proposer.init(params, target, view, 32)
     step = StepView(jnp.asarray([root]), jnp.asarray([t]), jnp.asarray([1]), None)
-    proposal, _ = proposer.propose(params, target, state, step, SamplingConfig(), jax.random.key(0))
+    proposal, _ = proposer.propose(params, target, state, step, jax.random.split(jax.random.key(0), 1))
     want = reference_block_logits(weights, cfg, feats, root, lm_head)
     np.testing.assert_array_equal(np.asarray(proposal.tokens[0, 1:]), want.argmax(-1))
     drafter_states = nnx.merge(proposer.drafter_graphdef, params)(
@@ -270,14 +270,14 @@ def test_the_drafter_context_follows_the_target_after_every_step():
         prompt[i, : len(p)] = p
     lens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     eos = jnp.asarray([-1], jnp.int32)
-    prefill = jax.jit(core.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "sampling"))
-    one_step = jax.jit(core.steps, static_argnames=("target_graphdef", "proposer", "num_steps", "sampling"))
+    prefill = jax.jit(core.prefill, static_argnames=("target_graphdef", "proposer", "capacity"))
+    one_step = jax.jit(core.steps, static_argnames=("target_graphdef", "proposer", "num_steps"))
     st = prefill(graphdef, target_params, proposer, params, jnp.asarray(prompt), lens, jnp.full((b,), 24), eos,
-                 jax.random.key(0), None, capacity=64, sampling=SamplingConfig())
+                 jax.random.split(jax.random.key(0), b), None, None, capacity=64)  # greedy: no row sampling
     accepted = set()
     while not np.all(np.asarray(st.done)):
         before = np.asarray(st.cache.lengths)
-        st = one_step(graphdef, target_params, proposer, params, st, eos, num_steps=1, sampling=SamplingConfig())
+        st = one_step(graphdef, target_params, proposer, params, st, eos, num_steps=1)
         live = ~np.asarray(st.done)
         context = np.asarray(st.proposer.cache.lengths) + np.asarray(st.proposer.num_pending)
         np.testing.assert_array_equal(context[live], np.asarray(st.cache.lengths)[live])
