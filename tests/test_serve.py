@@ -310,3 +310,31 @@ def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
               "--kernels", "auto"]
     assert serve_argv(args, draft=True) == [*common, "--draft", str(head), "--tree", "6,3,2"]
     assert serve_argv(args, draft=False) == [*common, "--no-draft"]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_incremental_detokenizing_gives_the_whole_decode(kind):
+    """The server's text decoded a window at a time is `decode(ids)` after every update, and what it streams adds up
+    to it: random ids (bytes of split characters among them) in random chunks, byte-level BPE and SentencePiece."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxspec.serve.app import TextTracker
+
+    corpus = ["Grüße aus Köln, 東京 and Zürich!", "naïve café — 12 × 7 = 84", "emoji 🙂 ok", "the quick brown fox"] * 20
+    backend = ByteLevelBPETokenizer() if kind == "byte-level" else SentencePieceBPETokenizer()
+    backend.train_from_iterator(corpus, vocab_size=400, min_frequency=1)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 60))]
+        tracker, streamed, i = TextTracker(tokenizer, ()), "", 0
+        while i < len(ids):
+            n = rng.randrange(1, 5)
+            streamed += tracker.advance(ids[i : i + n], final=i + n >= len(ids))
+            i += n
+            assert tracker.text() == tokenizer.decode(ids[:i], skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False)
+        assert streamed == tracker.text()

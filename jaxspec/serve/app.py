@@ -52,17 +52,35 @@ def error_body(message: str, status: int, param: str | None = None) -> JSONRespo
 
 class TextTracker:
     """A request's text so far from its tokens, cut at the first stop string; `advance` returns the part of the
-    text that can be sent now."""
+    text that can be sent now.
+
+    Decoded incrementally, as vLLM does: the text of ids[:read] is kept, and new tokens are decoded in a window that
+    starts a few tokens back (at `prefix`), minus that window's own text, so each update costs the window, not the
+    whole answer (re-decoding everything made a long stream O(n^2)). A piece is taken in only once it ends on a
+    whole character; what follows is decoded on demand. The concatenation is `decode(ids)` for the tokenizers
+    served (byte-level BPE, SentencePiece: a window's leading-space rule applies to both of its decodes alike)."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
         self.ids: list[int] = []
+        self.decoded = ""  # the text of ids[:read]
+        self.prefix = self.read = 0  # ids[prefix:read]: the context the next tokens are decoded after
         self.sent = 0  # characters of the text sent so far
         self.stopped = False  # a stop string was found
 
-    def text(self) -> str:
+    def _decode(self, ids: list[int]) -> str:
         # no clean-up of spaces before punctuation: it could rewrite text already streamed
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _pending(self) -> str:
+        """The text of ids[read:], decoded after its context."""
+        if self.read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix : self.read])
+        return self._decode(self.ids[self.prefix :])[len(before) :]
+
+    def text(self) -> str:
+        text = self.decoded + self._pending()
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
             self.stopped = True
@@ -71,6 +89,10 @@ class TextTracker:
 
     def advance(self, new_ids: list[int], final: bool) -> str:
         self.ids += new_ids
+        piece = self._pending()
+        if piece and not piece.endswith("\ufffd"):  # whole characters: the window moves on
+            self.decoded += piece
+            self.prefix, self.read = self.read, len(self.ids)
         text = self.text()
         end = len(text)
         if not final and not self.stopped:
