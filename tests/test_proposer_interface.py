@@ -34,7 +34,7 @@ class HiddenStateProposer(ChainDrafts):
     def init(self, params, target, view: PrefillView, capacity: int) -> HiddenState:
         return HiddenState(view.hidden[:, 0])
 
-    def propose(self, params, target, st: HiddenState, view: StepView, sampling, key):
+    def propose(self, params, target, st: HiddenState, view: StepView, keys):
         token, drafts = view.last_token, []
         for _ in range(self.num_draft):
             token = jnp.argmax(target.logits(st.hidden + target.embed(token)), axis=-1).astype(jnp.int32)
