@@ -95,6 +95,7 @@ class TokenAutomaton:
 
     token_class: np.ndarray  # [V] int32, each token's class
     transitions: np.ndarray  # [S, C] int32, the next state (-1: not allowed); state 0 is the initial one
+    final: np.ndarray | None = None  # [S] bool, where the answer may end (None: everywhere)
 
     @property
     def num_states(self) -> int:
@@ -113,13 +114,14 @@ class TokenAutomaton:
         return int(self.transitions[state, self.token_class[token]])
 
     def matches(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` (a whole answer, a stop token at the end or not) is allowed from the start."""
+        """Whether `tokens` is a whole answer of the grammar (a stop token at the end or not): every token allowed,
+        ending where the grammar may end."""
         state = 0
         for t in tokens:
             state = self.advance(state, t)
             if state < 0:
                 return False
-        return True
+        return self.final is None or bool(self.final[state])
 
 
 def free_automaton(vocab_size: int) -> TokenAutomaton:
@@ -219,7 +221,10 @@ class GrammarCompiler:
             dense[number[state], self.stop_ids] = dense[number[state], eos]
         # tokens alike in every state share one class: [V, S] columns, deduplicated
         columns, token_class = np.unique(dense.T, axis=0, return_inverse=True)
-        return TokenAutomaton(token_class.astype(np.int32).reshape(-1), np.ascontiguousarray(columns.T, np.int32))
+        final = np.zeros((len(order),), bool)
+        final[[number[s] for s in index.get_final_states()]] = True
+        return TokenAutomaton(token_class.astype(np.int32).reshape(-1), np.ascontiguousarray(columns.T, np.int32),
+                              final)
 
     def __call__(self, grammar: Grammar) -> TokenAutomaton:
         return self.compile(grammar)
