@@ -338,3 +338,20 @@ def test_incremental_detokenizing_gives_the_whole_decode(kind):
             assert tracker.text() == tokenizer.decode(ids[:i], skip_special_tokens=True,
                                                       clean_up_tokenization_spaces=False)
         assert streamed == tracker.text()
+
+
+def test_the_benchmark_constrains_every_method_and_checks_the_answers(target, tmp_path, capsys):
+    """`bench --regex`: target-only and the chain under the grammar give the same text, and every answer that ended
+    is a whole answer of the grammar."""
+    from jaxspec.bench.cli import main as bench
+
+    path, head = target
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "abc"}\n{"id": "b", "prompt": "hello"}\n')
+    assert bench(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3", "--raw",
+                  "--prompts-file", str(prompts), "--max-new-tokens", "12", "--regex", "[a-c]{2,5}!", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (row,) = result["speculative"]
+    assert row["identical_outputs"] == "2/2"
+    report = result["structured_output"]
+    assert report["grammar"] == "regex" and report["ended"] == 2 == report["ended_and_matching"]
