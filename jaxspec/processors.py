@@ -160,6 +160,17 @@ def batch_values(
     )
 
 
+def check_grammar_fits(automaton: TokenAutomaton, shape: tuple[int, int], fix: str) -> None:
+    """A one-line error for a grammar larger than the (states, classes) tables an engine holds; `fix` says how to
+    raise them."""
+    states, classes = shape
+    if automaton.num_states > states or automaton.num_classes > classes:
+        raise JaxspecError(
+            f"the grammar needs {automaton.num_states} automaton states and {automaton.num_classes} token classes; "
+            f"this engine holds at most {states} and {classes} per request (a simpler schema or pattern, or {fix})"
+        )
+
+
 def _grammar_tables(automata, batch_size: int, vocab: int, shape: tuple[int, int] | None):
     """[B, V] token classes and [B, S, C] transitions (rows without a grammar free: every token allowed), or
     (None, None) when no row has a grammar and no shape is fixed."""
@@ -168,11 +179,7 @@ def _grammar_tables(automata, batch_size: int, vocab: int, shape: tuple[int, int
     real = [a for a in automata if a is not None]
     states, classes = shape or (max(a.num_states for a in real), max(a.num_classes for a in real))
     for a in real:
-        if a.num_states > states or a.num_classes > classes:
-            raise JaxspecError(
-                f"the grammar needs {a.num_states} automaton states and {a.num_classes} token classes; this engine "
-                f"holds at most {states} and {classes} per request (a simpler schema or pattern, or raise the limits)"
-            )
+        check_grammar_fits(a, (states, classes), "raise the limits")
     token_class = np.zeros((batch_size, vocab), np.int32)
     transitions = np.full((batch_size, states, classes), -1, np.int32)
     transitions[:, 0, 0] = 0  # the free automaton: one state, one class, allowed

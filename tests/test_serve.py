@@ -4,8 +4,6 @@ own; a disconnect frees its slot; bad requests get 4xx JSON errors and the serve
 
 import json
 import re
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,34 +44,15 @@ def target(tmp_path_factory):
     return path, head
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(target):
     """The server with the tiny target and a (random) EAGLE-3 head, chains of 3, 4 slots, in this process."""
-    import uvicorn
+    from jaxspec.bench.serve_load import InProcessServer
 
     path, head = target
-    port = free_port()
-    args = build_parser().parse_args(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3",
-                                      "--slots", "4", "--max-model-len", "256", "--port", str(port)])
-    app, scheduler = build_server(args)
-    scheduler.start()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not uv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert uv.started
-    yield f"http://127.0.0.1:{port}", app, scheduler
-    uv.should_exit = True
-    thread.join(timeout=30)
-    scheduler.stop()
+    with InProcessServer(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3",
+                          "--slots", "4", "--max-model-len", "256"]) as running:
+        yield running.base, running.app, running.scheduler
 
 
 @pytest.fixture(scope="module")

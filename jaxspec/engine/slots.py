@@ -120,13 +120,8 @@ class SlotBatcher:
         if grammar is not None:
             if self.grammar_shape is None:
                 raise JaxspecError("this engine was started without room for grammars (structured output)")
-            states, classes = self.grammar_shape
-            if grammar.num_states > states or grammar.num_classes > classes:
-                raise JaxspecError(
-                    f"the grammar needs {grammar.num_states} automaton states and {grammar.num_classes} token "
-                    f"classes; this server holds at most {states} and {classes} per request (a simpler schema or "
-                    "pattern, or start the server with higher --max-grammar-states/--max-grammar-classes)"
-                )
+            procs.check_grammar_fits(grammar, self.grammar_shape,
+                                     "start the server with higher --max-grammar-states/--max-grammar-classes")
 
     def join(self, requests: Sequence[tuple[Hashable, SlotRequest]]) -> list[int]:
         """Prefill `requests` (handle, request) into free slots, all in one prefill; returns their slots. Their
