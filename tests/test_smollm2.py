@@ -141,7 +141,7 @@ def test_ngram_greedy_equals_transformers_on_mt_bench_and_grounded_prompts(targe
     assert tokens_per_verify > 1.5  # copying from the input is accepted
 
 
-@pytest.mark.slow  # SmolLM2 speculation stays in CI with the shipped head (default draft, bfloat16 chain and tree)
+@pytest.mark.slow  # SmolLM2 speculation (random and shipped heads): -m slow; in CI, speculation runs on tiny targets
 def test_speculative_greedy_with_random_head_equals_target_only(target_dir, model):
     from fit_head import head_config_for
     from flax import nnx
@@ -187,13 +187,20 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     from jaxspec.engine.auto.config import profile_from_record
 
     assert (builtin.default_head_dir() / "config.json").is_file()
-    runs = {}  # the head's chains on SmolLM2 (a trained head: > 1.2 tokens per verify): the bfloat16 tests below
-    for name, extra in (("auto", []), ("none", ["--no-draft"])):
+
+    def run(*extra: str) -> dict:
         assert generate.main(["--prompt", QUESTIONS[2], "--max-new-tokens", "32", "--json", *extra]) == 0
-        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"]
-    assert "mean_accepted_length" not in runs["none"]["stats"]
-    auto = runs["auto"]["stats"]["auto"]
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    default = run()
+    auto = default["stats"]["auto"]
+    if auto["num_speculative_tokens"] or auto["tree"]:  # it speculated: the text must be target-only's
+        none = run("--no-draft")
+        assert default["token_ids"] == none["token_ids"] and "mean_accepted_length" not in none["stats"]
+    else:  # target-only chosen (this CI CPU: a verify of 6 costs ~3 decodes, the head accepts ~1.5 tokens): the
+        # target-only program ran and nothing was drafted. SmolLM2's chains and trees with this head equal
+        # target-only in the slow tests below; in CI, speculation's exactness runs on tiny targets.
+        assert "mean_accepted_length" not in default["stats"] and "verify_calls" not in default["stats"]
     config = json.loads((builtin.default_head_dir() / "config.json").read_text())
     prior = profile_from_record(config["jaxspec"]["acceptance"])
     # the stats round to 4 places; the generator pools the records in another float order, so a rate at a
@@ -206,7 +213,7 @@ def test_the_shipped_head_is_the_default_draft_and_changes_nothing(capsys):
     assert auto["candidates"][method_key(chosen)] == max(auto["candidates"].values())
 
 
-@pytest.mark.slow  # ~2 min; in CI the shipped head's chain and tree run on SmolLM2 in bfloat16 (below)
+@pytest.mark.slow  # ~2 min; the bfloat16 chain and tree below are -m slow too
 @pytest.mark.parametrize("batch", [1, 4])  # batch invariance: test_invariance
 def test_tree_with_the_shipped_head_equals_target_only(target_dir, model, batch):
     from jaxspec.checkpoints.heads import load_head

@@ -19,7 +19,7 @@ CFG = HeadConfig(
 # the last: a 3-layer head with EAGLE 3.1's switches (each layer its own keys; the normed state fed forward)
 EAGLE31_MULTI = {"num_layers": 3, "norm_output": True, "fc_norm": True}
 VARIANTS = [{}, {"norm_before_residual": True}, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 16}, EAGLE31_MULTI]
-EFFICIENT_CI = {(0, 9), (3, 16)}  # the plain head and the 3-layer EAGLE 3.1 one; the rest: -m slow
+EFFICIENT_CI = {(0, 9)}  # the plain head; the rest: -m slow (the 3-layer EAGLE 3.1 head trains in CI: test_ttt_steps_equal_inference_drafting)
 
 
 @pytest.mark.parametrize("variant,t", [
