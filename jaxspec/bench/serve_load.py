@@ -4,8 +4,9 @@ Why: a server's users see requests per second, the time to their first token and
 concurrency, not the batch CLI's tokens per second; and speculation that pays for one request can cost at sixteen
 (every slot's verify competes for the same weight reads). What: the server is started in this process (uvicorn on
 a loopback port, the engine thread beside it), once with the draft and once target-only, each warmed up (every
-prompt once, so each prompt bucket's prefill is compiled before the clock starts); then, for each concurrency level,
-that many clients send the prompts as streamed chat requests, each its next prompt as soon as its last one ended.
+prompt once per level, so that the prefills those joins need compile before the clock starts); then, for each
+concurrency level, that many clients send the prompts as streamed chat requests, each its next prompt as soon as
+its last one ended.
 Per level: requests per second, time to first token (mean, p50, p90), each request's tokens per second from
 sending it to its last token, and the server's total tokens per second.
 """
@@ -117,8 +118,11 @@ def run_load(methods: Sequence[tuple[str, Sequence[str]]], prompts: Sequence[str
         say(f"starting the server: {name}")
         with InProcessServer(argv) as server:
             model = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=60).read())["data"][0]["id"]
-            say(f"{name}: warming up (every prompt once, so each prompt bucket's prefill compiles)")
-            run_level(server.base, model, prompts, 1, server.args.slots)
+            # a prefill compiles per (joining rows, prompt bucket): every prompt at every level, one token each, so
+            # that the joins the levels make have their programs before the clock starts
+            say(f"{name}: warming up (every prompt once per level, one token each, so the prefills compile)")
+            for level in levels:
+                run_level(server.base, model, prompts, 1, level)
             for level in levels:
                 say(f"{name}: {len(prompts)} requests, {level} at a time")
                 before = _counts(server.scheduler.stats)

@@ -220,7 +220,8 @@ class Generator:
         def compile_program():
             if self.on_compile is not None:
                 cache = f", cache {static['capacity']}" if "capacity" in static else ""
-                self.on_compile(f"compiling the {name} (batch {self.batch_size}{cache})...")
+                rows = args[0].shape[0] if name == "prefill" else self.batch_size  # a prefill may be smaller
+                self.on_compile(f"compiling the {name} (batch {rows}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
                 models = (self.graphdef, self.params, self.proposer, self.proposer_params)
@@ -288,12 +289,18 @@ class Generator:
         prompt [B, T], prompt_lens [B], max_new [B], eos_ids [n], keys [B], processor values or None, row sampling
         settings or None) → GenState; step(*program_params, state, eos_ids) → the state after up to `chunk_steps`
         steps (the state donated). Budgets, sampling settings and processor values are data: no compile per value."""
-        prefill = self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity)
+        prefill = self.prefill_program(prefill_args, capacity)
         step = self._compiled_fn(
             "step", _steps, prefill.out_info, prefill_args[3], num_steps=self.chunk_steps,
             forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
         )
         return prefill, step
+
+    def prefill_program(self, prefill_args: tuple, capacity: int) -> Callable:
+        """The prefill alone, compiled for these arguments' shapes (`programs`). Its batch may be smaller than
+        `batch_size`: rows never interact under the batch-invariant numerics, so a continuous batcher prefills only
+        the rows that join (`engine.slots`) and copies them into the running state."""
+        return self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity)
 
     def batch_capacity(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> int:
         """Cache slots for one batch of prompts: its longest prompt, the new tokens and the verify block's slots,

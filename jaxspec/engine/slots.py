@@ -2,17 +2,19 @@
 
 Why: a server cannot hold a short request until the long ones beside it finish, nor compile for every arrival.
 What: `SlotBatcher` keeps one generation state of `Generator.batch_size` rows on the device at one cache capacity,
-so its step compiles once and its prefill once per prompt bucket. A request joins a free slot between steps: its
-prompt is prefilled in a batch of the same shape (other requests joining at the same time beside it, the remaining
-rows padding), and those rows are written into the running state (`_join_rows`, a scatter of the joining rows in
-place); it leaves when its EOS or its budget ends it, and its slot is free for the next. The prefill and the step
-are `Generator`'s own programs, and rows never interact under the engine's batch-invariant numerics, so a request's
-greedy output is the one `Generator.generate` gives it alone, whoever shares the batch (tests/test_slots.py).
+so its step compiles once. A request joins a free slot between steps: its prompt is prefilled in a batch of just
+the joining rows (the requests joining at the same time, padded to a power of two: `join_rows`), and those rows are
+written into the running state (`_join_rows`, a scatter in place); it leaves when its EOS or its budget ends it, and
+its slot is free for the next. The prefill and the step are `Generator`'s own programs, and rows never interact
+under the engine's batch-invariant numerics, so a request's greedy output is the one `Generator.generate` gives it
+alone, whoever shares the batch and however many rows its prefill had (tests/test_slots.py, tests/test_serve.py).
 
-Costs: a join prefills a whole batch (`batch_size` rows at the longest joining prompt's bucket, padding rows
-included) while the running rows wait, and holds that batch's fresh state beside the running one until the rows
-are copied over (twice the KV cache's memory at that moment). Not yet: chunked prefill (a long prompt's prefill
-runs between two steps whole), prefill batches smaller than the slots.
+Why a prefill of the joining rows only: a lone request joining 16 slots once prefilled 16 rows (15 of padding),
+16 times the compute while every running row waited. Each (rows, prompt bucket) pair is one compiled prefill,
+compiled when a first join needs it (`warm_up` compiles the commonest).
+
+Costs: a join's prefill runs between two steps whole (no chunked prefill yet: a long prompt stalls the running rows
+for its own prefill), and holds its fresh state beside the running one until its rows are copied over.
 
 Each request has its own sampling settings and seed (`SlotRequest`): they are per-row arrays of the state
 (`jaxspec.sampling`), so greedy and sampled requests share one compiled step, and a seeded request draws from its
@@ -22,6 +24,7 @@ tokens whoever shares the batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Hashable, Sequence
@@ -36,6 +39,7 @@ from jaxspec.engine.core import GenState, constrain_state
 from jaxspec.engine.generation import Completion, Generator, prompt_bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig, row_keys, row_sampling
+from pallas_kernels.mesh_axes import DATA
 
 
 _WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up`'s requests
@@ -94,6 +98,7 @@ class SlotBatcher:
         self.joined_at = np.zeros((rows,), np.float64)
         self.prefill_seconds = np.zeros((rows,), np.float64)
         self.join_program = jax.jit(_join_rows, donate_argnums=(0,))
+        self.prefill_rows: collections.Counter = collections.Counter()  # joins by the rows their prefill had
         self.end_program = jax.jit(_end_row, donate_argnums=(0,))
 
     @property
@@ -135,37 +140,45 @@ class SlotBatcher:
             self.check(request)
         gen, rows = self.generator, len(self.held)
         slots = free[: len(requests)]
+        # the first join builds the running state: every row, the requests at their slots; later ones prefill the
+        # joining rows alone, request j in row j, and scatter row j into its slot
+        n = rows if self.state is None else self.join_rows(len(requests))
+        at = slots if self.state is None else range(len(requests))
         # below the capacity: every state array then has the shapes the running one has (an n-gram history is
         # max(capacity, T + 1) wide); `check` keeps every prompt shorter than the capacity
         t = min(prompt_bucket(max(len(r.prompt) for _, r in requests)), self.capacity - 1)
-        prompt = np.zeros((rows, t), np.int32)
-        lens, max_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
-        processors = [procs.LogitProcessors()] * rows
-        settings = [SamplingConfig()] * rows
-        keys = [row_keys(0, [0])[0]] * rows
-        for slot, (_, request) in zip(slots, requests):
-            prompt[slot, : len(request.prompt)] = request.prompt
-            lens[slot], max_new[slot] = len(request.prompt), request.max_new_tokens
-            processors[slot], settings[slot] = request.processors, request.sampling
+        prompt = np.zeros((n, t), np.int32)
+        lens, max_new = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
+        processors = [procs.LogitProcessors()] * n
+        settings = [SamplingConfig()] * n
+        keys = [row_keys(0, [0])[0]] * n
+        for row, (_, request) in zip(at, requests):
+            prompt[row, : len(request.prompt)] = request.prompt
+            lens[row], max_new[row] = len(request.prompt), request.max_new_tokens
+            processors[row], settings[row] = request.processors, request.sampling
             seed = request.seed if request.seed is not None else int(self.seeds.integers(2**31))
-            keys[slot] = row_keys(seed, [0])[0]
+            keys[row] = row_keys(seed, [0])[0]
         # processor and sampling arrays always (neutral rows change no bit): one program whoever joins
-        values = procs.batch_values(processors, rows, gen.config.vocab_size, always=True,
+        values = procs.batch_values(processors, n, gen.config.vocab_size, always=True,
                                     grammar_shape=self.grammar_shape)
-        sampling = row_sampling(settings, rows, always=True)
+        sampling = row_sampling(settings, n, always=True)
         args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, jnp.stack(keys), values,
                 sampling)
-        prefill, self.step_program = gen.programs(args, self.capacity)
+        if self.state is None:
+            prefill, self.step_program = gen.programs(args, self.capacity)
+        else:
+            prefill = gen.prefill_program(args, self.capacity)
         start = time.perf_counter()
         fresh = prefill(*gen.program_params, *args)
         if self.state is None:
             self.state = fresh
         else:
-            joining = np.zeros((rows,), bool)
-            joining[slots] = True
+            where = np.full((n,), rows, np.int32)  # row j of the prefill → its slot; padding rows: dropped
+            where[: len(slots)] = slots
             with sharding.mesh_context(gen.mesh):
-                self.state = self.join_program(self.state, fresh, jnp.asarray(joining))
+                self.state = self.join_program(self.state, fresh, jnp.asarray(where))
         jax.block_until_ready(self.state.num_generated)
+        self.prefill_rows[n] += 1
         now = time.perf_counter()
         for slot, held in zip(slots, requests):
             self.held[slot] = held
@@ -173,10 +186,20 @@ class SlotBatcher:
             self.joined_at[slot], self.prefill_seconds[slot] = start, now - start
         return slots
 
+    def join_rows(self, joining: int) -> int:
+        """Rows of the prefill for `joining` requests joining a running state: the next power of two, at least the
+        mesh's data axis (a batch splits over it) and at most the slots, so that few programs serve every count."""
+        data = self.generator.mesh.shape[DATA] if self.generator.mesh is not None else 1
+        n = data
+        while n < joining:
+            n *= 2
+        return min(n, len(self.held))
+
     def warm_up(self, token: int = 0) -> float:
-        """Compile the step, the shortest prompt bucket's prefill, the join into a running state and a cancel
-        before any request comes (one-token prompts in two slots; nothing of them stays); longer prompt buckets
-        compile their prefill when the first such prompt joins. Returns the seconds it took."""
+        """Compile the step, the shortest prompt bucket's prefill of every slot (the first join's) and of a lone
+        request (the commonest join: requests arriving one at a time), its join into a running state and a cancel
+        before any request comes (one-token prompts; nothing of them stays). Other row counts (`join_rows`) and
+        longer prompt buckets compile their prefill when a first join needs them. Returns the seconds it took."""
         start = time.perf_counter()
         self.join([(_WARM_UP, SlotRequest((token,), 2))])
         if len(self.held) > 1:
@@ -240,17 +263,16 @@ class SlotBatcher:
         return np.asarray([held is not None for held in self.held])
 
 
-def _join_rows(running: GenState, fresh: GenState, joining: jax.Array) -> GenState:
-    """The running state with the joining rows ([B] bool) taken from `fresh` (a prefill of the same batch shape):
-    every per-row array (batch first, the rows' PRNG keys included) scattered row by row, in place when `running` is
-    donated."""
-    rows = joining.shape[0]
-    where = jnp.where(joining, jnp.arange(rows), rows)  # rows not joining: out of range, dropped
+def _join_rows(running: GenState, fresh: GenState, where: jax.Array) -> GenState:
+    """The running state [B, ...] with row j of `fresh` (a prefill of n ≤ B rows) written into slot where[j] ([n];
+    B or more: a padding row, dropped): every per-row array (batch first, the rows' PRNG keys included) scattered
+    row by row, in place when `running` is donated."""
+    rows, n = running.num_generated.shape[0], where.shape[0]
 
     def one(old, new):
         if old.ndim == 0:
             return old
-        if old.shape[0] != rows or old.shape != new.shape:
+        if old.shape[0] != rows or new.shape != (n, *old.shape[1:]):
             raise ValueError(f"a state array of shape {old.shape} cannot take rows of shape {new.shape}")
         return old.at[where].set(new, mode="drop")
 
