@@ -36,10 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tgt = sub.add_parser("target", help="convert a Hugging Face target to an orbax checkpoint")
     tgt.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
-    tgt.add_argument("--out", metavar="DIR", required=True, help="new (or empty) directory for the orbax checkpoint")
+    tgt.add_argument("--out", metavar="DIR", required=True,
+                     help="directory for the orbax checkpoint: new, empty, or one this command wrote before")
     tgt.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="stored dtype (default: float32)"
     )
+    tgt.add_argument("--overwrite", action="store_true", help="replace what a non-empty --out holds (without it, "
+                     "only an orbax target written earlier is replaced)")
     rand = sub.add_parser("random-head", help="an untrained EAGLE-3 head shaped for a target (for benchmarks)")
     rand.add_argument("--out", metavar="DIR", required=True, help="directory for the head (created)")
     rand.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
@@ -159,11 +162,13 @@ def _convert_target(args) -> None:
     import jax
 
     from jaxspec.checkpoints.hf import load_target
-    from jaxspec.checkpoints.orbax_target import save_target_orbax
+    from jaxspec.checkpoints.orbax_target import is_orbax_target, save_target_orbax
     from jaxspec.cli.loading import resolve_target
+    from jaxspec.cli.outputs import check_output_dir, written_whole
     from jaxspec.errors import JaxspecError
 
     source = resolve_target(args.target)
+    out = check_output_dir(args.out, holds_own=is_orbax_target, what="orbax target", overwrite=args.overwrite)
     start = time.perf_counter()
     model = load_target(source, dtype=args.dtype)
     if model.quantization:  # an orbax target is read into a float skeleton
@@ -171,7 +176,8 @@ def _convert_target(args) -> None:
                            "targets only: run it from its safetensors directory")
     jax.block_until_ready(nnx_leaves(model))
     from_hf = time.perf_counter() - start
-    out = save_target_orbax(model, source, args.out)
+    with written_whole(out.absolute()) as staging:  # a failure midway leaves what was there
+        save_target_orbax(model, source, staging)
     start = time.perf_counter()
     jax.block_until_ready(nnx_leaves(load_target(out, dtype=args.dtype)))
     from_orbax = time.perf_counter() - start

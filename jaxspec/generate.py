@@ -24,7 +24,6 @@ from jaxspec.cli.args import (
     integer,
     method_name,
     parse_tree,
-    structured_output,
 )
 from jaxspec.cli.loading import (
     check_before_loading,
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.engine.generation import Generator
     from jaxspec.processors import LogitProcessors
     from jaxspec.files import utf8_text
-    from jaxspec.prompts import read_prompts_file, stop_token_ids
+    from jaxspec.prompts import read_prompts_file
     from jaxspec.sampling import SamplingConfig
 
     check_generation_args(args, tree_sets_depth=True)
@@ -143,15 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
     aux_ids = head_aux_layer_ids(draft, target_dir)
-    tokenizer, encoded = check_before_loading(
+    checked = check_before_loading(
         args, target_dir, draft, mesh, [text for _, text in prompts], [args.batch_size], processors
     )
+    encoded, stops = checked.encoded, checked.stop_ids
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels,
-        tokenizer=tokenizer, quantize=args.quantize,
+        tokenizer=checked.tokenizer, quantize=args.quantize,
     )
-    stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    processors = dataclasses.replace(processors, grammar=structured_output(args, tokenizer, model, stops))
+    processors = dataclasses.replace(processors, grammar=checked.grammar)
     ngram = ngram_proposer(args)
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(

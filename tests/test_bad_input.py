@@ -16,6 +16,7 @@ from test_train_config import fails as one_line_error  # exit 2, one line `error
 
 from jaxspec import convert, generate
 from jaxspec.bench import cli as bench
+from jaxspec.serve import __main__ as serve
 from train import data as train_data
 from train import launch
 
@@ -37,7 +38,9 @@ def no_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was caught")
 
-    for module in (generate, bench):
+    import jaxspec.cli.loading as loading
+
+    for module in (generate, bench, loading):  # loading: the server and train.data import it when they run
         monkeypatch.setattr(module, "load_target_and_tokenizer", refuse)
     monkeypatch.setattr(hf, "load_target", refuse)  # train.launch imports it when it runs
 
@@ -226,6 +229,104 @@ def test_training_refuses_a_mesh_larger_than_the_devices_and_an_out_under_a_file
     assert not (tmp_path / "run").exists()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_checks_its_port_and_model_length_before_loading(tiny, capsys, no_loading):
+    """A port past 65535 listened on another one (the OS wraps it); a port in use failed in uvicorn after loading
+    and compiling, exit 3; --max-model-len past the context was checked after loading."""
+    import socket
+
+    err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", "99999"])
+    assert "--port: must be at most 65535, got 99999" in err
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
+    err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", str(free_port())])
+    assert "--max-model-len 2048 exceeds the model's context length 256" in err  # the default, on a 256 context
+
+
+def test_writers_refuse_a_directory_of_other_files(tiny, tmp_path, capsys, no_loading):
+    """bench --out replaced a results.json it had not written; train.data and train.launch wrote into any
+    directory; convert target refused even its own earlier output. Each refuses other files before loading, and
+    a rerun may replace what the same command wrote."""
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "results.json").write_text('{"my": "precious"}')
+    err = one_line_error(capsys, bench.main, ["--target", str(tiny), "--no-draft", "--raw", "--suite", "mt_bench",
+                                              "--out", str(foreign)])
+    assert f"--out {str(foreign)!r} is not empty and holds no suite report" in err and "--overwrite" in err
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    err = one_line_error(capsys, train_data.main, ["generate", "--target", str(tiny), "--prompts",
+                                                   str(tmp_path / "p.jsonl"), "--out", str(foreign)])
+    assert "holds no dataset" in err
+    err = one_line_error(capsys, convert.main, ["target", "--target", str(tiny), "--out", str(foreign)])
+    assert "holds no orbax target" in err
+    data = tmp_path / "data"
+    data.mkdir()
+    train_data.write_shard(data / "shard-00000.npz", [[1, 2, 3]], [1], ["a"], [True])
+    cfg = {"data": str(data), "out": str(foreign), "target": str(tiny),
+           "train": {"num_draft_steps": 2, "batch_size": 2, "seq_len": 8, "steps": 1}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    err = one_line_error(capsys, launch.main, ["--config", str(tmp_path / "run.yaml")])
+    assert "is not empty and holds no training run" in err
+    assert [p.name for p in foreign.iterdir()] == ["results.json"]
+    assert (foreign / "results.json").read_text() == '{"my": "precious"}'
+    from jaxspec.bench.suite import holds_suite_report, write_report
+
+    report = {"suite": "s", "target": "t", "dtype": "float32", "prompts": 1, "max_new_tokens": 1, "machine": "m",
+              "runs": [{"batch_size": 1, "method": "target-only", "tokens_per_second": 10.0}]}
+    write_report(report, tmp_path / "report")
+    assert holds_suite_report(tmp_path / "report") and not holds_suite_report(foreign)
+
+
+def test_a_rerun_of_convert_target_replaces_its_own_output(tiny, tmp_path, capsys):
+    out = tmp_path / "orbax"
+    for _ in range(2):
+        assert convert.main(["target", "--target", str(tiny), "--out", str(out)]) == 0
+    assert (out / "jaxspec_orbax.json").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--json-schema", '{"type":'], "the JSON schema is not valid JSON"),
+    (["--json-schema", "nosuch.json"], "--json-schema file 'nosuch.json' does not exist"),
+    (["--regex", "("], "cannot be compiled to a token automaton"),
+    (["--choice", ""], "choices must be a non-empty list of non-empty strings"),
+])
+def test_structured_output_flags_are_checked_before_loading(extra, message, tiny, tmp_path, capsys, monkeypatch,
+                                                             no_loading):
+    monkeypatch.chdir(tmp_path)
+    err = one_line_error(capsys, generate.main, ["--target", str(tiny), "--no-draft", "--raw", "--prompt", "hi",
+                                                 "--max-new-tokens", "2", *extra])
+    assert message in err
+
+
+def test_a_draft_and_a_step_cost_store_are_checked_before_loading(tiny, tmp_path, capsys, monkeypatch, no_loading):
+    """A truncated head's safetensors and a JAXSPEC_STEP_COSTS naming a directory were errors after the target
+    had loaded."""
+    head = tmp_path / "head"
+    assert convert.main(["random-head", "--target", str(tiny), "--out", str(head)]) == 0
+    whole = (head / "model.safetensors").read_bytes()
+    (head / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    base = ["--target", str(tiny), "--raw", "--prompt", "hi", "--max-new-tokens", "2"]
+    err = one_line_error(capsys, generate.main, [*base, "--draft", str(head)])
+    assert "model.safetensors" in err and "corrupt or truncated safetensors file" in err
+    monkeypatch.setenv("JAXSPEC_STEP_COSTS", str(tmp_path))
+    err = one_line_error(capsys, generate.main, [*base, "--no-draft"])
+    assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
+    err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", str(free_port()),
+                                              "--max-model-len", "128"])
+    assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
+
+
 def test_a_truncated_shard_on_a_generation_rerun_is_one_line(tiny, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"q{i}"}) + "\n" for i in range(4)))
@@ -282,7 +383,15 @@ FLAGS = {
     bench: ["--limit", "--repeats", "--batch-sizes", "--chain-lengths", "--max-new-tokens", "--tree", "--accept-prob",
             "--mesh", "--kernel-vocab", "--num-speculative-tokens"],
     convert: ["--draft-vocab", "--seed", "--target", "--layout"],
+    serve: ["--slots", "--port", "--max-model-len", "--chunk-steps", "--default-max-tokens", "--temperature",
+            "--top-p", "--top-k", "--max-grammar-states", "--max-grammar-classes", "--seed", "--tree",
+            "--num-speculative-tokens"],
+    train_data: ["--limit", "--seed", "--shard-size", "--batch-size", "--max-new-tokens", "--host-index",
+                 "--num-hosts", "--exclude"],
+    launch: ["train.steps", "train.batch_size", "train.seq_len", "optim.learning_rate", "mesh.data", "head.init_from",
+             "train.num_draft_steps", "target.quantize"],  # config overrides: key=value
 }
+MODULES = list(FLAGS)
 
 
 def malformed_cases(count: int, seed: int = 46) -> list:
@@ -290,14 +399,17 @@ def malformed_cases(count: int, seed: int = 46) -> list:
     rng = random.Random(seed)
     cases = []
     while len(cases) < count:
-        module = rng.choice([generate, bench, convert])
+        module = rng.choice(MODULES)
         flags = rng.sample(FLAGS[module], rng.randint(1, 3))
-        extra = [x for flag in flags for x in (flag, rng.choice(JUNK))]
+        if module is launch:
+            extra = [f"{flag}={rng.choice(JUNK)}" for flag in flags]
+        else:
+            extra = [x for flag in flags for x in (flag, rng.choice(JUNK))]
         cases.append((module, extra))
     return cases
 
 
-MALFORMED = malformed_cases(25)
+MALFORMED = malformed_cases(40)
 
 
 @pytest.mark.parametrize("module, extra", MALFORMED,
@@ -307,6 +419,18 @@ def test_random_malformed_input_is_one_line(module, extra, tiny, tmp_path, capsy
     (tmp_path / "taken").write_text("")
     if module is convert:
         argv = ["random-head", "--target", str(tiny), "--out", "taken/h", *extra]
+    elif module is serve:  # the default --max-model-len (2048) is past the tiny context (256)
+        argv = ["--target", str(tiny), "--no-draft", "--port", str(free_port()), *extra]
+    elif module is train_data:
+        (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+        argv = ["generate", "--target", str(tiny), "--prompts", "p.jsonl", "--out", "taken/d", *extra]
+    elif module is launch:
+        (tmp_path / "data").mkdir()
+        train_data.write_shard(tmp_path / "data" / "shard-00000.npz", [[1, 2, 3]], [1], ["a"], [True])
+        cfg = {"data": "data", "out": "taken/r", "target": str(tiny),
+               "train": {"num_draft_steps": 2, "batch_size": 2, "seq_len": 8, "steps": 1}}
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+        argv = ["--config", "run.yaml", *extra]
     else:
         source = ["--prompt", "hi"] if module is generate else ["--suite", "mt_bench"]
         argv = ["--target", str(tiny), "--raw", *source, *extra]

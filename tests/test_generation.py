@@ -48,6 +48,7 @@ def test_eos_stops_each_row_on_its_own(tiny):
         assert c.finished_by_eos == (eos in f.token_ids)
 
 
+@pytest.mark.slow  # ~19 s; CI: test_invariance (a prompt's prefill beside others), test_serve (batch 4 = alone)
 def test_batching_does_not_change_greedy_output(tiny):
     _, model = tiny
     one = Generator(model, batch_size=1).generate(PROMPTS, max_new_tokens=12)

@@ -70,6 +70,7 @@ def test_speculative_report_adds_the_head():
     assert m.target_kv_cache == kv_cache_bytes(CFG.num_layers, 2, CFG.num_kv_heads, m.cache_capacity, CFG.head_dim)
 
 
+@pytest.mark.slow  # ~17 s; CI: test_mesh checks the per-device head cache a mesh generator reports
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 def test_a_mesh_reports_per_device_bytes():
     """data=2 × model=4: each device holds a quarter of the KV heads of half the rows."""

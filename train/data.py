@@ -292,7 +292,7 @@ def generate(args) -> None:
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import Generator
     from jaxspec.files import check_writable_dir, make_dir, read_json
-    from jaxspec.prompts import encode_prompt, prompt_set_path, stop_token_ids
+    from jaxspec.prompts import encode_prompt, load_tokenizer, prompt_set_path, stop_token_ids
 
     if args.host_index >= args.num_hosts:
         raise JaxspecError(
@@ -302,6 +302,9 @@ def generate(args) -> None:
     if out.exists() and not out.is_dir():
         raise JaxspecError(f"--out {str(out)!r} exists and is not a directory")
     check_writable_dir(out, "--out")
+    if out.is_dir() and any(out.iterdir()) and not ((out / "meta.json").is_file() or any(out.glob("shard-*.npz"))):
+        raise JaxspecError(f"--out {str(out)!r} is not empty and holds no dataset (no meta.json, no shards); pass a "
+                           "new or empty directory, or the --out of an earlier run to resume it")
     # The inputs are checked before anything is written.
     prompts = load_prompts(args.prompts, args.seed, args.exclude)
     if args.limit:
@@ -338,8 +341,15 @@ def generate(args) -> None:
     if not mine:
         print(f"all {num_shards} shards exist in {out}", file=sys.stderr)
         return
+    tokenizer = load_tokenizer(target_dir)
+    try:  # the answers are the chat model's: a tokenizer without a chat template fails here, before any weights
+        encode_prompt(tokenizer, prompts[0][1], raw=False)
+    except JaxspecError:
+        raise JaxspecError(f"the target {target_dir.name!r} has no chat template; train.data generates a chat "
+                           "model's answers: use an instruct target") from None
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, numerics=args.numerics, kernels=kernels_impl(args), quantize=args.quantize
+        target_dir, args.dtype, numerics=args.numerics, kernels=kernels_impl(args), quantize=args.quantize,
+        tokenizer=tokenizer,
     )
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     gen = Generator(model, batch_size=args.batch_size)

@@ -64,14 +64,19 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
 
 
 DRAFTER_MARK = "drafter.txt"  # in a run directory: what its checkpoints hold, when not an EAGLE-3 head
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", DRAFTER_MARK)  # what a run writes first into its out
 
 
 def claim_out(out: Path, drafter: str) -> None:
-    """Refuse a run directory whose checkpoints hold another kind of drafter (restoring them into this run's state
-    would fail and set them aside as unreadable); mark it as this drafter's. A directory with checkpoints and no
+    """Refuse a non-empty directory that holds no run (its files are not the run's to write over), and a run
+    directory whose checkpoints hold another kind of drafter (restoring them into this run's state would fail and
+    set them aside as unreadable); mark it as this drafter's. A directory with checkpoints and no
     mark is an EAGLE-3 head's (runs before block drafters wrote none)."""
     mark = out / DRAFTER_MARK
     ckpts = out / "checkpoints"
+    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FILES):
+        raise JaxspecError(f"out {str(out)!r} is not empty and holds no training run; use a new or empty out, or the "
+                           "out of an earlier run to resume it")
     found = mark.read_text().strip() if mark.is_file() else None
     if found is None and ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
         found = "eagle3"

@@ -31,7 +31,15 @@ import time
 from pathlib import Path
 
 from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
-from jaxspec.bench.suite import auto_line, identical, measure, measure_interleaved, rejection_table, speculative_row
+from jaxspec.bench.suite import (
+    auto_line,
+    holds_suite_report,
+    identical,
+    measure,
+    measure_interleaved,
+    rejection_table,
+    speculative_row,
+)
 from jaxspec.cli.args import (
     AUTO,
     OneLineParser,
@@ -44,7 +52,6 @@ from jaxspec.cli.args import (
     method_name,
     parse_tree,
     positive_int_list,
-    structured_output,
 )
 from jaxspec.cli.loading import (
     check_before_loading,
@@ -60,6 +67,7 @@ from jaxspec.cli.loading import (
     step_cost_store,
 )
 from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
+from jaxspec.cli.outputs import check_output_dir
 from jaxspec.cli.program import main_guard, use_compile_cache
 from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
@@ -118,7 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="suite: batch sizes (default: 1,4,16)")
     parser.add_argument("--chain-lengths", type=positive_int_list, metavar="K,...",
                         help="suite: chain lengths to measure (default: 3,5)")
-    parser.add_argument("--out", metavar="DIR", help="suite: output directory (default: bench-results/SUITE)")
+    parser.add_argument("--out", metavar="DIR", help="suite: output directory: new, empty, or a suite's report "
+                        "written before (default: bench-results/SUITE)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="suite: write into a non-empty --out that holds no suite report")
     parser.add_argument("--limit", type=integer(None), default=0, metavar="N",
                         help="use the first N prompts (default: 0, all)")
     parser.add_argument("--max-new-tokens", type=integer(None), default=64, metavar="N", help="per prompt (default: 64)")
@@ -287,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from jaxspec.engine.generation import Generator
-    from jaxspec.files import check_writable_dir
     from jaxspec.processors import LogitProcessors
-    from jaxspec.prompts import read_prompts_file, stop_token_ids, suite_prompts
+    from jaxspec.prompts import read_prompts_file, suite_prompts
 
     if args.load_time:
         return run_load_time(args)
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit:
         prompts = prompts[: args.limit]
     if args.suite:
-        check_writable_dir(suite_out(args), "--out")  # written after each run: a bad path must fail first
+        # written after each run: a bad path must fail first, and a directory of other files is not written over
+        check_output_dir(suite_out(args), holds_own=holds_suite_report, what="suite report", overwrite=args.overwrite)
     mesh = resolve_mesh(args)
     draft = resolve_draft(args)  # first: with --draft alone, the head's config may name the target
     target_dir = resolve_target(args.target)
@@ -314,14 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     if draft is None and args.chain_lengths and getattr(args, "proposer", "eagle3") != "draft-model":
         raise JaxspecError("--chain-lengths needs a draft head (--draft HEAD_DIR) or --proposer draft-model")
     aux_ids = head_aux_layer_ids(draft, target_dir)
-    tokenizer, encoded = check_before_loading(args, target_dir, draft, mesh, [text for _, text in prompts],
-                                              args.batch_sizes if args.suite else [args.batch_size])
+    checked = check_before_loading(args, target_dir, draft, mesh, [text for _, text in prompts],
+                                   args.batch_sizes if args.suite else [args.batch_size])
+    encoded, stops, automaton = checked.encoded, checked.stop_ids, checked.grammar
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=aux_ids, mesh=mesh, numerics=args.numerics, kernels=kernels_impl(args),
-        tokenizer=tokenizer, quantize=args.quantize,
+        tokenizer=checked.tokenizer, quantize=args.quantize,
     )
-    stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
-    automaton = structured_output(args, tokenizer, model, stops)
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
         args, model, tokenizer)

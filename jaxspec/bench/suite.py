@@ -162,6 +162,16 @@ def identical(out: Sequence[Completion] | Sequence[Sequence[int]], baseline: Seq
     return f"{same}/{len(baseline)}"
 
 
+def holds_suite_report(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a report `write_report` wrote (its results.json reads as one), so that a rerun may
+    replace it; any other directory's files are not written over (`jaxspec.cli.outputs.check_output_dir`)."""
+    try:
+        result = json.loads((out_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and isinstance(result.get("runs"), list) and "suite" in result
+
+
 def write_report(result: dict, out_dir: Path) -> list[Path]:
     """results.json, results.md and the plots; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)

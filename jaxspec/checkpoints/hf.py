@@ -72,6 +72,14 @@ def check_weight_files(model_dir: Path) -> None:
             pass
 
 
+def check_safetensors_headers(directory: Path) -> None:
+    """Every *.safetensors file's header in `directory` read, no tensor (a draft's weights, before the target
+    loads; what else a draft holds, e.g. pickled weights, its loader checks)."""
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with _open(path):
+            pass
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="numpy")

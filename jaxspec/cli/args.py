@@ -268,10 +268,10 @@ def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
                             help="one of the answers allowed (repeatable): the answer is exactly one of them")
 
 
-def structured_output(args, tokenizer, model, stop_ids):
+def structured_output(args, tokenizer, vocab_size: int, stop_ids):
     """The automaton of --regex / --json-schema / --choice for this tokenizer and vocabulary (None: none given); a
     pattern or schema it cannot compile is a one-line error."""
     from jaxspec.grammar import GrammarCompiler, grammar_of
 
     grammar = grammar_of(args.regex, args.json_schema, args.choice)
-    return None if grammar is None else GrammarCompiler(tokenizer, model.config.vocab_size, stop_ids)(grammar)
+    return None if grammar is None else GrammarCompiler(tokenizer, vocab_size, stop_ids)(grammar)

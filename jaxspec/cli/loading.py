@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from jaxspec.cli.args import AUTO
 from jaxspec.errors import JaxspecError
@@ -95,19 +96,29 @@ def is_dflash_draft(draft: str | None) -> bool:
     return is_dflash(read_head_config(draft))
 
 
+class Checked(NamedTuple):
+    """What `check_before_loading` read, which the run goes on with."""
+
+    tokenizer: Any
+    encoded: list[list[int]]  # the prompts' token ids
+    stop_ids: list[int]
+    grammar: Any  # the --regex / --json-schema / --choice automaton (jaxspec.grammar.TokenAutomaton), or None
+
+
 def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
-                         batch_sizes: list[int], processors=None):
+                         batch_sizes: list[int], processors=None) -> Checked:
     """What the README promises before any weights load, from the two config.json files, the weights' headers and
     the tokenizer alone, in this order: the mesh fits the target's and the head's attention heads and each batch
-    size its data axis; the weight files are whole safetensors (`check_weight_files`); each prompt plus
-    --max-new-tokens fits the context; the logit biases name tokens of the vocabulary. Returns (tokenizer, the
-    encoded prompts), which the run goes on with."""
+    size its data axis; the weight files are whole safetensors (`check_weight_files`), the draft's too; a
+    JAXSPEC_STEP_COSTS store is one (`step_cost_store`); each prompt plus --max-new-tokens fits the context; the
+    logit biases name tokens of the vocabulary; --regex / --json-schema / --choice compile for the tokenizer."""
     from jaxspec import sharding
-    from jaxspec.checkpoints.hf import check_weight_files
+    from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
+    from jaxspec.cli.args import structured_output
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import check_prompt_lengths
     from jaxspec.processors import check_vocab
-    from jaxspec.prompts import encode_prompt, load_tokenizer
+    from jaxspec.prompts import encode_prompt, load_tokenizer, stop_token_ids
 
     config = load_target_config(target_dir)
     if mesh is not None:
@@ -125,12 +136,16 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
         for batch_size in batch_sizes:
             sharding.check_fits(mesh, configs, batch_size)
     check_weight_files(target_dir)
+    if draft is not None and Path(draft).is_dir():
+        check_safetensors_headers(Path(draft))
+    step_cost_store(args)  # a JAXSPEC_STEP_COSTS naming a directory or another file: one line now, not after loading
     tokenizer = load_tokenizer(target_dir)
     encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
     check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)
     if processors is not None:
         check_vocab([processors], config.vocab_size)
-    return tokenizer, encoded
+    stops = stop_token_ids(tokenizer, target_dir, config.eos_token_ids)
+    return Checked(tokenizer, encoded, stops, structured_output(args, tokenizer, config.vocab_size, stops))
 
 
 def load_target_and_tokenizer(

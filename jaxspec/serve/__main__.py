@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
                         help="draft EAGLE-2 dynamic trees instead of chains (default: none, chains)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=integer(1), default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=integer(1, 65535), default=8000,
+                        help="port to listen on (default: %(default)s)")
     parser.add_argument("--slots", type=integer(1), default=4, metavar="N",
                         help="requests generated at once (the compiled batch; more wait in a queue) "
                         "(default: %(default)s)")
@@ -99,13 +100,12 @@ def build_server(args):
     kernels = kernels_impl(args)
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
+    check_serving_before_loading(args, target_dir, draft)
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), numerics=args.numerics,
         kernels=kernels, quantize=args.quantize,
     )
     context = model.config.context_length
-    if args.max_model_len > context:
-        raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if draft:
         drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
@@ -139,6 +139,39 @@ def build_server(args):
     return make_app(served), scheduler
 
 
+def check_serving_before_loading(args, target_dir, draft: str | None) -> None:
+    """The one-line errors a server can give before any weights load: --max-model-len past the target's context,
+    weight files that are not whole safetensors (the target's and the draft's), a JAXSPEC_STEP_COSTS that is no
+    store."""
+    from pathlib import Path
+
+    from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
+    from jaxspec.cli.loading import step_cost_store
+    from jaxspec.config import load_target_config
+
+    context = load_target_config(target_dir).context_length
+    if args.max_model_len > context:
+        raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}; "
+                           f"lower it")
+    check_weight_files(target_dir)
+    if draft is not None and Path(draft).is_dir():
+        check_safetensors_headers(Path(draft))
+    step_cost_store(args)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Listening must work before the model loads and compiles (uvicorn's own error came after both, exit 3)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing port is free
+            probe.bind((host, port))
+    except OSError as e:
+        raise JaxspecError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
+                           "or stop what holds it") from None
+
+
 @main_guard
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -150,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         raise JaxspecError(f"the server needs {', '.join(missing)}: pip install 'jaxspec[serve]'")
     import uvicorn
 
+    check_port_free(args.host, args.port)
     use_compile_cache(args)
     app, scheduler = build_server(args)
     scheduler.start()
