@@ -37,7 +37,9 @@ def reference():
 
 # CI: whole chains accepted (the target as its own draft); rejections run in CI in the CLI test (another random
 # model); a smaller draft with a padded vocabulary under -m slow
-@pytest.mark.parametrize("draft,k,batch", [("self", 4, 4), pytest.param("small", 3, 4, marks=pytest.mark.slow),
+# CI: test_cli_generate_with_a_draft_model_equals_no_draft (the same engine, through the CLI)
+@pytest.mark.parametrize("draft,k,batch", [pytest.param("self", 4, 4, marks=pytest.mark.slow),
+                                           pytest.param("small", 3, 4, marks=pytest.mark.slow),
                                            pytest.param("small", 1, 1, marks=pytest.mark.slow)])
 def test_greedy_equals_target_only(draft, k, batch, reference):
     model = tiny_target() if draft == "self" else small_draft()

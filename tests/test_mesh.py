@@ -183,6 +183,7 @@ def test_dimensions_the_model_axis_does_not_divide_stay_replicated():
     assert sharding.param_spec(["layers", "0", "mlp", "down_proj", "bias"], (64,), 4) == P()
 
 
+@pytest.mark.slow  # ~20 s; CI: bench --load-time restores an orbax target onto a data=2 mesh (test_cli)
 def test_an_orbax_target_restores_straight_into_the_mesh_shardings(tmp_path):
     from hf_tiny import make_tiny
 
