@@ -168,7 +168,8 @@ def _convert_target(args) -> None:
     from jaxspec.errors import JaxspecError
 
     source = resolve_target(args.target)
-    out = check_output_dir(args.out, holds_own=is_orbax_target, what="orbax target", overwrite=args.overwrite)
+    out = check_output_dir(args.out, holds_own=is_orbax_target, what="orbax target",
+                           overwrite=args.overwrite).absolute()
     start = time.perf_counter()
     model = load_target(source, dtype=args.dtype)
     if model.quantization:  # an orbax target is read into a float skeleton
@@ -176,7 +177,7 @@ def _convert_target(args) -> None:
                            "targets only: run it from its safetensors directory")
     jax.block_until_ready(nnx_leaves(model))
     from_hf = time.perf_counter() - start
-    with written_whole(out.absolute()) as staging:  # a failure midway leaves what was there
+    with written_whole(out) as staging:  # a failure midway leaves what was there
         save_target_orbax(model, source, staging)
     start = time.perf_counter()
     jax.block_until_ready(nnx_leaves(load_target(out, dtype=args.dtype)))

@@ -314,17 +314,18 @@ def test_a_draft_and_a_step_cost_store_are_checked_before_loading(tiny, tmp_path
     had loaded."""
     head = tmp_path / "head"
     assert convert.main(["random-head", "--target", str(tiny), "--out", str(head)]) == 0
+    base = ["--target", str(tiny), "--raw", "--prompt", "hi", "--max-new-tokens", "2"]
+    with monkeypatch.context() as env:  # read by automatic speculation, so checked where a draft is given
+        env.setenv("JAXSPEC_STEP_COSTS", str(tmp_path))
+        err = one_line_error(capsys, generate.main, [*base, "--draft", str(head)])
+        assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
+        err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--draft", str(head), "--port",
+                                                  str(free_port()), "--max-model-len", "128"])
+        assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
     whole = (head / "model.safetensors").read_bytes()
     (head / "model.safetensors").write_bytes(whole[: len(whole) // 2])
-    base = ["--target", str(tiny), "--raw", "--prompt", "hi", "--max-new-tokens", "2"]
     err = one_line_error(capsys, generate.main, [*base, "--draft", str(head)])
     assert "model.safetensors" in err and "corrupt or truncated safetensors file" in err
-    monkeypatch.setenv("JAXSPEC_STEP_COSTS", str(tmp_path))
-    err = one_line_error(capsys, generate.main, [*base, "--no-draft"])
-    assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
-    err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", str(free_port()),
-                                              "--max-model-len", "128"])
-    assert "JAXSPEC_STEP_COSTS" in err and "is a directory" in err
 
 
 def test_a_truncated_shard_on_a_generation_rerun_is_one_line(tiny, tmp_path, capsys):

@@ -92,6 +92,32 @@ def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
     assert [done[0].token_ids, done[1].token_ids] == want
 
 
+def test_joins_prefill_only_the_joining_rows_and_each_request_gets_its_own_output():
+    """A join into a running state prefills the joining rows alone, padded to a power of two (3 → 4, the padding
+    row dropped; 1 → 1), and scatters them into their slots: each request's output is still what it gets alone."""
+    model = tiny_target()
+    requests = [(PROMPTS[0], 6), (PROMPTS[1], 5), (PROMPTS[2], 7), (PROMPTS[3], 4), (PROMPTS[1][:3], 6)]
+    want = [Generator(model, batch_size=1).generate([p], max_new_tokens=n)[0].token_ids for p, n in requests]
+    batcher = SlotBatcher(Generator(model, batch_size=4, chunk_steps=1), capacity=32)
+    assert [batcher.join_rows(k) for k in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    done = {}
+
+    def run(steps: int | None = None):
+        for _ in range(steps or 10**6):
+            if not batcher.running:
+                return
+            done.update({u.handle: u.completion for u in batcher.step() if u.completion is not None})
+
+    batcher.join([(0, SlotRequest(tuple(requests[0][0]), requests[0][1]))])  # the first: every slot's prefill
+    run(2)
+    batcher.join([(i, SlotRequest(tuple(p), n)) for i, (p, n) in enumerate(requests[1:4], 1)])  # 3 rows → 4
+    run()
+    batcher.join([(4, SlotRequest(tuple(requests[4][0]), requests[4][1]))])  # a lone join into an idle state
+    run()
+    assert [done[i].token_ids for i in range(len(requests))] == want
+    assert batcher.prefill_rows == {4: 2, 1: 1}
+
+
 def test_a_request_no_slot_can_hold_is_refused_in_one_line():
     batcher = SlotBatcher(Generator(tiny_target(), batch_size=2), capacity=32)
     with pytest.raises(JaxspecError, match="exceeds the 32 tokens a request may hold"):

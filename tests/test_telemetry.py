@@ -87,7 +87,7 @@ def test_chain_counters_partition_the_steps_and_see_a_reduced_draft_vocabulary()
     assert sum(c.stats["rejections"]["outside_draft_vocab"] for c in out) > 0
 
 
-@pytest.mark.slow  # CI: the chain counters above; a tree's outcomes also sum to its verify steps in the bench suite
+@pytest.mark.slow  # ~23 s; CI checks the chain's counters (above), a tree's: -m slow
 @pytest.mark.parametrize("tree", [TreeConfig(12, 4, 3), TreeConfig(6, 5, 1)], ids=str)
 def test_tree_counters(tree):
     out = SpeculativeGenerator(tiny_target(), fitted_head(), tree=tree, batch_size=4).generate(

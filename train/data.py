@@ -334,19 +334,19 @@ def generate(args) -> None:
                 f"{out} was generated with other settings ({', '.join(sorted(changed))}); use a new --out"
             )
     check_shard_prompts(out, prompts, args.shard_size)  # before meta.json is rewritten
-    meta_file.write_text(json.dumps(meta, indent=2))
-
     num_shards = -(-len(prompts) // args.shard_size)
     mine = [i for i in range(num_shards) if i % args.num_hosts == args.host_index and not shard_path(out, i).exists()]
+    tokenizer = load_tokenizer(target_dir)
+    if mine:
+        try:  # the answers are a chat model's: no chat template fails here, before anything is written
+            encode_prompt(tokenizer, prompts[0][1], raw=False)
+        except JaxspecError:
+            raise JaxspecError(f"the target {target_dir.name!r} has no chat template; train.data generates a chat "
+                               "model's answers: use an instruct target") from None
+    meta_file.write_text(json.dumps(meta, indent=2))
     if not mine:
         print(f"all {num_shards} shards exist in {out}", file=sys.stderr)
         return
-    tokenizer = load_tokenizer(target_dir)
-    try:  # the answers are the chat model's: a tokenizer without a chat template fails here, before any weights
-        encode_prompt(tokenizer, prompts[0][1], raw=False)
-    except JaxspecError:
-        raise JaxspecError(f"the target {target_dir.name!r} has no chat template; train.data generates a chat "
-                           "model's answers: use an instruct target") from None
     model, tokenizer = load_target_and_tokenizer(
         target_dir, args.dtype, numerics=args.numerics, kernels=kernels_impl(args), quantize=args.quantize,
         tokenizer=tokenizer,

@@ -4,7 +4,7 @@ Why: a server's users see requests per second, the time to their first token and
 concurrency, not the batch CLI's tokens per second; and speculation that pays for one request can cost at sixteen
 (every slot's verify competes for the same weight reads). What: the server is started in this process (uvicorn on
 a loopback port, the engine thread beside it), once with the draft and once target-only, each warmed up (every
-prompt once per level, so that the prefills those joins need compile before the clock starts); then, for each
+prompt once per level, so that most prefills the levels' joins need compile before the clock starts); then, for each
 concurrency level, that many clients send the prompts as streamed chat requests, each its next prompt as soon as
 its last one ended.
 Per level: requests per second, time to first token (mean, p50, p90), each request's tokens per second from

@@ -109,9 +109,10 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
                          batch_sizes: list[int], processors=None) -> Checked:
     """What the README promises before any weights load, from the two config.json files, the weights' headers and
     the tokenizer alone, in this order: the mesh fits the target's and the head's attention heads and each batch
-    size its data axis; the weight files are whole safetensors (`check_weight_files`), the draft's too; a
-    JAXSPEC_STEP_COSTS store is one (`step_cost_store`); each prompt plus --max-new-tokens fits the context; the
-    logit biases name tokens of the vocabulary; --regex / --json-schema / --choice compile for the tokenizer."""
+    size its data axis; the weight files are whole safetensors (`check_weight_files`), the draft's too; with a
+    draft, a JAXSPEC_STEP_COSTS store is one (`step_cost_store`); each prompt plus --max-new-tokens fits the
+    context; the logit biases name tokens of the vocabulary; --regex / --json-schema / --choice compile for the
+    tokenizer."""
     from jaxspec import sharding
     from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
     from jaxspec.cli.args import structured_output
@@ -138,7 +139,10 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
     check_weight_files(target_dir)
     if draft is not None and Path(draft).is_dir():
         check_safetensors_headers(Path(draft))
-    step_cost_store(args)  # a JAXSPEC_STEP_COSTS naming a directory or another file: one line now, not after loading
+    if args.draft_model is not None and Path(args.draft_model).expanduser().is_dir():
+        check_weight_files(Path(args.draft_model).expanduser())
+    if draft is not None or args.draft_model is not None:  # automatic speculation may read it; nothing else does
+        step_cost_store(args)  # a JAXSPEC_STEP_COSTS naming a directory or another file: one line now
     tokenizer = load_tokenizer(target_dir)
     encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
     check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)

@@ -36,15 +36,20 @@ def written_whole(out: Path) -> Iterator[Path]:
     place (the old contents are removed only after that), and on an error it is removed and `out` is untouched."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # as a plain mkdir makes it (mkdtemp's 0700 would hide it from other users)
+    old = None
     try:
         yield staging
+        if out.exists():
+            old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
+            out.rename(old)
+        staging.rename(out)
     except BaseException:
+        if old is not None and not out.exists():
+            old.rename(out)  # the swap failed halfway: the old one back
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-        out.rename(old)
-    staging.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -3,11 +3,12 @@
 Why: a server cannot hold a short request until the long ones beside it finish, nor compile for every arrival.
 What: `SlotBatcher` keeps one generation state of `Generator.batch_size` rows on the device at one cache capacity,
 so its step compiles once. A request joins a free slot between steps: its prompt is prefilled in a batch of just
-the joining rows (the requests joining at the same time, padded to a power of two: `join_rows`), and those rows are
+the joining rows (the requests joining at the same time, padded: `join_rows`), and those rows are
 written into the running state (`_join_rows`, a scatter in place); it leaves when its EOS or its budget ends it, and
 its slot is free for the next. The prefill and the step are `Generator`'s own programs, and rows never interact
 under the engine's batch-invariant numerics, so a request's greedy output is the one `Generator.generate` gives it
 alone, whoever shares the batch and however many rows its prefill had (tests/test_slots.py, tests/test_serve.py).
+With `--numerics plain` that promise does not hold: XLA's own kernels may change a row's bits with the batch.
 
 Why a prefill of the joining rows only: a lone request joining 16 slots once prefilled 16 rows (15 of padding),
 16 times the compute while every running row waited. Each (rows, prompt bucket) pair is one compiled prefill,
@@ -187,8 +188,9 @@ class SlotBatcher:
         return slots
 
     def join_rows(self, joining: int) -> int:
-        """Rows of the prefill for `joining` requests joining a running state: the next power of two, at least the
-        mesh's data axis (a batch splits over it) and at most the slots, so that few programs serve every count."""
+        """Rows of the prefill for `joining` requests joining a running state: the mesh's data axis (a batch splits
+        over it; 1 without a mesh) times the next power of two that holds them, at most the slots, so that few
+        programs serve every count."""
         data = self.generator.mesh.shape[DATA] if self.generator.mesh is not None else 1
         n = data
         while n < joining:

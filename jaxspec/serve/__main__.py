@@ -142,7 +142,7 @@ def build_server(args):
 def check_serving_before_loading(args, target_dir, draft: str | None) -> None:
     """The one-line errors a server can give before any weights load: --max-model-len past the target's context,
     weight files that are not whole safetensors (the target's and the draft's), a JAXSPEC_STEP_COSTS that is no
-    store."""
+    store (with a draft: automatic speculation reads it)."""
     from pathlib import Path
 
     from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
@@ -156,7 +156,7 @@ def check_serving_before_loading(args, target_dir, draft: str | None) -> None:
     check_weight_files(target_dir)
     if draft is not None and Path(draft).is_dir():
         check_safetensors_headers(Path(draft))
-    step_cost_store(args)
+        step_cost_store(args)  # automatic speculation reads it
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -168,8 +168,8 @@ def check_port_free(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing port is free
             probe.bind((host, port))
     except OSError as e:
-        raise JaxspecError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
-                           "or stop what holds it") from None
+        raise JaxspecError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") \
+            from None
 
 
 @main_guard
