@@ -121,6 +121,7 @@ def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alo
     stop = full[3:5]
     cut = api.completions.create(model="target", prompt="abc", max_tokens=12, stop=[stop])
     assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens == full.find(stop) + len(stop)  # one token a character: up to the stop's end
     streamed = "".join(c.choices[0].text for c in api.completions.create(
         model="target", prompt="abc", max_tokens=12, stop=stop, stream=True))
     assert streamed == cut.choices[0].text
@@ -320,6 +321,15 @@ def test_incremental_detokenizing_gives_the_whole_decode(kind):
             assert tracker.text() == tokenizer.decode(ids[:i], skip_special_tokens=True,
                                                       clean_up_tokenization_spaces=False)
         assert streamed == tracker.text()
+    # a stop string inside an update: the usage counts the tokens up to the one that completed it, not the rest of
+    # the chunk the engine produced with it (all of them were counted)
+    ids = tokenizer("zig zag: the brown cafe fox ate 12 quick figs").input_ids
+    stop = tokenizer.decode(ids[2:4], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    tracker = TextTracker(tokenizer, (stop,))
+    tracker.advance(ids, final=False)
+    want = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n], skip_special_tokens=True,
+                                                                              clean_up_tokenization_spaces=False))
+    assert tracker.stopped and tracker.tokens_used() == want < len(ids)
 
 
 def test_the_benchmark_constrains_every_method_and_checks_the_answers(target, tmp_path, capsys):

@@ -87,6 +87,21 @@ class TextTracker:
             return text[: min(cuts)]
         return text
 
+    def tokens_used(self) -> int:
+        """The answer's completion tokens: all of them, or, where a stop string cut the text, those up to the one
+        that completed it (as vLLM counts; the engine may have produced a few more in the same chunk of steps)."""
+        if not self.stopped:
+            return len(self.ids)
+        low, high = 1, len(self.ids)  # the shortest prefix whose text holds a stop string: a prefix's text grows
+        while low < high:
+            mid = (low + high) // 2
+            text = self._decode(self.ids[:mid])
+            if any(stop in text for stop in self.stops):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     def advance(self, new_ids: list[int], final: bool) -> str:
         self.ids += new_ids
         piece = self._pending()
@@ -208,7 +223,7 @@ def make_app(served: ServedModel) -> FastAPI:
                 completion = update.completion
             text = tracker.text()
             reason = _finish_reason(completion, tracker)
-            n = len(tracker.ids)
+            n = tracker.tokens_used()
             return _response(rid, served.name, chat, text, reason, len(prompt_ids), n)
         except asyncio.CancelledError:
             scheduler.cancel(handle)
@@ -294,7 +309,7 @@ async def _stream(served, scheduler, handle, updates, tracker, rid, chat, includ
         finished = True
         yield chunk(None, _finish_reason(completion, tracker))
         if include_usage:
-            n = len(tracker.ids)
+            n = tracker.tokens_used()
             usage = {"prompt_tokens": prompt_n, "completion_tokens": n, "total_tokens": prompt_n + n}
             yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': served.name, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
