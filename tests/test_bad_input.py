@@ -208,6 +208,14 @@ def test_stdout_on_a_full_disk_is_one_line(tiny, tmp_path, capsys, monkeypatch):
         monkeypatch.undo()
         full.close()
     assert "No space left on device: (the output stream); free some space" in err
+    full = open("/dev/full", "w")  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "stdout", full)
+    try:  # --help printed into a full disk exited 0, silently
+        err = one_line_error(capsys, bench.main, ["--help"])
+    finally:
+        monkeypatch.undo()
+        full.close()
+    assert "No space left on device" in err
 
 
 def test_training_refuses_a_mesh_larger_than_the_devices_and_an_out_under_a_file(tmp_path, capsys, no_loading):

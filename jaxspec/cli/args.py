@@ -4,6 +4,7 @@ parsing, before anything loads, so that a bad value is a one-line error in a sec
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jaxspec.config import MAX_DRAFT_DEPTH
 from jaxspec.errors import JaxspecError
@@ -15,6 +16,11 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+
+    def print_help(self, file=None) -> None:
+        """The help, written so that a failed write is an error (`main_guard`): argparse's own printing drops
+        write errors, and `--help` into a full disk exited 0 with nothing written."""
+        (file or sys.stdout).write(self.format_help())
 
 
 MAX_COUNT = 2**31 - 1  # token counts, batch rows and sizes are int32 on the device

@@ -36,6 +36,14 @@ def main_guard(main):
             sys.exit(2)
         except KeyboardInterrupt:
             sys.exit(130)
+        except SystemExit:  # argparse's --help and its own exits: what they printed must reach stdout too
+            try:
+                sys.stdout.flush()
+            except OSError as e:
+                print(f"error: {describe_os_error(e)}", file=sys.stderr)
+                _drop_unwritable_stdout()
+                sys.exit(2)
+            raise
 
     return wrapper
 
