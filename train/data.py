@@ -291,7 +291,8 @@ def generate(args) -> None:
     from jaxspec.cli.loading import kernels_impl, load_target_and_tokenizer, resolve_target
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import Generator
-    from jaxspec.files import check_writable_dir, make_dir, read_json
+    from jaxspec.cli.outputs import check_output_dir
+    from jaxspec.files import make_dir, read_json
     from jaxspec.prompts import encode_prompt, load_tokenizer, prompt_set_path, stop_token_ids
 
     if args.host_index >= args.num_hosts:
@@ -301,10 +302,9 @@ def generate(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise JaxspecError(f"--out {str(out)!r} exists and is not a directory")
-    check_writable_dir(out, "--out")
-    if out.is_dir() and any(out.iterdir()) and not ((out / "meta.json").is_file() or any(out.glob("shard-*.npz"))):
-        raise JaxspecError(f"--out {str(out)!r} is not empty and holds no dataset (no meta.json, no shards); pass a "
-                           "new or empty directory, or the --out of an earlier run to resume it")
+    check_output_dir(out, holds_own=lambda d: (d / "meta.json").is_file() or any(d.glob("shard-*.npz")),
+                     what="dataset (no meta.json, no shards)", overwrite=False,
+                     fix="pass a new or empty directory, or the --out of an earlier run to resume it")
     # The inputs are checked before anything is written.
     prompts = load_prompts(args.prompts, args.seed, args.exclude)
     if args.limit:
@@ -336,8 +336,8 @@ def generate(args) -> None:
     check_shard_prompts(out, prompts, args.shard_size)  # before meta.json is rewritten
     num_shards = -(-len(prompts) // args.shard_size)
     mine = [i for i in range(num_shards) if i % args.num_hosts == args.host_index and not shard_path(out, i).exists()]
-    tokenizer = load_tokenizer(target_dir)
     if mine:
+        tokenizer = load_tokenizer(target_dir)
         try:  # the answers are a chat model's: no chat template fails here, before anything is written
             encode_prompt(tokenizer, prompts[0][1], raw=False)
         except JaxspecError:

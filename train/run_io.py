@@ -30,7 +30,8 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
     import jax
 
     from jaxspec.cli.loading import resolve_target
-    from jaxspec.files import check_writable_dir, make_dir
+    from jaxspec.cli.outputs import check_output_dir
+    from jaxspec.files import make_dir
     from train.data import check_heldout_quantization, require_shards
 
     t = cfg.train
@@ -41,7 +42,9 @@ def check_inputs(cfg: RunConfig) -> RunInputs:
             raise JaxspecError(f"distributed: true cannot join a job here ({e}); run it on a TPU slice or under "
                                "SLURM or Open MPI, or set distributed: false") from None
     check_mesh_devices(cfg.mesh, jax.device_count(), jax.default_backend())
-    out = check_writable_dir(Path(cfg.out).expanduser(), "out")
+    out = check_output_dir(Path(cfg.out).expanduser(), holds_own=lambda d: any((d / n).exists() for n in RUN_FILES),
+                           what="training run", overwrite=False,
+                           fix="use a new or empty out, or the out of an earlier run to resume it", flag="out")
     data_dirs = [Path(d).expanduser() for d in ((cfg.data,) if isinstance(cfg.data, str) else cfg.data)]
     for data_dir in data_dirs:
         require_shards(data_dir, "training shards")
@@ -68,15 +71,12 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", DRAFTER_MARK)  # wha
 
 
 def claim_out(out: Path, drafter: str) -> None:
-    """Refuse a non-empty directory that holds no run (its files are not the run's to write over), and a run
-    directory whose checkpoints hold another kind of drafter (restoring them into this run's state would fail and
-    set them aside as unreadable); mark it as this drafter's. A directory with checkpoints and no
-    mark is an EAGLE-3 head's (runs before block drafters wrote none)."""
+    """Refuse a run directory whose checkpoints hold another kind of drafter (restoring them into this run's state
+    would fail and set them aside as unreadable); mark it as this drafter's. A directory with checkpoints and no
+    mark is an EAGLE-3 head's (runs before block drafters wrote none). A directory of other files than a run's was
+    refused earlier (`check_inputs`)."""
     mark = out / DRAFTER_MARK
     ckpts = out / "checkpoints"
-    if any(out.iterdir()) and not any((out / name).exists() for name in RUN_FILES):
-        raise JaxspecError(f"out {str(out)!r} is not empty and holds no training run; use a new or empty out, or the "
-                           "out of an earlier run to resume it")
     found = mark.read_text().strip() if mark.is_file() else None
     if found is None and ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
         found = "eagle3"

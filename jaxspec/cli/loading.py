@@ -114,7 +114,6 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
     context; the logit biases name tokens of the vocabulary; --regex / --json-schema / --choice compile for the
     tokenizer."""
     from jaxspec import sharding
-    from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
     from jaxspec.cli.args import structured_output
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import check_prompt_lengths
@@ -136,13 +135,7 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
                 configs["draft head"] = head_config_from_hf(raw)[1]
         for batch_size in batch_sizes:
             sharding.check_fits(mesh, configs, batch_size)
-    check_weight_files(target_dir)
-    if draft is not None and Path(draft).is_dir():
-        check_safetensors_headers(Path(draft))
-    if args.draft_model is not None and Path(args.draft_model).expanduser().is_dir():
-        check_weight_files(Path(args.draft_model).expanduser())
-    if draft is not None or args.draft_model is not None:  # automatic speculation may read it; nothing else does
-        step_cost_store(args)  # a JAXSPEC_STEP_COSTS naming a directory or another file: one line now
+    check_files_before_loading(args, target_dir, draft)
     tokenizer = load_tokenizer(target_dir)
     encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]
     check_prompt_lengths([len(ids) for ids in encoded], args.max_new_tokens, config.context_length)
@@ -150,6 +143,21 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
         check_vocab([processors], config.vocab_size)
     stops = stop_token_ids(tokenizer, target_dir, config.eos_token_ids)
     return Checked(tokenizer, encoded, stops, structured_output(args, tokenizer, config.vocab_size, stops))
+
+
+def check_files_before_loading(args, target_dir: Path, draft: str | None) -> None:
+    """The files a run reads besides the configs, checked before any weights load (generate, bench and serve): the
+    target's weight headers, the draft's (`--draft`, `--draft-model`) and, with a draft, JAXSPEC_STEP_COSTS
+    (automatic speculation reads it; nothing else does)."""
+    from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
+
+    check_weight_files(target_dir)
+    if draft is not None and Path(draft).is_dir():
+        check_safetensors_headers(Path(draft))
+    if args.draft_model is not None and Path(args.draft_model).expanduser().is_dir():
+        check_weight_files(Path(args.draft_model).expanduser())
+    if draft is not None or args.draft_model is not None:
+        step_cost_store(args)  # a JAXSPEC_STEP_COSTS naming a directory or another file: one line now
 
 
 def load_target_and_tokenizer(

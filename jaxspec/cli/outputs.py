@@ -19,14 +19,14 @@ from jaxspec.errors import JaxspecError
 from jaxspec.files import check_writable_dir
 
 
-def check_output_dir(out: str | Path, *, holds_own: Callable[[Path], bool], what: str, overwrite: bool) -> Path:
-    """`out` as a Path, after refusing a file, or a non-empty directory that holds no `what` (unless overwrite)."""
-    out = check_writable_dir(out, "--out")
+def check_output_dir(out: str | Path, *, holds_own: Callable[[Path], bool], what: str, overwrite: bool,
+                     flag: str = "--out", fix: str = "pass a new or empty directory, or --overwrite to replace what "
+                     "it holds") -> Path:
+    """`out` as a Path, after refusing a file, or a non-empty directory that holds no `what` (unless overwrite);
+    `flag` names where the path came from, `fix` what to do instead (a command without --overwrite says its own)."""
+    out = check_writable_dir(out, flag)
     if out.is_dir() and any(out.iterdir()) and not overwrite and not holds_own(out):
-        raise JaxspecError(
-            f"--out {str(out)!r} is not empty and holds no {what}; pass a new or empty directory, or --overwrite "
-            "to replace what it holds"
-        )
+        raise JaxspecError(f"{flag} {str(out)!r} is not empty and holds no {what}; {fix}")
     return out
 
 

@@ -143,20 +143,14 @@ def check_serving_before_loading(args, target_dir, draft: str | None) -> None:
     """The one-line errors a server can give before any weights load: --max-model-len past the target's context,
     weight files that are not whole safetensors (the target's and the draft's), a JAXSPEC_STEP_COSTS that is no
     store (with a draft: automatic speculation reads it)."""
-    from pathlib import Path
-
-    from jaxspec.checkpoints.hf import check_safetensors_headers, check_weight_files
-    from jaxspec.cli.loading import step_cost_store
+    from jaxspec.cli.loading import check_files_before_loading
     from jaxspec.config import load_target_config
 
     context = load_target_config(target_dir).context_length
     if args.max_model_len > context:
         raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}; "
                            f"lower it")
-    check_weight_files(target_dir)
-    if draft is not None and Path(draft).is_dir():
-        check_safetensors_headers(Path(draft))
-        step_cost_store(args)  # automatic speculation reads it
+    check_files_before_loading(args, target_dir, draft)
 
 
 def check_port_free(host: str, port: int) -> None:
