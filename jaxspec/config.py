@@ -18,7 +18,8 @@ from jaxspec.files import read_json
 MAX_DRAFT_DEPTH = 32
 
 # Hugging Face `model_type` → what differs from plain Llama.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -35,8 +36,36 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts target (models/moe.py): a router picks `top_k` of `num_experts`
+    SwiGLU experts per token and sums their outputs weighted by its probabilities.
+
+    The three families differ only in how the weights are made and added (transformers' code, followed exactly):
+    Qwen3-MoE and Qwen2-MoE take the softmax over all experts, keep the top k and renormalize them when
+    `norm_topk_prob`, then round them to the model dtype (`round_weights`); Mixtral always renormalizes and keeps
+    them in float32. Qwen2-MoE adds a dense shared expert gated by sigmoid(x · w) (`shared_intermediate_size`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's SwiGLU width
+    layers: tuple[int, ...]  # the decoder layers whose MLP is sparse (the others keep the dense MLP)
+    norm_topk_prob: bool = True
+    round_weights: bool = True  # routing weights rounded to the model dtype before they scale an expert's output
+    shared_intermediate_size: int = 0  # 0: no shared expert
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise JaxspecError(f"config.json: the experts' {name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise JaxspecError(f"config.json: num_experts_per_tok={self.top_k} exceeds the {self.num_experts} experts")
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral)."""
+    """A Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral), dense or with sparse MLPs (`moe`:
+    Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     vocab_size: int
     hidden_size: int
@@ -60,9 +89,12 @@ class TargetConfig:
     aux_layer_ids: tuple[int, ...] | None = None
     # Usable context; smaller than max_position_embeddings when the model uses sliding-window attention.
     context_length: int | None = None
+    moe: MoeConfig | None = None  # the sparse MLP layers of a mixture-of-experts target; None: dense
 
     def __post_init__(self) -> None:
         check_sizes(self, "config.json")
+        if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.layers):
+            raise JaxspecError(f"config.json: sparse layers {self.moe.layers} outside 0..{self.num_layers - 1}")
         if self.num_heads % self.num_kv_heads:
             raise JaxspecError(f"num_attention_heads={self.num_heads} is not a multiple of {self.num_kv_heads=}")
         if self.aux_layer_ids is None:
@@ -305,7 +337,7 @@ def _sliding_window_limit(raw: dict[str, Any]) -> int | None:
     """The context beyond which this model's sliding window would change attention, or None."""
     layer_types = raw.get("layer_types") or ()
     uses_window = any(t == "sliding_attention" for t in layer_types)
-    if raw.get("model_type") in ("qwen2", "qwen3"):
+    if raw.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         uses_window = uses_window or bool(raw.get("use_sliding_window", False))
     elif raw.get("sliding_window") is not None:
         uses_window = True
@@ -320,6 +352,30 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    """The sparse MLPs of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (None for a dense model type): every layer
+    for Mixtral; for the Qwen families layer i when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers, as transformers builds them."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    experts = hf_int(raw, "num_local_experts" if model_type == "mixtral" else "num_experts",
+                     raw.get("num_local_experts", _REQUIRED))  # transformers 5 writes Qwen's as num_local_experts
+    if model_type == "mixtral":
+        return MoeConfig(num_experts=experts, top_k=hf_int(raw, "num_experts_per_tok", 2),
+                         intermediate_size=hf_int(raw, "intermediate_size"), layers=tuple(range(num_layers)),
+                         norm_topk_prob=True, round_weights=False)
+    step = hf_int(raw, "decoder_sparse_step", 1)
+    if step < 1:
+        raise JaxspecError(f"config.json: decoder_sparse_step must be >= 1, got {step}")
+    dense = set(int(i) for i in raw.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = hf_int(raw, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return MoeConfig(num_experts=experts, top_k=hf_int(raw, "num_experts_per_tok"),
+                     intermediate_size=hf_int(raw, "moe_intermediate_size"), layers=layers,
+                     norm_topk_prob=bool(raw.get("norm_topk_prob", False)), round_weights=True,
+                     shared_intermediate_size=shared)
 
 
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
@@ -354,15 +410,17 @@ def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
             rope=_rope_from_hf(raw),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias", False)),
-            o_proj_bias=model_type in ("llama", "qwen3") and bool(raw.get("attention_bias", False)),
+            attention_bias=(True if model_type == "qwen2" else bool(raw.get("qkv_bias", True))
+                            if model_type == "qwen2_moe" else bool(raw.get("attention_bias", False))),
+            o_proj_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             model_type=model_type,
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
             aux_layer_ids=aux_layer_ids,
             context_length=min(max_pos, window) if window else max_pos,
+            moe=_moe_from_hf(raw, model_type, cfg["num_layers"]),
         )
 
 

@@ -137,6 +137,8 @@ def _names(path) -> list[str]:
 def param_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
     """The PartitionSpec of one parameter, from its module path (Hugging Face names) and shape."""
     leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+    if owner == "experts" and len(shape) == 3:  # a sparse layer's stacked experts [E, in, out]
+        return expert_spec(names, shape, model_size)
     if leaf == "embed_tokens" and len(shape) == 2:
         spec, dim = P(MODEL, None), 0
     elif owner in _SPLIT_OUT and leaf == "kernel":
@@ -152,6 +154,22 @@ def param_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
                  shape[dim], model_size)
         return P()
     return spec
+
+
+def expert_spec(names: list[str], shape: tuple[int, ...], model_size: int) -> P:
+    """Stacked experts [E, in, out]: split by expert over the model axis where it divides them (expert
+    parallelism: each device runs its own experts' tiles, models/moe.py); else by the expert width like a dense
+    MLP (gate/up by output, down by input features), which XLA partitions; else replicated."""
+    if shape[0] % model_size == 0:
+        return P(MODEL, None, None)
+    width_dim = 1 if names[-1] == "down_proj" else 2
+    if shape[width_dim] % model_size == 0:
+        log.info("%s %s: %d experts do not divide the model axis (%d); split by expert width", ".".join(names),
+                 shape, shape[0], model_size)
+        return P(None, MODEL, None) if width_dim == 1 else P(None, None, MODEL)
+    log.info("%s %s: neither the experts nor their width divide the model axis (%d); replicated", ".".join(names),
+             shape, model_size)
+    return P()
 
 
 def param_shardings(params, mesh: jax.sharding.Mesh):

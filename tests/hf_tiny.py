@@ -48,14 +48,31 @@ FAMILIES = {
         dict(attention_bias=True, mlp_bias=True, head_dim=32),
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    # mixtures of experts (jaxspec/models/moe.py): top-2 of 8 with a dense layer between, top-2 of 4 in every layer,
+    # top-2 of 4 with a shared expert; top-1 and top-8 in tests/test_moe.py
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True,
+             head_dim=16),
+    ),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_moe_shared": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+             tie_word_embeddings=False),
+    ),
 }
 
 
-def make_tiny(family: str, out_dir: Path, seed: int = 0):
-    """Save a random tiny model of `family` to out_dir and return the torch model (eval mode, float32)."""
+def make_tiny(family: str, out_dir: Path, seed: int = 0, **overrides):
+    """Save a random tiny model of `family` to out_dir and return the torch model (eval mode, float32); `overrides`
+    replace config fields."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so that a missed weight shows up in the logits
         for name, param in model.named_parameters():

@@ -105,12 +105,35 @@ def hf_key(path: tuple) -> tuple[str, bool]:
 
 
 def model_params(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
-    """Checkpoint key → (the model's parameter, stored transposed?)."""
+    """Checkpoint key → (the model's parameter, stored transposed?). A mixture-of-experts target's stacked experts
+    appear under `<layer>.mlp.experts.<gate_proj|up_proj|down_proj>`; `expert_sources` names the per-expert tensors
+    a checkpoint holds them in."""
     out = {}
+    mixtral = getattr(getattr(model, "config", None), "model_type", None) == "mixtral"
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
             key, transposed = hf_key(path)
+            if mixtral:  # transformers' Mixtral calls its sparse MLP block_sparse_moe
+                key = key.replace(".mlp.", ".block_sparse_moe.")
             out[key] = (node, transposed)
+    return out
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def expert_sources(params: dict[str, tuple[nnx.Variable, bool]], model_type: str) -> dict[str, list[str]]:
+    """Stacked expert parameter key → the checkpoint's per-expert tensors, expert 0 first
+    (`...experts.{j}.gate_proj.weight`, Mixtral's `...experts.{j}.w1.weight`), each stored [out, in] as PyTorch
+    writes a Linear: the layout of the published checkpoints and of transformers' save_pretrained."""
+    out = {}
+    for key, (param, _) in params.items():
+        prefix, _, name = key.rpartition(".")
+        if not prefix.endswith(".experts") or name not in EXPERT_PROJECTIONS:
+            continue
+        stored = MIXTRAL_EXPERT_NAMES[name] if model_type == "mixtral" else name
+        out[key] = [f"{prefix}.{j}.{stored}.weight" for j in range(param.shape[0])]
     return out
 
 
@@ -162,20 +185,30 @@ def load_target(
     # --quantize: kernel key → its scale's key, both set from the float weight as it is read
     made = {k.removesuffix("_scale"): k for k in params if k.endswith(".weight_scale")} if quantize else {}
     read = [k for k in params if k not in made.values()]
-    _check_keys(dict.fromkeys(read), index, model_dir, cfg)
+    stacked = expert_sources(params, cfg.model_type)  # experts: one tensor per expert in the checkpoint
+    stored = [name for k in read for name in stacked.get(k, [k])]
+    _check_keys(dict.fromkeys(stored), index, model_dir, cfg)
     np_dtype = numpy_dtype(dtype)
     views: dict[Path, dict[str, np.ndarray]] = {}
-    for path in sorted(set(index[key] for key in read)):
+    for path in sorted(set(index[key] for key in stored)):
         with _open(path):  # the library checks the header first: a corrupt file is one line
             pass
         views[path] = tensor_views(path)
 
+    def view_of(key: str) -> np.ndarray:
+        view = views[index[key]][key]
+        if isinstance(view, str):  # a dtype jaxspec does not read (tensor_views)
+            raise JaxspecError(f"tensor {key!r} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
+        return view
+
     def prepared(key: str) -> jax.Array | tuple[jax.Array, jax.Array]:
         param, transposed = params[key]
-        view = views[index[key]][key]
+        if key in stacked:  # [E, in, out] from E tensors [out, in]
+            one = jax.ShapeDtypeStruct(param.shape[1:], param.dtype)
+            return jnp.stack([prepare(view_of(name), one, True, np_dtype, f"tensor {name!r}", "config.json")
+                              for name in stacked[key]])
+        view = view_of(key)
         what = f"tensor {key!r}"
-        if isinstance(view, str):  # a dtype jaxspec does not read (tensor_views)
-            raise JaxspecError(f"{what} in {str(index[key])!r} has dtype {view}, which jaxspec does not read")
         if key.endswith(".weight_scale"):
             return channel_scale(view, param.shape[0], what)
         if key in made:  # the float kernel as a float model holds it, then its 8-bit values and scale

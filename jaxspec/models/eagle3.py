@@ -22,7 +22,8 @@ from flax import nnx
 from jaxspec.config import HeadConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.layers import rope_cos_sin
-from jaxspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm, _normal
+from jaxspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
+from jaxspec.models.numerics import normal_weight
 from jaxspec.sharding import cache_kv_heads
 
 
@@ -72,7 +73,7 @@ class Eagle3Head(nnx.Module):
         )
         self.fc = Linear(n_feat, h, bias=False, dtype=dtype, rngs=rngs)
         self.embed_tokens = nnx.data(
-            nnx.Param(_normal(rngs, (cfg.vocab_size, h), dtype)) if cfg.has_embed_tokens else None
+            nnx.Param(normal_weight(rngs, (cfg.vocab_size, h), dtype)) if cfg.has_embed_tokens else None
         )
         self.midlayer = Eagle3Layer(cfg, dtype=dtype, rngs=rngs)
         self.later_layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers - 1)])
@@ -81,7 +82,7 @@ class Eagle3Head(nnx.Module):
         self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t[draft id]
         # P-EAGLE: the features whose projection is the state of every parallel-drafting slot [1, n_aux·Ht]
         self.mask_hidden = nnx.data(
-            nnx.Param(_normal(rngs, (1, n_feat), dtype)) if cfg.mask_token_id is not None else None
+            nnx.Param(normal_weight(rngs, (1, n_feat), dtype)) if cfg.mask_token_id is not None else None
         )
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxspec.config import TargetConfig, rope_inv_freq
 from jaxspec.models import kv_cache as kvc
+from jaxspec.models import moe as moe_ops
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import accumulating_matmul, apply_rope, rms_norm, rope_cos_sin
 from jaxspec.models.numerics import (
@@ -28,9 +29,9 @@ from jaxspec.models.numerics import (
     default_numerics,
     exact_mul,
     held_dtype,
-    hold,
     invariant_rms_norm,
     model_sharded,
+    normal_weight,
     tiled_matmul,
 )
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
@@ -38,21 +39,12 @@ from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
 
-def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype) -> jax.Array | jax.ShapeDtypeStruct:
-    """N(0, 0.02²) weights of a model computing in `dtype`, rounded to it and held in `held_dtype(dtype)`; with
-    `rngs=None` only their shape, for loaders that fill every weight (cheaper than `nnx.eval_shape`, whose tracing
-    of the RNG stream costs O(weights²) in flax 0.12: 0.8 s for SmolLM2)."""
-    if rngs is None:
-        return jax.ShapeDtypeStruct(shape, held_dtype(dtype))
-    return hold(0.02 * jax.random.normal(rngs.params(), shape, jnp.float32), dtype)
-
-
 class Linear(nnx.Module):
     """y = x @ kernel + bias, kernel [in, out] (the transpose of a PyTorch checkpoint's weight), computed in `dtype`
     with the weights held in `held_dtype(dtype)`."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs | None):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))  # 8-bit values once quantized (`quantize`)
+        self.kernel = nnx.Param(normal_weight(rngs, (d_in, d_out), dtype))  # 8-bit values once quantized (`quantize`)
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
         self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an 8-bit kernel (models/quantize.py)
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
@@ -189,8 +181,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs | None):
-        h, i = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs | None, width: int | None = None):
+        h, i = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
@@ -199,12 +191,54 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x, numerics)) * self.up_proj(x, numerics), numerics)
 
 
-class DecoderLayer(nnx.Module):
+class Experts(nnx.Module):
+    """A sparse layer's SwiGLU experts, stacked: gate and up [E, H, I], down [E, I, H] (each expert's kernels [in,
+    out], as `Linear` holds one). Stacked so that a tile of tokens indexes its expert's weights (models/moe.py) and
+    a mesh splits the experts over its model axis (sharding.py); checkpoints store them one expert at a time
+    (checkpoints/hf.py stacks them)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, *, dtype, rngs: nnx.Rngs | None):
+        self.gate_proj = nnx.Param(normal_weight(rngs, (num_experts, hidden, width), dtype))
+        self.up_proj = nnx.Param(normal_weight(rngs, (num_experts, hidden, width), dtype))
+        self.down_proj = nnx.Param(normal_weight(rngs, (num_experts, width, hidden), dtype))
+
+
+class SparseMoe(nnx.Module):
+    """A mixture-of-experts MLP (Mixtral's `block_sparse_moe`, Qwen's sparse `mlp`): the router `gate` [H, E], the
+    experts, and Qwen2-MoE's shared expert with its sigmoid gate. The math, and why it is batch-invariant, is in
+    models/moe.py."""
+
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs | None):
+        moe = cfg.moe
+        self.moe = moe
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, dtype=dtype, rngs=rngs)
+        shared = moe.shared_intermediate_size
+        self.shared_expert = nnx.data(MLP(cfg, dtype=dtype, rngs=rngs, width=shared) if shared else None)
+        self.shared_expert_gate = nnx.data(
+            Linear(cfg.hidden_size, 1, bias=False, dtype=dtype, rngs=rngs) if shared else None)
+
+    def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        lead, h = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, h)  # [N, H]
+        experts, weights = moe_ops.route(self.gate(flat, numerics), self.moe, x.dtype, numerics is not None)
+        row_tile = None if numerics is None else numerics.row_tile
+        e = self.experts
+        outputs = moe_ops.expert_outputs(flat, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...], row_tile)
+        y = moe_ops.combine(outputs, weights)  # [N, H]
+        if self.shared_expert is not None:  # Qwen2-MoE: sigmoid(x · w) times the shared expert, added
+            gate = jax.nn.sigmoid(self.shared_expert_gate(flat, numerics))  # [N, 1]
+            y = y + exact_mul(gate, self.shared_expert(flat, numerics))
+        return y.reshape(*lead, h)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs | None, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        sparse = getattr(cfg, "moe", None) is not None and layer in cfg.moe.layers  # heads' configs have no moe
+        self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False, numerics=None,
                  positions=None, ancestors=None, write_offset=0):
@@ -252,8 +286,8 @@ class LlamaModel(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.quantization: str | None = None  # "int8" or "fp8" once `models.quantize.quantize_target` ran
-        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.data(
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)

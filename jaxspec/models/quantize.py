@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import JaxspecError
+
 MODES = ("int8", "fp8")
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 INT8_MAX = 127
@@ -83,6 +85,9 @@ def quantize_target(model, mode: str):
     on the model (`LlamaModel.hold_fused_qkv`) are dropped, since they were made from the float kernels."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    if getattr(model.config, "moe", None) is not None:
+        raise JaxspecError(f"{mode} quantization of mixture-of-experts targets is not supported yet (their experts "
+                           "would stay in the compute dtype); run the target unquantized (drop --quantize)")
     for linear in quantized_linears(model):
         linear.quantize(mode)
     for layer in model.layers:
