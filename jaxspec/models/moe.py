@@ -121,7 +121,8 @@ def grouped_experts(
     row_of_slot = jnp.full((slots,), rows, jnp.int32).at[order].set(
         jnp.where(sorted_key < num_local, padded_row, rows).astype(jnp.int32))  # [S]; `rows`: not computed here
     slot_of_row = jnp.zeros((rows + 1,), jnp.int32).at[row_of_slot].set(jnp.arange(slots, dtype=jnp.int32))[:rows]
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right"), num_local - 1)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(max_tiles), side="right", method="compare_all")
+    tile_expert = jnp.minimum(tile_expert, num_local - 1)  # [max_tiles] the expert of each tile
 
     def body(i, out):  # out [rows, H]
         token = jax.lax.dynamic_slice_in_dim(slot_of_row, i * row_tile, row_tile) // k  # [row_tile]
