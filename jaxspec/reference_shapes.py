@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.config import RopeConfig, TargetConfig
+from jaxspec.config import MoeConfig, RopeConfig, TargetConfig
 
 SHAPES: dict[str, dict] = {
     "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -15,12 +15,22 @@ SHAPES: dict[str, dict] = {
                         num_kv_heads=8, head_dim=64, tie_word_embeddings=True, rope=RopeConfig(theta=500000.0)),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                          num_kv_heads=3, head_dim=64, tie_word_embeddings=True),
+    # Qwen3-30B-A3B: 128 experts of width 768 in all 48 layers, 8 per token (its config.json)
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, rope=RopeConfig(theta=1000000.0), qk_norm=True,
+                          model_type="qwen3_moe", rms_norm_eps=1e-6,
+                          moe=MoeConfig(num_experts=128, top_k=8, intermediate_size=768, layers=tuple(range(48)))),
 }
 
 
 def reference_config(name: str, **overrides) -> TargetConfig:
-    """The TargetConfig of shape `name` (a key of SHAPES), with `overrides` applied (e.g. max_position_embeddings)."""
+    """The TargetConfig of shape `name` (a key of SHAPES), with `overrides` applied (e.g. max_position_embeddings;
+    fewer `num_layers` keep the sparse layers among them)."""
     if name not in SHAPES:
         raise KeyError(f"unknown shape {name!r}; known: {', '.join(sorted(SHAPES))}")
-    cfg = TargetConfig(**{"max_position_embeddings": 4096, **SHAPES[name]})
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+    fields = {"max_position_embeddings": 4096, **SHAPES[name], **overrides}
+    moe = fields.get("moe")
+    if moe is not None and "moe" not in overrides:
+        layers = tuple(i for i in moe.layers if i < fields["num_layers"])
+        fields["moe"] = dataclasses.replace(moe, layers=layers)
+    return TargetConfig(**fields)

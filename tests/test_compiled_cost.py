@@ -77,13 +77,7 @@ def test_every_array_dtype_has_a_size():
     assert cc.shape_bytes("(bf16[2,3]{1,0}, s8[5]{0}, f8e5m2[7]{0})") == 12 + 5 + 7
 
 
-def test_hlo_reading():
-    """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
-    nothing, an async pair is one; an in-place cache write is charged its update, not its buffer, and a gather
-    the rows it reads, not its table."""
-    text = """HloModule m
-
-%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+LOOP = """%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]{0}) parameter(0)
   %a = f32[8]{0} fusion(%p), kind=kLoop, calls=%f
   ROOT %t = (s32[], f32[8]{0}) tuple(%p, %a)
@@ -93,7 +87,16 @@ def test_hlo_reading():
   %p = (s32[], f32[8]{0}) parameter(0)
   ROOT %c = pred[] fusion(%p), kind=kLoop, calls=%g
 }
+"""  # a while loop's body (one kernel) and condition (one kernel)
 
+
+def test_hlo_reading():
+    """The HLO reader on a hand-written module: a while loop's body counts per trip, views and tuples launch
+    nothing, an async pair is one; an in-place cache write is charged its update, not its buffer, and a gather
+    the rows it reads, not its table."""
+    text = """HloModule m
+
+""" + LOOP + """
 %upd (b: bf16[1,8,1024,128], u: bf16[1,8,1,128]) -> bf16[1,8,1024,128] {
   %b = bf16[1,8,1024,128]{3,2,1,0} parameter(0)
   %u = bf16[1,8,1,128]{3,2,1,0} parameter(1)
@@ -132,6 +135,41 @@ ENTRY %main (x: f32[8], cache: bf16[1,8,1024,128], new: bf16[1,8,1,128]) -> f32[
     assert rows["s"]["bytes"] == 8 * 4  # the slice it brings on chip (S(1))
     assert rows["emb"]["bytes"] == 2 * 6 * 64 * 2 + 6 * 4  # six rows of the table read, written; the ids
     assert rows["k"]["what"] == "dynamic-update-slice bf16[1,8,1024,128]xbf16[1,8,1,128]"
+
+
+def test_a_loop_of_unknown_trip_count_counts_as_told():
+    """A mixture-of-experts layer's loop over its tiles has no trip count XLA knows; the reader counts it as many
+    times as the caller expects (compiled_cost.expected_tiles) and says it did."""
+    text = """HloModule m
+
+""" + LOOP + """
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} bitcast(%x)
+}
+"""
+    computations, entry = cc.parse_hlo(text)
+    assert cc.count_kernels(computations, entry) == (2, True)
+    assert cc.count_kernels(computations, entry, unknown_trips=8) == (16, True)
+    assert {r["launches"] for r in cc.kernel_bytes(computations, entry, unknown_trips=8)} == {8}
+
+
+def test_expected_experts_and_tiles_of_a_mixture_of_experts_shape():
+    """Qwen3-30B-A3B (128 experts, 8 per token): a decode reads 8 experts per layer and runs 8 tiles of 64 rows;
+    a chain of 6 about 41; batch 64 of 6 tokens nearly all 128, in more tiles than experts on one-row tiles."""
+    from jaxspec.reference_shapes import reference_config
+
+    cfg = reference_config("qwen3-30b-a3b")
+    assert cfg.moe.layers == tuple(range(48))
+    assert reference_config("qwen3-30b-a3b", num_layers=3).moe.layers == (0, 1, 2)  # compiled at 2 and 3 layers
+    assert cc.expected_experts(1, cfg.moe) == pytest.approx(8)
+    assert 41 < cc.expected_experts(6, cfg.moe) < 41.2
+    assert cc.expected_tiles(cc.CostCase("h100", "qwen3-30b-a3b", "decode"), cfg, 64) == 8
+    assert cc.expected_tiles(cc.CostCase("h100", "qwen3-30b-a3b", "chain", batch=64), cfg, 64) == 128
+    assert cc.expected_tiles(cc.CostCase("h100", "qwen3-30b-a3b", "chain", batch=64), cfg, 1) == 64 * 6 * 8
+    unread = cc.inactive_expert_bytes(cc.CostCase("h100", "qwen3-30b-a3b", "decode"), cfg)
+    assert unread == pytest.approx(48 * 120 * 3 * 2048 * 768 * 2)
 
 
 @pytest.mark.parametrize(

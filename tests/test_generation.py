@@ -57,6 +57,7 @@ def test_batching_does_not_change_greedy_output(tiny):
         assert [c.token_ids for c in many] == [c.token_ids for c in one]
 
 
+@pytest.mark.slow  # ~45 s; in CI seeds are per request in the server (test_serve's own-settings-and-seed test)
 def test_sampling_is_seeded(tiny):
     _, model = tiny
     gen = Generator(model, batch_size=2)

@@ -131,8 +131,10 @@ def constrained_joint(sampling: SamplingConfig) -> np.ndarray:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("tree", [None, pytest.param(TreeConfig(8, 3, 3), marks=pytest.mark.slow)],
-                         ids=["chain", "tree"])
+# both slow (~100 s each): CI checks sampling's losslessness with trees' chi-square (test_spec_sampling) and
+# chains' at the verification kernel (test_rejection); a grammar's constraint with greedy speculation (above)
+@pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow),
+                                  pytest.param(TreeConfig(8, 3, 3), marks=pytest.mark.slow)], ids=["chain", "tree"])
 def test_sampling_under_a_grammar_is_lossless(tree):
     sampling = SamplingConfig(2.0, top_p=0.9)  # CI's chain chi-square: top-p too (test_spec_sampling's are slow)
     joint = constrained_joint(sampling)

@@ -525,6 +525,7 @@ def test_replayed_chain_follows_the_engine_from_verify_to_verify():
     assert tokens == pytest.approx(7 / 4)
 
 
+@pytest.mark.slow  # ~30 s; in CI a killed run resumes exactly and a stop signal saves (above)
 def test_a_non_finite_loss_stops_the_run_without_saving_or_exporting(setup):
     """A learning rate that blows the head up (1e30: its updates make the weights overflow) ends the run with a
     one-line error at the first non-finite loss, exit 2, no head exported, and no checkpoint left that holds the

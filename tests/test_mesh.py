@@ -278,8 +278,11 @@ def test_a_model_axis_wider_than_the_kv_heads_equals_one_device(data, model):
     assert _shard_shapes(attn["k_proj"]["kernel"][...]) == {(64, 32 // model)}
 
 
+# both slow: in CI, speculation on a mesh whose model axis (4) repeats 2 KV heads is test_moe's experts-on-the-mesh
+# test, and trees' attention per shard is test_invariant_attention_rows_do_not_depend_on_the_group_size below
 @pytest.mark.parametrize("tree", [pytest.param(None, marks=pytest.mark.slow),
-                                  TreeConfig(total_tokens=10, depth=4, top_k=3)], ids=["chain", "tree"])
+                                  pytest.param(TreeConfig(total_tokens=10, depth=4, top_k=3), marks=pytest.mark.slow)],
+                         ids=["chain", "tree"])
 def test_speculative_with_repeated_kv_heads_equals_one_device(tree):
     wide = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
     gen = SpeculativeGenerator(narrow_kv_target(), narrow_kv_head(), num_draft=4, tree=tree, batch_size=4, mesh=wide)

@@ -39,7 +39,9 @@ def target_joint(prompt: list[int], sampling: SamplingConfig) -> np.ndarray:
     return probs[0, n - 1][:, None] * probs[:, n]
 
 
-@pytest.mark.parametrize("k, batch, min_n, max_n", [pytest.param(3, 1, 1, 3, marks=pytest.mark.slow), (5, 4, 2, 4)])
+# both slow (~30 s): in CI prompt lookup's greedy output equals target-only in bfloat16 on test_moe's mesh test
+@pytest.mark.parametrize("k, batch, min_n, max_n", [pytest.param(3, 1, 1, 3, marks=pytest.mark.slow),
+                                                    pytest.param(5, 4, 2, 4, marks=pytest.mark.slow)])
 def test_greedy_equals_target_only(k, batch, min_n, max_n):
     prompts = PROMPTS + REPEATING
     want = [c.token_ids for c in Generator(tiny_target(), batch_size=1).generate(prompts, max_new_tokens=40)]

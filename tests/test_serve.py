@@ -177,6 +177,8 @@ def test_each_request_samples_with_its_own_settings_and_seed(server, alone):
     assert got[2] != text(tokenizer("hello there").input_ids, 10)  # sampled: not the greedy text
 
 
+@pytest.mark.slow  # ~37 s; in CI a grammar's greedy speculation equals the engine's constrained target-only
+# (test_grammar), and the load benchmark constrains every method through the server (below)
 def test_structured_output_matches_and_equals_the_engine_alone(server, alone):
     """response_format (json_schema) and structured_outputs (regex, choice): each answer follows its grammar and is
     the constrained engine's own for the prompt alone, greedy, beside free requests."""

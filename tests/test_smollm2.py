@@ -268,3 +268,31 @@ def test_bfloat16_speculation_with_the_shipped_head_equals_target_only(bf16_run,
     got = gen.generate(prompts, max_new_tokens=32, stop_ids=stops)
     assert [c.token_ids for c in got] == want
     assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.2
+
+
+@pytest.mark.smollm2  # needs nothing built: the builder is replaced by a slow fake
+def test_two_first_runs_at_once_build_the_builtin_target_once(tmp_path, monkeypatch):
+    """Two processes' first runs at the same time: the second waits for the first's build (a lock file beside the
+    target) and loads what it built, instead of removing its directory and building again."""
+    import threading
+    import time as _time
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    builds = []
+
+    def fake_build(out_dir, log=print):
+        builds.append(out_dir)
+        _time.sleep(0.5)  # long enough for the other caller to arrive while this one builds
+        out_dir.mkdir(parents=True)
+        (out_dir / builtin.DONE_MARKER).write_text("fake\n")
+        return out_dir
+
+    monkeypatch.setattr(builtin, "build_smollm2", fake_build)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(builtin.ensure_default_target(log=lambda _: None)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and got == [builtin.default_target_dir()] * 2 and builtin.is_built(got[0])

@@ -70,6 +70,7 @@ def test_default_store_follows_the_environment(tmp_path, monkeypatch):
     assert default_store() == StepCostStore(tmp_path / "jaxspec" / "step-costs.json")
 
 
+@pytest.mark.slow  # ~35 s; in CI the store's round trips and damaged files (above) and a calibration's (below)
 def test_a_second_generator_reads_the_costs_the_first_timed(tmp_path, monkeypatch):
     timed = []
     real = auto_generator.measure_step_costs

@@ -102,16 +102,27 @@ def installed_wheels(name: str, requirements: list[str]) -> Path:
     to put on a subprocess's PYTHONPATH: installed on first use, with a note on stderr (hundreds of MB)."""
     from jaxspec.checkpoints.builtin import cache_root
 
+    import filelock
+
     target = cache_root() / name / re.sub(r"[^0-9A-Za-z.]+", "-", "+".join(requirements))
     packages = [re.split(r"[=<>~!]", r)[0].replace("-", "_") for r in requirements]
-    if not all(any(target.glob(f"{p}-*.dist-info")) for p in packages):  # pip writes the metadata last
-        print(f"compiled-cost: installing {' '.join(requirements)} into {target} (once)", file=sys.stderr, flush=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), *requirements],
-            capture_output=True, text=True, timeout=1800, check=False,
-        )
-        if proc.returncode != 0:
-            raise JaxspecError(f"could not install {' '.join(requirements)}: {proc.stderr.strip()[-500:]}")
+    installed = lambda: all(any(target.glob(f"{p}-*.dist-info")) for p in packages)  # noqa: E731
+    if installed():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one installer at a time: pip --target skips what another pip has moved in already, and could return while
+    # the first is still copying
+    with filelock.FileLock(target.parent / f".{target.name}.lock"):
+        if not installed():
+            print(f"compiled-cost: installing {' '.join(requirements)} into {target} (once)", file=sys.stderr,
+                  flush=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                 *requirements],
+                capture_output=True, text=True, timeout=1800, check=False,
+            )
+            if proc.returncode != 0:
+                raise JaxspecError(f"could not install {' '.join(requirements)}: {proc.stderr.strip()[-500:]}")
     return target
 
 
@@ -376,9 +387,11 @@ def _trip_count(ins: Instruction) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def launched(computations: dict[str, list[Instruction]], entry: str) -> tuple[list[tuple[Instruction, int]], bool]:
+def launched(computations: dict[str, list[Instruction]], entry: str,
+             unknown_trips: int = 1) -> tuple[list[tuple[Instruction, int]], bool]:
     """([(instruction, launches per run)] of every kernel the program launches, whether a loop's trip count was
-    unknown and counted once).
+    unknown and counted `unknown_trips` times: a mixture-of-experts layer's loop over the tiles in use, whose count
+    depends on the routing; `expected_tiles` estimates it).
 
     The rule: an instruction of a computation that runs on the device launches one kernel (GPU) or is one op
     (TPU) unless it is a view, a tuple, a parameter or a constant (NO_KERNEL). So each fusion is one (loop, input,
@@ -397,7 +410,7 @@ def launched(computations: dict[str, list[Instruction]], entry: str) -> tuple[li
                 trips = _trip_count(ins)
                 unknown |= trips is None
                 for c in _called(ins, "body") + _called(ins, "condition"):
-                    out += walk(c, times * (trips or 1))
+                    out += walk(c, times * (trips or unknown_trips))
             elif ins.opcode == "conditional":
                 out += max((walk(c, times) for c in _called(ins, "branch_computations")), key=len, default=[])
             elif ins.opcode == "call":
@@ -410,9 +423,10 @@ def launched(computations: dict[str, list[Instruction]], entry: str) -> tuple[li
     return walk(entry, 1), unknown
 
 
-def count_kernels(computations: dict[str, list[Instruction]], entry: str) -> tuple[int, bool]:
+def count_kernels(computations: dict[str, list[Instruction]], entry: str,
+                  unknown_trips: int = 1) -> tuple[int, bool]:
     """(kernels one run of the program launches, whether a loop's trip count was unknown): `launched`'s rule."""
-    kernels, unknown = launched(computations, entry)
+    kernels, unknown = launched(computations, entry, unknown_trips)
     return sum(times for _, times in kernels), unknown
 
 
@@ -420,7 +434,7 @@ SLICING = ("gather", "dynamic-slice", "slice")  # ops that read only the part of
 IN_PLACE = ("dynamic-update-slice", "scatter")  # ops that write into their first operand's buffer (its only user)
 
 
-def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list[dict]:
+def kernel_bytes(computations: dict[str, list[Instruction]], entry: str, unknown_trips: int = 1) -> list[dict]:
     """Every kernel the program launches (`launched`) with the bytes it moves in device memory per run of the
     program (a kernel in a loop: per launch × launches), largest first.
 
@@ -439,7 +453,7 @@ def kernel_bytes(computations: dict[str, list[Instruction]], entry: str) -> list
     at 3 layers: 7 gathers, each charged the 1.05 GB table), so its total was not even monotone in the layers."""
     shapes = {ins.name: ins.shape for comp in computations.values() for ins in comp}
     rows = []
-    for ins, times in launched(computations, entry)[0]:
+    for ins, times in launched(computations, entry, unknown_trips)[0]:
         if ins.opcode.endswith("-start") and shape_bytes(ins.shape, on_chip=True):
             moved = shape_bytes(ins.shape, on_chip=True)
         elif _called(ins, "calls"):
@@ -501,13 +515,14 @@ def _what(computations: dict[str, list[Instruction]], ins: Instruction) -> str:
 # Measuring
 
 
-def read_program(compiled) -> dict:
+def read_program(compiled, unknown_trips: int = 1) -> dict:
     """Kernels, cost model, memory and the largest groups of kernels by bytes (kernels of one op on the same
-    shapes, e.g. every layer's down_proj dot) of one compiled program."""
+    shapes, e.g. every layer's down_proj dot) of one compiled program; loops of unknown trip count counted
+    `unknown_trips` times (`launched`)."""
     computations, entry = parse_hlo(compiled.as_text())
-    kernels, unknown = count_kernels(computations, entry)
+    kernels, unknown = count_kernels(computations, entry, unknown_trips)
     memory = compiled.memory_analysis()
-    moved = kernel_bytes(computations, entry)
+    moved = kernel_bytes(computations, entry, unknown_trips)
     groups: dict[str, dict] = {}  # kernels doing the same op on the same shapes (every layer's q_proj dot ...)
     for r in moved:
         group = groups.setdefault(r["what"], {"what": r["what"], "kernels": 0, "bytes": 0.0})
@@ -527,22 +542,50 @@ def kv_bytes(case: CostCase, cfg) -> int:
     return case.batch * (case.length + case.tokens) * per_token
 
 
+def expected_experts(tokens: int, moe) -> float:
+    """Distinct experts `tokens` tokens route to, expected under uniform routing: each token picks top_k of the
+    num_experts, so an expert is missed by all with probability (1 - k/E)^tokens."""
+    return moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+
+
+def expected_tiles(case: CostCase, cfg, row_tile: int) -> int:
+    """The tiles a sparse layer's loop runs (models/moe.py) for the case's B·T tokens: one per expert in use while
+    its tokens fit a tile, at least the slots over the tile rows."""
+    tokens = case.batch * case.tokens
+    return max(round(expected_experts(tokens, cfg.moe)), -(-tokens * cfg.moe.top_k // row_tile))
+
+
+def inactive_expert_bytes(case: CostCase, cfg) -> float:
+    """Bytes of the experts a step does not read (bfloat16): every sparse layer's experts no token routes to."""
+    moe = cfg.moe
+    unused = moe.num_experts - expected_experts(case.batch * case.tokens, moe)
+    return len(moe.layers) * unused * 3 * cfg.hidden_size * moe.intermediate_size * 2
+
+
 def measure(case: CostCase, device, say=print) -> dict:
-    """The case compiled at `case.layers` and one more layer, extrapolated to the shape's layers (module docstring)."""
+    """The case compiled at `case.layers` and one more layer, extrapolated to the shape's layers (module docstring).
+    A mixture-of-experts shape: the loop over each sparse layer's tiles counted `expected_tiles` times, and the
+    weights a step must read are those of the experts `expected_experts` says its tokens use."""
     from pallas_kernels.dispatch import resolve_kernels
 
+    from jaxspec.models.numerics import default_numerics
     from jaxspec.reference_shapes import reference_config
 
     real = reference_config(case.shape)
     begin = time.perf_counter()
     (small, w_small), (big, w_big) = (compile_forward(case, n, device) for n in (case.layers, case.layers + 1))
-    a, b = read_program(small), read_program(big)
+    trips = 1
+    if real.moe is not None and case.numerics == "invariant":
+        trips = expected_tiles(case, real, default_numerics(PLATFORMS[case.platform].backend).row_tile)
+    a, b = read_program(small, trips), read_program(big, trips)
     extra = real.num_layers - case.layers
 
     def extrapolate(key: str) -> float:
         return a[key] + extra * (b[key] - a[key])
 
     weights = w_small + extra * (w_big - w_small)
+    if real.moe is not None:
+        weights -= inactive_expert_bytes(case, real)
     kv = kv_bytes(case, real)
     accessed = extrapolate("parsed bytes")
     kernels = None if case.numerics == "plain" else resolve_kernels(case.kernels, PLATFORMS[case.platform].backend)
@@ -551,6 +594,7 @@ def measure(case: CostCase, device, say=print) -> dict:
         "kernels_resolved": kernels,
         "kernels_per_step": int(extrapolate("kernels")), "kernels_per_layer": b["kernels"] - a["kernels"],
         "loop_trips_unknown": a["loop_trips_unknown"] or b["loop_trips_unknown"],
+        "moe_tiles": trips if real.moe is not None else None,
         "bytes_accessed": accessed, "bytes_per_layer": b["parsed bytes"] - a["parsed bytes"],
         "cost_model_bytes": extrapolate("bytes accessed"),
         "weight_bytes": weights, "kv_bytes": kv, "bytes_over_floor": accessed / (weights + kv),
@@ -625,7 +669,10 @@ def markdown(rows: list[dict], top: int = 3) -> str:
         "slices and gathers charged what they read, in-place cache writes their update, on-chip TPU memory free); "
         "XLA's cost model beside it charges a fused gather its whole table. weights+KV: every weight but the "
         "embedding table once, plus the committed and new tokens' keys and values; ratio = GB/step over it. "
-        "Temporaries at the larger compile. * a loop of unknown trip count counted once.",
+        "Temporaries at the larger compile. * a loop of unknown trip count counted once"
+        + ("; a sparse layer's loop over its tiles counted as many times as the tiles the step's tokens are expected "
+           "to fill under uniform routing, and weights+KV counts only the experts they are expected to use "
+           "(compiled_cost.expected_tiles, expected_experts)" if any(r.get("moe_tiles") for r in rows) else "") + ".",
         "",
         f"Largest groups of kernels by bytes (the same op on the same shapes; at the larger compile), top {top}:",
     ]

