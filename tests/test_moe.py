@@ -160,18 +160,20 @@ def test_bfloat16_greedy_speculation_equals_target_only(method, batch):
         assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 1.5  # drafts were really accepted
 
 
-@pytest.mark.parametrize("proposer", ["ngram", pytest.param("chain4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("proposer", ["ngram", pytest.param("chain4", marks=pytest.mark.slow),
+                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_experts_split_over_the_mesh_give_one_devices_tokens(proposer):
     """data=2, model=4: each device holds 2 of the 8 experts of every sparse layer and runs their tiles; prompt
-    lookup (CI: no head to fit) and a chain of 4 with a fitted head, in bfloat16, give the one-device target-only
-    tokens."""
+    lookup (CI: no head to fit), a chain of 4 and a tree with a fitted head, in bfloat16, give the one-device
+    target-only tokens."""
     from jaxspec.engine.proposers.ngram import NgramProposer
 
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
     if proposer == "ngram":
         gen = Generator(bf16_moe(), proposer=NgramProposer(4, 2, 3), batch_size=4, mesh=mesh)
     else:
-        gen = SpeculativeGenerator(bf16_moe(), moe_head(), num_draft=4, batch_size=4, mesh=mesh)
+        tree = TreeConfig(10, 4, 3) if proposer == "tree" else None
+        gen = SpeculativeGenerator(bf16_moe(), moe_head(), num_draft=4, tree=tree, batch_size=4, mesh=mesh)
     got = gen.generate(PROMPTS + [PROMPTS[1] * 3], max_new_tokens=32)
     assert [c.token_ids for c in got] == bf16_reference()
     assert sum(c.stats["accepted_per_position"][0] for c in got) > 0  # drafts were accepted
