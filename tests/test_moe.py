@@ -219,7 +219,7 @@ def test_speculative_sampling_from_a_moe_target_is_lossless(monkeypatch):
     tss.test_joint_distribution_and_acceptance_rate(SamplingConfig(2.0, top_p=0.9))
 
 
-def test_a_moe_model_type_with_bad_expert_counts_is_one_line(tmp_path):
+def test_a_moe_model_type_with_bad_expert_counts_is_one_line():
     from jaxspec.config import target_config_from_hf
 
     raw = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
@@ -228,7 +228,6 @@ def test_a_moe_model_type_with_bad_expert_counts_is_one_line(tmp_path):
         target_config_from_hf(raw)
     cfg = target_config_from_hf({**raw, "num_experts": 4, "mlp_only_layers": [0]})
     assert cfg.moe.layers == (1,) and cfg.moe.num_experts == 4 and not cfg.moe.norm_topk_prob
-    assert dataclasses.replace(cfg.moe, top_k=4).top_k == 4
     with pytest.raises(JaxspecError, match="exceeds"):
         target_config_from_hf({**raw, "num_experts": 1})
 

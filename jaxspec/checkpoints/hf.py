@@ -104,12 +104,12 @@ def hf_key(path: tuple) -> tuple[str, bool]:
     return f"{prefix}.{parts[-1]}", False
 
 
-def model_params(model: nnx.Module) -> dict[str, tuple[nnx.Variable, bool]]:
+def model_params(model: LlamaModel) -> dict[str, tuple[nnx.Variable, bool]]:
     """Checkpoint key → (the model's parameter, stored transposed?). A mixture-of-experts target's stacked experts
     appear under `<layer>.mlp.experts.<gate_proj|up_proj|down_proj>`; `expert_sources` names the per-expert tensors
     a checkpoint holds them in."""
     out = {}
-    mixtral = getattr(getattr(model, "config", None), "model_type", None) == "mixtral"
+    mixtral = model.config.model_type == "mixtral"
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
             key, transposed = hf_key(path)

@@ -233,11 +233,10 @@ class SparseMoe(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs | None, layer: int = 0):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs | None, sparse: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        sparse = getattr(cfg, "moe", None) is not None and layer in cfg.moe.layers  # heads' configs have no moe
         self.mlp = SparseMoe(cfg, dtype=dtype, rngs=rngs) if sparse else MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, empty_cache=False, numerics=None,
@@ -287,7 +286,9 @@ class LlamaModel(nnx.Module):
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.quantization: str | None = None  # "int8" or "fp8" once `models.quantize.quantize_target` ran
         self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
+        sparse = cfg.moe.layers if cfg.moe is not None else ()
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, sparse=i in sparse)
+                                for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = nnx.data(
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)

@@ -88,6 +88,17 @@ def _tile_dot(a: jax.Array, w: jax.Array) -> jax.Array:
     return fenced(lambda x, y: contract(x, y, ((1,), (0,))), a, w)
 
 
+def slots_by_expert(experts: jax.Array, num_local: int, first: int | jax.Array) -> tuple[jax.Array, ...]:
+    """The slots (token, choice) of experts [N, k] sorted by local expert: (key [S], the local expert of each slot,
+    num_local for a slot routed to another device's expert; order [S], the slots sorted by key, stably; counts
+    [num_local], the slots of each local expert)."""
+    local = experts.reshape(-1) - first  # [S]
+    key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # foreign slots sort last
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros((num_local + 1,), jnp.int32).at[key].add(1)[:num_local]
+    return key, order, counts
+
+
 def grouped_experts(
     x: jax.Array,  # [N, H] tokens
     experts: jax.Array,  # [N, k] int32 global expert ids
@@ -103,11 +114,7 @@ def grouped_experts(
     n, k = experts.shape
     num_local, h = gate.shape[0], x.shape[-1]
     slots = n * k
-    local = experts.reshape(-1) - first  # [S]
-    valid = (local >= 0) & (local < num_local)
-    key = jnp.where(valid, local, num_local)  # foreign slots sort last and are never computed
-    order = jnp.argsort(key, stable=True)  # [S] slots by expert
-    counts = jnp.zeros((num_local + 1,), jnp.int32).at[key].add(1)[:num_local]  # [E_local]
+    key, order, counts = slots_by_expert(experts, num_local, first)  # foreign slots are never computed
     tiles = -(-counts // row_tile)  # [E_local] tiles per expert
     tile_end = jnp.cumsum(tiles)  # [E_local]
     run_start = jnp.cumsum(counts) - counts  # [E_local] the first sorted position of each expert
@@ -140,11 +147,7 @@ def ragged_experts(
     """`grouped_experts` with plain XLA numerics: each projection one `jax.lax.ragged_dot` over the slots sorted by
     expert (foreign slots last, past the groups: zeros)."""
     n, k = experts.shape
-    num_local = gate.shape[0]
-    local = experts.reshape(-1) - first
-    key = jnp.where((local >= 0) & (local < num_local), local, num_local)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.zeros((num_local + 1,), jnp.int32).at[key].add(1)[:num_local]
+    _, order, sizes = slots_by_expert(experts, gate.shape[0], first)
     xs = x[order // k]  # [S, H]
     wide = held_dtype(x.dtype)
     dot = lambda a, w: jax.lax.ragged_dot(a.astype(wide), w.astype(wide), sizes).astype(x.dtype)  # noqa: E731

@@ -85,7 +85,7 @@ def quantize_target(model, mode: str):
     on the model (`LlamaModel.hold_fused_qkv`) are dropped, since they were made from the float kernels."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    if getattr(model.config, "moe", None) is not None:
+    if model.config.moe is not None:
         raise JaxspecError(f"{mode} quantization of mixture-of-experts targets is not supported yet (their experts "
                            "would stay in the compute dtype); run the target unquantized (drop --quantize)")
     for linear in quantized_linears(model):
