@@ -101,7 +101,7 @@ from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu
 NEG_INF = -1e30
 
 
-def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = False):
+def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = False, materialize: bool = False):
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
     q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk], or [..., G, Bk] with per_row (each query row its own; the
@@ -109,11 +109,13 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     The dots are one [G, D] x [D, Bk] and one [G, Bk] x [Bk, D] product per leading index: with leading axes they
     are batched dots of that fixed per-batch shape, whose bits do not depend on the batch count (measured on XLA:CPU
     and on an H100); the kernel runs the same products one program at a time. The kernel passes its own `fence`
-    (none when compiled)."""
+    (none when compiled). `materialize` (the reference on GPU) ends the halving max and sum in a two-value reduce: the
+    same bits, and XLA:GPU then does not recompute their trees in every consumer (primitives.halving_sum)."""
     if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
         # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
         # (per_row never meets one row: the reference's dots have query_tile_rows >= 16)
-        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence)
+        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence,
+                                materialize=materialize)
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
     # token, a token's query shared by every block) into a larger dot (seen on XLA:CPU).
@@ -125,9 +127,10 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
               q.astype(wide), k.astype(wide))
     vis = visible if per_row else visible[..., None, :]  # [..., G or 1, Bk]
     s = jnp.where(vis, s, NEG_INF)
-    m = halving_max(s)  # of the unscaled scores: the scale comes after the subtraction, so no product meets an add
+    m = halving_max(s, materialize=materialize)  # of the unscaled scores: the scale comes after the subtraction,
+    # so no product meets an add
     p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
-    l = halving_sum(p)
+    l = halving_sum(p, materialize=materialize)
     a = fence(
         functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32),
         p.astype(v.dtype).astype(wide), v.astype(wide),  # probabilities rounded to v's dtype, then widened on CPU
@@ -224,6 +227,7 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
     visible = visible.transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, R, Bk]
     m, l, a = block_partial(
         jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scale, per_row=True,
+        materialize=jax.default_backend() == "gpu",
     )  # m, l [B, H, N, R]; a [B, H, N, R, D]
 
     def per_token(x):  # [B, H, N, R, ...] -> [B, H, N, T, G, ...] (the padding rows dropped)
@@ -279,7 +283,8 @@ def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk
     m, l, a = partials
     nb = m.shape[2]
     tm, tl, ta = block_partial(
-        jnp.broadcast_to(qg[:, :, :, None], (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale
+        jnp.broadcast_to(qg[:, :, :, None], (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale,
+        materialize=jax.default_backend() == "gpu",
     )  # m, l [B, H, T, 2, G]; a [B, H, T, 2, G, D]
     which = jnp.arange(nb)[None, :] - n0[:, None]  # [B, N]: 0 / 1 at the tail blocks
 

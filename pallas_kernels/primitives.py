@@ -26,26 +26,48 @@ def held_dtype(dtype, backend: str | None = None) -> jnp.dtype:
     return dtype
 
 
-def _halving(x: jax.Array, combine, pad_value: float) -> jax.Array:
+def _halving(x: jax.Array, combine, pad_value: float, pair_reduce=None) -> jax.Array:
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
+    if pair_reduce is not None and x.dtype != jnp.float32:  # a 16-bit reduce may accumulate wider: other bits
+        raise ValueError(f"materialized halvings take float32 values, not {x.dtype}")
     if width != n:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)], constant_values=pad_value)
     while x.shape[-1] > 1:  # element i meets element i + half; one equal split (Pallas Triton has no value slicing)
-        x = combine(*jax.lax.split(x, (x.shape[-1] // 2,) * 2, axis=x.ndim - 1))
+        half = x.shape[-1] // 2
+        if pair_reduce is not None and (half.bit_length() - 1) % MATERIALIZE_LEVELS == 0:
+            x = pair_reduce(x.reshape(*x.shape[:-1], 2, half), axis=-2)  # the same pairs, as a reduce op
+        else:
+            x = combine(*jax.lax.split(x, (half,) * 2, axis=x.ndim - 1))
     return jnp.squeeze(x, -1)
 
 
-def halving_sum(x: jax.Array) -> jax.Array:
+MATERIALIZE_LEVELS = 5  # materialized halvings: down to 1 value and to every 32**k values (4096 -> 1024 -> 32 -> 1)
+
+
+def halving_sum(x: jax.Array, *, materialize: bool = False) -> jax.Array:
     """Sum over the last axis by pairwise halving (zero-padded to a power of two): elementwise adds only, so each
     row's bits never depend on how many rows there are or how XLA tiles a reduction. (No reduce op at all: XLA:CPU
-    hands large reduce fusions to YNNPACK, whose exp/add kernels give other bits than XLA's own.)"""
-    return _halving(x, jnp.add, 0.0)
+    hands large reduce fusions to YNNPACK, whose exp/add kernels give other bits than XLA's own.)
+
+    materialize: the halvings down to one value and to every 32**k values are reduce ops over the pair axis
+    instead of adds of the two halves. Same pairs, same bits (a reduce over two values gives 0 + a + b = a + b, all
+    but a -0 sum, which comes out +0), and XLA:GPU writes a reduce's result out instead of fusing it into its
+    consumers. Without it, XLA:GPU fused the whole tree of adds into the loop fusion that consumes the sum (an
+    RMSNorm's scale, and the pad to row tiles after it) and recomputed the tree for every element that fusion
+    writes: 4,096 x 2,047 adds per row at hidden 4,096, 17-70 us per norm on an H200 (2026-11-28), a quarter of a
+    decode step. Between those boundaries each thread sums at most 32 of the level's values (a single reduce at the
+    end would leave one thread per half of a row to sum all of it; which boundaries become kernels is XLA's
+    choice). float32 values only (a 16-bit reduce may accumulate wider). For XLA-level code on GPU; never in a
+    kernel body (a kernel computes what it is written as).
+    """
+    return _halving(x, jnp.add, 0.0, jnp.sum if materialize else None)
 
 
-def halving_max(x: jax.Array) -> jax.Array:
-    """Max over the last axis by pairwise halving: exact in any order, and free of reduce ops (see halving_sum)."""
-    return _halving(x, jnp.maximum, -jnp.inf)
+def halving_max(x: jax.Array, *, materialize: bool = False) -> jax.Array:
+    """Max over the last axis by pairwise halving: exact in any order, and free of reduce ops (see halving_sum,
+    which says what `materialize` is for)."""
+    return _halving(x, jnp.maximum, -jnp.inf, jnp.max if materialize else None)
 
 
 def fenced(fn, *operands):

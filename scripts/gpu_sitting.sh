@@ -26,11 +26,16 @@
 #           each of safetensors and orbax, weights placed on the GPU) -> its table appended to summary.txt
 #   profile  decode steps profiled (scripts/gpu_profile.py: device time per step, launches, top ops by time) with
 #           invariant numerics and the compiled kernels, then plain numerics -> profile.json (both)
+#   splitk   the invariant decode profiled again with XLA's own split-K choice (JAXSPEC_GPU_SPLIT_K=xla; invariant
+#           numerics force none on GPU) -> profile.json (with the profiles before it on this machine)
 # summary.txt says what each part returned and how long it took; logs.txt the end of each part's log. At most 8
 # files come back from a device call: env.txt summary.txt tests.log tests.xml bench-b*.json profile.json logs.txt.
 # First sitting, 2026-11-27 on one H200 (BENCHMARKS.md): a machine's start took ~35 s; tests1 passed 64 of its 79
 # cases in 230 s and tests2 22 of 48 in 220 s (no failure; compilation-bound on 16 cores); the bench, with the
 # component timings then always on, was still compiling them after 150 s at batch 1 and 8, so they are opt-in now.
+# Second sitting, 2026-11-28 on one H200: "target bench1 profile splitk tests1" took 253 s (tests1: 54 of 54 in
+# 125 s) and "target tests2 bench8 load" 219 s (tests2: 14 of 14 in 134 s; bench8 37 s), so both calls end well
+# inside their limits; a third call on the warm machine ran the same files' slow cases (74 of 149 in 290 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=.gpu-stage
@@ -61,11 +66,12 @@ left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 bounded() {  # bounded LABEL SECONDS CMD...: run CMD for at most SECONDS (and never past the deadline)
     local label=$1 want=$2; shift 2
     local t; t=$(left); [ "$want" -lt "$t" ] && t=$want
-    if [ "$t" -lt 20 ]; then echo "$label: skipped (${t}s left)" | tee -a "$OUT/summary.txt"; return 0; fi
+    if [ "$t" -lt 20 ]; then echo "$label: skipped (${t}s left)" | tee -a "$OUT/summary.txt" >&2; return 0; fi
     local begin; begin=$(date +%s)
     timeout --foreground -k 5 "$t" "$@"
     local rc=$?
-    echo "$label: rc $rc in $(( $(date +%s) - begin ))s (limit ${t}s)" | tee -a "$OUT/summary.txt"
+    echo "$label: rc $rc in $(( $(date +%s) - begin ))s (limit ${t}s)" | tee -a "$OUT/summary.txt" >&2  # not stdout:
+    # a part's stdout may be its result file (the bench's JSON)
     return $rc
 }
 log() { { echo "== $1"; tail -${2:-40} "$1"; } >>"$OUT/logs.txt"; }
@@ -85,7 +91,7 @@ XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n $WORKERS")  # pytest-xdist
 tests() {  # tests NAME FILES...: the compiled suite's part
     local name=$1; shift
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAXSPEC_KERNELS=pallas bounded "compiled suite, $name" "$TEST_SECONDS" \
-        $PY -m pytest -q $XDIST -p no:cacheprovider -m "not slow and not smollm2" -k "not mesh" "$@" \
+        $PY -m pytest -v --durations=20 $XDIST -p no:cacheprovider -m "not slow and not smollm2" -k "not mesh" "$@" \
         --junitxml="$OUT/tests.xml" >"$OUT/tests.log" 2>&1
     tail -5 "$OUT/tests.log"
 }
@@ -95,6 +101,12 @@ bench() {  # bench BATCH PROMPTS SECONDS
         --limit "$2" --batch-size "$1" --max-new-tokens 64 --kernels pallas --num-speculative-tokens 5 \
         --accept-prob 0.84 $COMPONENTS --json >"$OUT/bench-b$1.json" 2>"$WORK/bench-b$1.log"
     log "$WORK/bench-b$1.log" 25
+}
+
+profiles() {  # every profile taken so far on this machine -> profile.json
+    $PY -c "import json, os, sys; print(json.dumps({n: json.load(open(f'$WORK/profile-{n}.json')) for n in
+        sys.argv[1:] if os.path.exists(f'$WORK/profile-{n}.json')}, indent=1))" \
+        invariant plain splitk >"$OUT/profile.json"
 }
 
 for part in ${2:-target tests1 tests2 bench1 profile bench8 load}; do
@@ -123,8 +135,13 @@ for part in ${2:-target tests1 tests2 bench1 profile bench8 load}; do
                 --new-tokens 33 --json "$WORK/profile-$numerics.json" >/dev/null 2>"$WORK/profile-$numerics.log"
             log "$WORK/profile-$numerics.log" 10
         done
-        $PY -c "import json, os, sys; print(json.dumps({n: json.load(open(f'$WORK/profile-{n}.json')) for n in
-            sys.argv[1:] if os.path.exists(f'$WORK/profile-{n}.json')}, indent=1))" invariant plain >"$OUT/profile.json" ;;
+        profiles ;;
+    splitk)  # the invariant decode with XLA's own split-K choice (JAXSPEC_GPU_SPLIT_K=xla) against the forced none
+        JAXSPEC_GPU_SPLIT_K=xla PYTHONPATH=. bounded "profile invariant, XLA's split-K" 60 $PY scripts/gpu_profile.py \
+            "$T" --kernels pallas --numerics invariant --new-tokens 33 --json "$WORK/profile-splitk.json" >/dev/null \
+            2>"$WORK/profile-splitk.log"
+        log "$WORK/profile-splitk.log" 10
+        profiles ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
     esac
 done

@@ -171,3 +171,20 @@ def test_kernel_flags_need_the_mode(tmp_path):
         bk.shapes_from_args(args, "cpu")
     help_text = bench.build_parser().format_help()
     assert "--kernels-micro" in help_text and "weights-only" in help_text
+
+
+@pytest.mark.parametrize("shape, tied", [("llama3.1-8b", False), ("llama3.2-1b", True)])
+def test_the_roofline_counts_what_a_decode_reads(shape, tied):
+    """Every weight once, but not an untied model's embedding table (a step gathers rows of it)."""
+    import jax
+    from flax import nnx
+
+    from jaxspec.models.llama import LlamaModel
+    from jaxspec.reference_shapes import reference_config
+
+    cfg = reference_config(shape, num_layers=1, aux_layer_ids=None)
+    assert cfg.tie_word_embeddings == tied
+    model = LlamaModel(cfg, dtype=jnp.bfloat16, rngs=None)  # shapes only
+    every = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    table = cfg.vocab_size * cfg.hidden_size * nnx.state(model, nnx.Param)["embed_tokens"].dtype.itemsize  # held dtype
+    assert bandwidth.decode_weight_bytes(model) == (every if tied else every - table)

@@ -7,8 +7,8 @@ from pallas_kernels import dispatch
 
 @pytest.mark.parametrize("choice, backend, impl", [
     ("auto", "cpu", "reference"),
-    ("auto", "gpu", "reference"),  # no backend is validated yet: the references run everywhere by default
-    ("auto", "tpu", "reference"),
+    ("auto", "gpu", "pallas"),  # GPUs are validated (an H200's compiled suite, 2026-11-28)
+    ("auto", "tpu", "reference"),  # TPUs are not yet
     ("reference", "gpu", "reference"),
     ("pallas", "gpu", "pallas"),
     ("pallas", "tpu", "pallas"),
@@ -23,10 +23,11 @@ def test_choices_resolve_per_backend(choice, backend, impl, monkeypatch):
 
 def test_validated_backends_compile_under_auto(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    monkeypatch.setattr(dispatch, "VALIDATED_BACKENDS", frozenset({"gpu"}))
-    assert dispatch.resolve_kernels("auto", "gpu") == "pallas"
-    assert dispatch.resolve_kernels("auto", "tpu") == "reference"
-    assert "compiled for gpu" in dispatch.describe("pallas", "gpu")
+    monkeypatch.setattr(dispatch, "VALIDATED_BACKENDS", frozenset({"tpu"}))
+    assert dispatch.resolve_kernels("auto", "tpu") == "pallas"
+    assert dispatch.resolve_kernels("auto", "gpu") == "reference"
+    assert "compiled for tpu" in dispatch.describe("pallas", "tpu")
+    assert "not validated" not in dispatch.describe("pallas", "tpu")
 
 
 def test_the_environment_sets_what_auto_means(monkeypatch):
@@ -41,4 +42,5 @@ def test_the_environment_sets_what_auto_means(monkeypatch):
 def test_the_log_line_names_what_runs():
     assert "interpret mode" in dispatch.describe("interpret", "cpu")
     assert "jax.numpy references" in dispatch.describe("reference", "gpu")
-    assert "not validated" in dispatch.describe("pallas", "gpu")
+    assert "not validated" in dispatch.describe("pallas", "tpu")
+    assert "not validated" not in dispatch.describe("pallas", "gpu")

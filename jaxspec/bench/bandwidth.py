@@ -93,6 +93,24 @@ def measure_bandwidth_gbs(nbytes: int | None = None, **probe) -> float:
     return bandwidth_probe(nbytes, **probe)["gb_per_s"]
 
 
+def decode_weight_bytes(model) -> int:
+    """The weight bytes a target's decode step reads: every parameter once, except the embedding table of a model
+    whose LM head is its own matrix (a step gathers only its B·T rows; counting it put an 8B-shaped target's
+    roofline 1.05 GB too high). Works on abstract models (shapes only) too."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in params)
+    if not model.config.tie_word_embeddings:
+        table = nnx.state(model, nnx.Param)["embed_tokens"]
+        total -= math.prod(table.shape) * jnp.dtype(table.dtype).itemsize
+    return int(total)
+
+
 def weights_roofline(weight_bytes: int, batch_size: int, gb_per_s: float) -> dict:
     """The weights-only roofline: tokens/s if every decode step read each weight once at the probe's bandwidth and
     did nothing else (batch × bandwidth / weight bytes). KV cache reads, activations, compute and launch gaps are

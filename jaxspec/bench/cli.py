@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench.bandwidth import measure_bandwidth_gbs, probe_description, weights_roofline
+from jaxspec.bench.bandwidth import decode_weight_bytes, measure_bandwidth_gbs, probe_description, weights_roofline
 from jaxspec.bench.suite import (
     auto_line,
     holds_suite_report,
@@ -294,9 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compiled_cost:
         return run_compiled_cost(args)  # before jax starts here: each chip compiles in a subprocess
     check_cost_args(args)
-    import jax
-    from flax import nnx
-
     from jaxspec.engine.generation import Generator
     from jaxspec.processors import LogitProcessors
     from jaxspec.prompts import read_prompts_file, suite_prompts
@@ -366,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = measure_interleaved([gen] + [m[1] for m in methods], encoded, args.max_new_tokens, stops, label,
                                    processors)
     completions, tokens, seconds = measured[0]
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # what a step reads
+    weight_bytes = decode_weight_bytes(model)
     _say("measuring the memory bandwidth (copy probe)")
     bandwidth = measure_bandwidth_gbs()
     result = {

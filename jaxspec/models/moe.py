@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import MoeConfig
-from jaxspec.models.numerics import contract
+from jaxspec.models.numerics import contract, materialized_sums
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.mesh_axes import DATA, MODEL
 from pallas_kernels.primitives import exact_mul, fenced, halving_max, halving_sum, held_dtype
@@ -53,13 +53,17 @@ def route(logits: jax.Array, cfg: MoeConfig, dtype, invariant: bool) -> tuple[ja
     rounded to the model dtype when `round_weights` (Qwen; Mixtral keeps float32)."""
     z = logits.astype(jnp.float32)
     if invariant:
-        e = jnp.exp(z - halving_max(z)[:, None])
-        probs = _divide(e, halving_sum(e))
+        whole = materialized_sums()
+        e = jnp.exp(z - halving_max(z, materialize=whole)[:, None])
+        probs = _divide(e, halving_sum(e, materialize=whole))
     else:
         probs = jax.nn.softmax(z, axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.top_k)  # [N, k]
     if cfg.norm_topk_prob:
-        weights = _divide(weights, halving_sum(weights)) if invariant else weights / weights.sum(-1, keepdims=True)
+        if invariant:
+            weights = _divide(weights, halving_sum(weights, materialize=materialized_sums()))
+        else:
+            weights = weights / weights.sum(-1, keepdims=True)
     if cfg.round_weights:
         weights = weights.astype(dtype).astype(jnp.float32)
     order = jnp.argsort(experts, axis=-1)

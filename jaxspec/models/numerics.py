@@ -285,10 +285,16 @@ def wide_tiles_agree(k: int, n: int, dtype: str, row_tile: int, wide_row_tile: i
         return True
 
 
+def materialized_sums(backend: str | None = None) -> bool:
+    """Whether halving reductions at the XLA level end in a reduce op (`halving_sum(materialize=True)`): on GPU,
+    where XLA otherwise recomputes the whole tree inside every consumer fusion; same bits either way."""
+    return (backend or jax.default_backend()) == "gpu"
+
+
 def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as Hugging Face computes it (float32, cast back, scale), with the mean of squares by halving."""
     xf = x.astype(jnp.float32)
     # a multiply by 1/H, not a division (XLA rewrites divisions case by case); products rounded before adds
-    ms = exact_mul(halving_sum(exact_mul(xf, xf))[..., None], 1.0 / x.shape[-1])
+    ms = exact_mul(halving_sum(exact_mul(xf, xf), materialize=materialized_sums())[..., None], 1.0 / x.shape[-1])
     xf = xf * jax.lax.rsqrt(ms + eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
