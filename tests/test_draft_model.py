@@ -14,7 +14,7 @@ from spec_fixtures import PROMPTS, tiny_target
 from test_spec_sampling import SHAPE, chi_square_p, first_two, plain_target
 from test_ngram_proposer import target_joint
 
-from jaxspec.config import TargetConfig
+from jaxspec.config import TargetConfig, TreeConfig
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.proposers.draft_model import DraftModelProposer
 from jaxspec.errors import JaxspecError
@@ -56,6 +56,27 @@ def test_greedy_equals_target_only(draft, k, batch, reference):
         assert c.stats["draft_calls"] == k * c.stats["verify_calls"] + 1
 
 
+# CI: the CLI test below grows trees with the target as its own draft model (whole branches accepted, batch 1)
+@pytest.mark.parametrize("draft,batch", [pytest.param("self", 4, marks=pytest.mark.slow),
+                                         pytest.param("small", 3, marks=pytest.mark.slow)])
+def test_trees_equal_target_only(draft, batch, reference):
+    """A tree from the draft model's top-k (EAGLE-2's dynamic tree, grown a level per draft forward) verifies to
+    the target's own greedy tokens."""
+    tree = TreeConfig.parse("8,3,2")
+    model = tiny_target() if draft == "self" else small_draft()
+    proposer, params = DraftModelProposer.of(model, 1, tree)
+    assert proposer.depth == 3 and proposer.verify_width == 8 and proposer.extra_capacity() == tree.cache_slots
+    got = Generator(tiny_target(), proposer=proposer, proposer_params=params, batch_size=batch).generate(
+        PROMPTS, max_new_tokens=24)
+    assert [c.token_ids for c in got] == reference
+    mean = np.mean([c.stats["mean_accepted_length"] for c in got])
+    if draft == "self":
+        assert mean > 3  # its own top-1 branch is nearly always the target's path: whole branches accepted
+    for c in got:
+        assert len(c.stats["acceptance_per_position"]) == 3
+        assert c.stats["draft_calls"] == 3 * c.stats["verify_calls"] + 1  # the catch-up and two more levels
+
+
 @pytest.mark.slow  # ~30 s; CI: bfloat16 and meshes with the other drafters (test_invariance, test_dflash)
 def test_bfloat16_and_a_mesh_equal_target_only():
     from jaxspec import sharding
@@ -95,10 +116,15 @@ def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
               "--max-new-tokens", "12"]
     runs = {}
     draft = ["--proposer", "draft-model", "--draft-model", str(tmp_path / "draft")]
-    for name, extra in (("none", ["--no-draft"]), ("auto", draft)):  # auto, the default: no acceptance record
+    tree = ["--proposer", "draft-model", "--draft-model", str(tmp_path / "target"), "--tree", "6,3,2"]  # itself
+    for name, extra in (("none", ["--no-draft"]), ("auto", draft), ("tree", tree)):  # auto: no acceptance record
         assert generate.main([*common, *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"]
+    assert runs["auto"]["token_ids"] == runs["none"]["token_ids"] == runs["tree"]["token_ids"]
+    tree_stats = runs["tree"]["stats"]
+    assert tree_stats["proposer"] == "draft-model" and len(tree_stats["acceptance_per_position"]) == 3  # the depth
+    assert tree_stats["mean_accepted_length"] > 2  # the target drafting for itself: whole branches accepted
+    assert tree_stats["draft_calls"] == 3 * tree_stats["verify_calls"] + 1  # the catch-up and two more levels a step
     stats = runs["auto"]["stats"]
     assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 6  # another model: rejections
     auto = stats["auto"]
@@ -130,7 +156,8 @@ def test_auto_prices_a_draft_model_and_keeps_the_output(reference):
 @pytest.mark.parametrize("extra,message", [
     (["--proposer", "draft-model"], "--proposer draft-model needs --draft-model DIR"),
     (["--draft-model", "x"], "--draft-model drafts with --proposer draft-model; add it"),
-    (["--proposer", "draft-model", "--draft-model", "x", "--tree", "6,3,2"], "--proposer draft-model drafts chains"),
+    (["--proposer", "draft-model", "--draft-model", "x", "--tree", "6,3,2", "--num-speculative-tokens", "4"],
+     "drop --num-speculative-tokens"),
     (["--proposer", "draft-model", "--draft-model", "NOWHERE"], "has no config.json"),
 ])
 def test_bad_flags_are_one_line_errors(extra, message, tmp_path, capsys):

@@ -201,7 +201,7 @@ def method_name(num_draft: int | str, tree, accept_prob: float | None = None, pr
     if proposer is not None and proposer.name == "ngram":
         return f"ngram K={num_draft} n={proposer.min_n}..{proposer.max_n}"
     if proposer is not None and proposer.name == "draft-model":
-        return f"draft model K={num_draft}"
+        return f"draft model K={num_draft}" if tree is None else f"draft model tree {tree.spec}"
     if tree is None and num_draft == AUTO:
         return "auto"
     name = f"chain K={num_draft}" if tree is None else f"tree {tree.spec}"
@@ -245,8 +245,6 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
         if not args.draft_model:
             raise JaxspecError("--proposer draft-model needs --draft-model DIR (a small model with the target's "
                                "tokenizer)")
-        if args.tree:
-            raise JaxspecError("--proposer draft-model drafts chains; drop --tree")
     elif getattr(args, "draft_model", None):
         raise JaxspecError("--draft-model drafts with --proposer draft-model; add it")
     if tree_sets_depth and args.tree and k is not None:  # auto included: --tree fixes every batch's method

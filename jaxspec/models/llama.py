@@ -359,9 +359,13 @@ class LlamaModel(nnx.Module):
         return_aux: bool = False,
         return_hidden: bool = False,  # also return the final hidden state (offline training features)
         empty_cache: bool = False,  # promise that nothing is committed yet (prefill): skips attending to the cache
+        write_offset: int | jax.Array = 0,  # plain numerics: new entries at slots lengths + write_offset + t, and
+        # block_mask [B, T, W] over the W uncommitted slots from lengths on (a draft model's tree levels)
     ) -> TargetOutput:
         cfg = self.config
         b, t = tokens.shape
+        if self.numerics is not None and not (isinstance(write_offset, int) and write_offset == 0):
+            raise ValueError("write_offset (tree levels above the committed length) runs under plain numerics only")
         if self.numerics is not None and ancestors is None and block_mask is not None:  # a tree given by its mask
             ancestors = kvc.ancestors_from_mask(block_mask, min(t, self.numerics.key_block))
         if block_mask is None:
@@ -376,7 +380,7 @@ class LlamaModel(nnx.Module):
                 aux[i] = x  # hidden_states[i]: the input of layer i
             x, k, v = layer(
                 x, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, numerics, positions,
-                ancestors,
+                ancestors, write_offset,
             )
             ks.append(k)
             vs.append(v)

@@ -10,6 +10,12 @@ catch-up, as EAGLE-3's head catches up on its pending pairs), whose last logits 
 forwards draft d_2..d_K. Those drafts' keys and values are written past the committed length and never committed:
 the next catch-up writes the tokens the target accepted over them, so a rejection leaves nothing to roll back.
 
+A tree (`tree`: EAGLE-2's dynamic tree, `engine.tree.draft_tree`) is grown from the catch-up's distribution the
+way a head grows one: each level runs the draft model once on the frontier's top_k nodes, each seeing the
+committed cache and its own ancestors among the levels written above it (a window mask), and the best
+`total_tokens - 1` candidates by cumulative log-probability are verified; sampling then verifies with the walk
+that needs no draft probabilities.
+
 Greedy drafts are the draft's argmax (verified by the walk that needs no draft probabilities); sampled drafts come
 from the draft's own distribution at the run's temperature, top-k and top-p, which is passed as q, so the
 rejection rule keeps the target's distribution exactly. The draft runs with plain XLA numerics: drafts only change
@@ -26,11 +32,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import processors as procs
+from jaxspec.config import TreeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import RowSampling, draw_draft, split_rows
 from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.tree import draft_tree
 
 TELEMETRY_TOP_K = 8  # candidates per position for the rejection telemetry (`jaxspec.engine.telemetry`)
 
@@ -68,12 +77,33 @@ def _draft_one(logits: jax.Array, sampling: RowSampling | None, keys: jax.Array)
     return draft, best, q
 
 
+class _TreeLevels:
+    """The draft model as `draft_tree` drives a head: one forward per level over the frontier (tokens [B, k] at
+    their positions, a window mask over the levels above the committed length), logits over the target's
+    vocabulary. A draft model has no recurrent state: the head's `state` is passed through untouched."""
+
+    def __init__(self, draft: LlamaModel, vocab: int):
+        self.draft, self.vocab = draft, vocab
+
+    def __call__(self, tokens, state, positions, cache, embed_table, *, block_mask, write_offset):
+        del embed_table  # the draft embeds with its own table
+        out = self.draft(jnp.minimum(tokens, self.draft.config.vocab_size - 1), positions, cache,
+                         block_mask=block_mask, write_offset=write_offset)
+        return _to_target_vocab(out.logits, self.vocab), state, out.cache
+
+    @staticmethod
+    def to_target_ids(ids: jax.Array) -> jax.Array:
+        return ids  # the logits are over the target's vocabulary already
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer(ChainDrafts):
-    """Static half of the draft-model proposer (the draft's graphdef and K); its parameters are passed beside it."""
+    """Static half of the draft-model proposer (the draft's graphdef, K or a tree); its parameters are passed
+    beside it."""
 
     draft_graphdef: nnx.GraphDef
-    num_draft: int
+    num_draft: int  # a chain's K (a tree's depth when `tree` is set)
+    tree: TreeConfig | None = None
     name: str = "draft-model"
     needs_aux: bool = False
     needs_hidden: bool = False
@@ -81,19 +111,32 @@ class DraftModelProposer(ChainDrafts):
     def __post_init__(self):
         if self.num_draft < 1:
             raise JaxspecError(f"a draft model drafts at least 1 token per step, got {self.num_draft}")
+        if self.tree is not None and self.tree.depth != self.num_draft:
+            raise ValueError(f"a tree of depth {self.tree.depth} drafts num_draft={self.tree.depth}")
 
     @property
     def forwards_per_step(self) -> int:
-        """The catch-up forward (which drafts d_1), then K - 1 one-token forwards."""
+        """The catch-up forward (which drafts d_1, or the tree's first level), then K - 1 one-token forwards (a
+        tree: one forward per further level)."""
         return self.num_draft
 
+    @property
+    def verify_width(self) -> int:
+        return self.tree.total_tokens if self.tree is not None else self.num_draft + 1
+
+    def extra_capacity(self) -> int:
+        """The verify block, and the tree's levels above the draft's committed length."""
+        return self.tree.cache_slots if self.tree is not None else self.num_draft + 1
+
     @classmethod
-    def of(cls, draft: LlamaModel, num_draft: int) -> tuple[DraftModelProposer, nnx.State]:
-        """(the proposer, its parameters) for a draft model; it computes with plain numerics (a copy is changed)."""
+    def of(cls, draft: LlamaModel, num_draft: int, tree: TreeConfig | None = None,
+           ) -> tuple[DraftModelProposer, nnx.State]:
+        """(the proposer, its parameters) for a draft model drafting chains of `num_draft` or `tree` (num_draft is
+        then its depth); it computes with plain numerics (a copy is changed)."""
         draft = nnx.clone(draft)
         draft.numerics = None
         graphdef, params = nnx.split(draft)
-        return cls(graphdef, num_draft), params
+        return cls(graphdef, tree.depth if tree is not None else num_draft, tree), params
 
     def init(self, params, target, view: PrefillView, capacity: int) -> DraftModelState:
         draft = nnx.merge(self.draft_graphdef, params)
@@ -123,6 +166,12 @@ class DraftModelProposer(ChainDrafts):
         out = draft(jnp.minimum(st.pending_tok, v_d - 1), positions, st.cache, logit_indices=last)
         running = view.running > 0
         cache = kvc.advance(out.cache, jnp.where(running, st.num_pending, 0))  # [0, m] committed: the root included
+        if self.tree is not None:  # the levels' entries are written above the committed length and dropped
+            process = None if view.processors is None else (
+                lambda logits, path: procs.process(logits, view.processors, path))
+            dt = draft_tree(_TreeLevels(draft, vocab), None, _to_target_vocab(out.logits[:, 0], vocab),
+                            jnp.zeros((b, 1), jnp.float32), cache, self.tree, process)
+            return Proposal(dt.tokens, dt, None, dt.candidates), st._replace(cache=cache)
         first, best, q = _draft_one(_to_target_vocab(out.logits[:, 0], vocab), view.sampling, keys[0])
 
         def draft_step(carry, step_key):  # d_2..d_K: written past the committed length, never committed
