@@ -92,13 +92,15 @@ def test_bfloat16_and_a_mesh_equal_target_only():
     assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.0
 
 
-@pytest.mark.slow  # ~30 s; CI: rejection sampling with a draft's q (test_spec_sampling, EAGLE-3's chains)
-def test_sampling_with_the_drafts_distribution_is_lossless():
-    """Drafts sampled from another model's distribution (q, not one-hot): the first two tokens follow the target."""
+@pytest.mark.slow  # ~30 s each; CI: rejection sampling with a draft's q (test_spec_sampling, EAGLE-3's chains)
+@pytest.mark.parametrize("tree", [None, "4,2,2"])
+def test_sampling_with_the_drafts_distribution_is_lossless(tree):
+    """Drafts sampled from another model's distribution (q, not one-hot), or a tree from its top-k (the walk that
+    needs no q): the first two tokens follow the target."""
     n, prompt, sampling = 20000, [3, 7, 1, 12], SamplingConfig(1.0)
     joint = target_joint(prompt, sampling)
     draft = nnx.clone(tiny_target(**{**SHAPE, "seed": 1}))  # same shape, other weights: often, not always, agrees
-    proposer, params = DraftModelProposer.of(draft, 2)
+    proposer, params = DraftModelProposer.of(draft, 2, None if tree is None else TreeConfig.parse(tree))
     gen = Generator(plain_target(), proposer=proposer, proposer_params=params, batch_size=n)
     out = gen.generate([prompt] * n, max_new_tokens=2, sampling=sampling, seed=5)
     assert chi_square_p(first_two(out), joint) > 0.01
