@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
+    from jaxspec.bench.bandwidth import decode_weight_bytes
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import Generator, default_dtype
     from pallas_kernels.dispatch import resolve_kernels
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             "note": "per step = the traced generate (prefill included) / (new tokens - 1)",
             **summarize(paths[0], steps),
         }
+        # the weights a step reads, over the device time of a step: what to hold against the copy bandwidth
+        result["weight_bytes"] = decode_weight_bytes(model)
+        result["weights_tb_per_s"] = round(result["weight_bytes"] / (result["device_ms_per_step"] * 1e9), 3)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
