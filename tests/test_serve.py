@@ -131,6 +131,32 @@ def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alo
         chat.choices[0].message.content
 
 
+def test_a_small_draft_model_serves_the_targets_text(target):
+    """`--proposer draft-model`: a draft model (here the target itself: whole chains accepted) with its own cache per
+    slot; two requests at once, each its target-only greedy text."""
+    from jaxspec.bench.serve_load import InProcessServer
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generation import Generator
+    from jaxspec.prompts import load_tokenizer, stop_token_ids
+
+    path, _ = target
+    model, tokenizer = load_target(path), load_tokenizer(path)
+    stops = stop_token_ids(tokenizer, path, model.config.eos_token_ids)
+    alone = Generator(model, batch_size=1)
+    prompts = {"abc": 12, "hello there": 9}
+    want = {p: tokenizer.decode(alone.generate([tokenizer(p).input_ids], max_new_tokens=n, stop_ids=stops)[0].token_ids,
+                                skip_special_tokens=True, clean_up_tokenization_spaces=False) for p, n in prompts.items()}
+    with InProcessServer(["--target", str(path), "--proposer", "draft-model", "--draft-model", str(path),
+                          "--num-speculative-tokens", "3", "--slots", "2", "--max-model-len", "64"]) as running:
+        assert running.scheduler.batcher.generator.proposer.name == "draft-model"
+        api = client(running.base)
+        with ThreadPoolExecutor(2) as pool:
+            got = dict(zip(prompts, pool.map(
+                lambda p: api.completions.create(model="target", prompt=p, max_tokens=prompts[p]).choices[0].text,
+                prompts)))
+        assert got == want
+
+
 def test_concurrent_clients_each_get_their_own_output(server, alone):
     base, _, scheduler = server
     text, tokenizer = alone

@@ -4,6 +4,7 @@ Examples:
   python -m jaxspec.serve                                  # the built-in SmolLM2 target and its head, port 8000
   python -m jaxspec.serve --target DIR --draft HEAD_DIR --num-speculative-tokens 5 --slots 16 --max-model-len 4096
   python -m jaxspec.serve --no-draft --port 9000
+  python -m jaxspec.serve --target DIR --proposer draft-model --draft-model SMALL_DIR   # a small draft model
 
 Then any OpenAI client: base_url http://127.0.0.1:8000/v1 (README, "Serve").
 """
@@ -81,6 +82,7 @@ def build_server(args):
         head_aux_layer_ids,
         kernels_impl,
         load_draft_for,
+        load_draft_model,
         load_target_and_tokenizer,
         ngram_proposer,
         resolve_draft,
@@ -107,10 +109,12 @@ def build_server(args):
     )
     context = model.config.context_length
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    if draft:
-        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle)
-        generator = draft_generator(model, drafter, draft, args.num_speculative_tokens, args.tree,
-                                    batch_size=args.slots, kernels=kernels, store=step_cost_store(args))
+    # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
+    drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+        args, model, tokenizer)
+    if drafter is not None:
+        generator = draft_generator(model, drafter, draft or args.draft_model, args.num_speculative_tokens,
+                                    args.tree, batch_size=args.slots, kernels=kernels, store=step_cost_store(args))
         if isinstance(generator, AutoSpeculativeGenerator):
             # auto: chosen once for the slots and a full cache (not yet per step from the live batch)
             generator.on_compile = say
@@ -170,8 +174,6 @@ def check_port_free(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_generation_args(args, tree_sets_depth=True)
-    if getattr(args, "proposer", "eagle3") == "draft-model":
-        raise JaxspecError("--proposer draft-model is not served yet; use an EAGLE-3 head, a DFlash drafter or ngram")
     missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
     if missing:
         raise JaxspecError(f"the server needs {', '.join(missing)}: pip install 'jaxspec[serve]'")
