@@ -112,12 +112,12 @@ def cache_kv_heads(num_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * kv_head_replication(num_heads, num_kv_heads, model_axis)
 
 
-def check_fits(mesh: jax.sharding.Mesh, configs: dict, batch_size: int) -> None:
-    """Head counts must fit the model axis (`model_axis_fits`) and the batch the data axis; `configs` maps a name
-    ('target', 'draft head') to a TargetConfig or HeadConfig."""
+def check_fits(mesh: jax.sharding.Mesh, configs: dict, batch_size: int, batch_flag: str = "--batch-size") -> None:
+    """Head counts must fit the model axis (`model_axis_fits`) and the batch (`batch_flag`: a server's --slots)
+    the data axis; `configs` maps a name ('target', 'draft head') to a TargetConfig or HeadConfig."""
     m, d = mesh.shape[MODEL], mesh.shape[DATA]
     if batch_size % d:
-        raise JaxspecError(f"--batch-size {batch_size} is not a multiple of the mesh's data axis ({d})")
+        raise JaxspecError(f"{batch_flag} {batch_size} is not a multiple of the mesh's data axis ({d})")
     for name, cfg in configs.items():
         if not model_axis_fits(cfg.num_heads, cfg.num_kv_heads, m):
             fits = [x for x in _divisors(cfg.num_heads) if model_axis_fits(cfg.num_heads, cfg.num_kv_heads, x)]

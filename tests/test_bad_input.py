@@ -260,6 +260,11 @@ def test_the_server_checks_its_port_and_model_length_before_loading(tiny, capsys
     assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
     err = one_line_error(capsys, serve.main, ["--target", str(tiny), "--no-draft", "--port", str(free_port())])
     assert "--max-model-len 2048 exceeds the model's context length 256" in err  # the default, on a 256 context
+    fits = ["--target", str(tiny), "--no-draft", "--port", str(free_port()), "--max-model-len", "64"]
+    err = one_line_error(capsys, serve.main, [*fits, "--mesh", "data=2,model=1", "--slots", "3"])
+    assert "--slots 3 is not a multiple of the mesh's data axis (2)" in err
+    err = one_line_error(capsys, serve.main, [*fits, "--mesh", "data=2,model=1", "--distributed"])
+    assert "drop --distributed" in err
 
 
 def test_writers_refuse_a_directory_of_other_files(tiny, tmp_path, capsys, no_loading):

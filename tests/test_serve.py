@@ -131,9 +131,10 @@ def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alo
         chat.choices[0].message.content
 
 
-def test_a_small_draft_model_serves_the_targets_text(target):
+def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
     """`--proposer draft-model`: a draft model (here the target itself: whole chains accepted) with its own cache per
-    slot; two requests at once, each its target-only greedy text."""
+    slot, on a (data 2, model 2) mesh of this host's devices; two requests at once, each its target-only greedy
+    text."""
     from jaxspec.bench.serve_load import InProcessServer
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import Generator
@@ -147,8 +148,10 @@ def test_a_small_draft_model_serves_the_targets_text(target):
     want = {p: tokenizer.decode(alone.generate([tokenizer(p).input_ids], max_new_tokens=n, stop_ids=stops)[0].token_ids,
                                 skip_special_tokens=True, clean_up_tokenization_spaces=False) for p, n in prompts.items()}
     with InProcessServer(["--target", str(path), "--proposer", "draft-model", "--draft-model", str(path),
-                          "--num-speculative-tokens", "3", "--slots", "2", "--max-model-len", "64"]) as running:
-        assert running.scheduler.batcher.generator.proposer.name == "draft-model"
+                          "--num-speculative-tokens", "3", "--slots", "2", "--max-model-len", "64",
+                          "--mesh", "data=2,model=2"]) as running:
+        generator = running.scheduler.batcher.generator
+        assert generator.proposer.name == "draft-model" and generator.mesh.shape == {"data": 2, "model": 2}
         api = client(running.base)
         with ThreadPoolExecutor(2) as pool:
             got = dict(zip(prompts, pool.map(

@@ -105,6 +105,28 @@ class Checked(NamedTuple):
     grammar: Any  # the --regex / --json-schema / --choice automaton (jaxspec.grammar.TokenAutomaton), or None
 
 
+def check_mesh_fits(mesh, config, draft: str | None, batch_sizes: list[int], batch_flag: str = "--batch-size") -> None:
+    """The mesh (None: one device) fits the target's and the draft's attention heads, and each batch size (a
+    server's slots) its data axis: one-line errors from the config.json files alone."""
+    from jaxspec import sharding
+
+    if mesh is None:
+        return
+    configs = {"target": config}
+    if draft is not None:
+        from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config
+
+        from jaxspec.checkpoints.dflash import dflash_config_from_hf, is_dflash
+
+        raw = read_head_config(draft)
+        if is_dflash(raw):
+            configs["drafter"] = dflash_config_from_hf(raw, config)
+        else:
+            configs["draft head"] = head_config_from_hf(raw)[1]
+    for batch_size in batch_sizes:
+        sharding.check_fits(mesh, configs, batch_size, batch_flag)
+
+
 def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompts: list[str],
                          batch_sizes: list[int], processors=None) -> Checked:
     """What the README promises before any weights load, from the two config.json files, the weights' headers and
@@ -113,7 +135,6 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
     draft, a JAXSPEC_STEP_COSTS store is one (`step_cost_store`); each prompt plus --max-new-tokens fits the
     context; the logit biases name tokens of the vocabulary; --regex / --json-schema / --choice compile for the
     tokenizer."""
-    from jaxspec import sharding
     from jaxspec.cli.args import structured_output
     from jaxspec.config import load_target_config
     from jaxspec.engine.generation import check_prompt_lengths
@@ -121,20 +142,7 @@ def check_before_loading(args, target_dir: Path, draft: str | None, mesh, prompt
     from jaxspec.prompts import encode_prompt, load_tokenizer, stop_token_ids
 
     config = load_target_config(target_dir)
-    if mesh is not None:
-        configs = {"target": config}
-        if draft is not None:
-            from jaxspec.checkpoints.heads import head_config_from_hf, read_head_config
-
-            from jaxspec.checkpoints.dflash import dflash_config_from_hf, is_dflash
-
-            raw = read_head_config(draft)
-            if is_dflash(raw):
-                configs["drafter"] = dflash_config_from_hf(raw, config)
-            else:
-                configs["draft head"] = head_config_from_hf(raw)[1]
-        for batch_size in batch_sizes:
-            sharding.check_fits(mesh, configs, batch_size)
+    check_mesh_fits(mesh, config, draft, batch_sizes)
     check_files_before_loading(args, target_dir, draft)
     tokenizer = load_tokenizer(target_dir)
     encoded = [encode_prompt(tokenizer, text, args.raw) for text in prompts]

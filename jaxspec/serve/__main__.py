@@ -5,6 +5,7 @@ Examples:
   python -m jaxspec.serve --target DIR --draft HEAD_DIR --num-speculative-tokens 5 --slots 16 --max-model-len 4096
   python -m jaxspec.serve --no-draft --port 9000
   python -m jaxspec.serve --target DIR --proposer draft-model --draft-model SMALL_DIR   # a small draft model
+  python -m jaxspec.serve --target DIR --draft HEAD_DIR --mesh data=2,model=4 --slots 16   # 8 devices of one host
 
 Then any OpenAI client: base_url http://127.0.0.1:8000/v1 (README, "Serve").
 """
@@ -24,6 +25,7 @@ from jaxspec.cli.args import (
     integer,
     parse_tree,
 )
+from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
 from jaxspec.cli.program import main_guard, run_program, use_compile_cache
 from jaxspec.errors import JaxspecError
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 2)[2],
     )
     add_target_args(parser)
+    add_mesh_args(parser)
     add_step_cost_args(parser)
     add_draft_args(parser)
     parser.add_argument("--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
@@ -99,13 +102,17 @@ def build_server(args):
     from jaxspec.serve.scheduler import Scheduler
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.distributed:
+        raise JaxspecError("the server runs in one process; drop --distributed (--mesh shards over this host's "
+                           "devices)")
+    mesh = resolve_mesh(args)
     kernels = kernels_impl(args)
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
-    check_serving_before_loading(args, target_dir, draft)
+    check_serving_before_loading(args, target_dir, draft, mesh)
     model, tokenizer = load_target_and_tokenizer(
-        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), numerics=args.numerics,
-        kernels=kernels, quantize=args.quantize,
+        target_dir, args.dtype, aux_layer_ids=head_aux_layer_ids(draft, target_dir), mesh=mesh,
+        numerics=args.numerics, kernels=kernels, quantize=args.quantize,
     )
     context = model.config.context_length
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -114,7 +121,8 @@ def build_server(args):
         args, model, tokenizer)
     if drafter is not None:
         generator = draft_generator(model, drafter, draft or args.draft_model, args.num_speculative_tokens,
-                                    args.tree, batch_size=args.slots, kernels=kernels, store=step_cost_store(args))
+                                    args.tree, batch_size=args.slots, mesh=mesh, kernels=kernels,
+                                    store=step_cost_store(args))
         if isinstance(generator, AutoSpeculativeGenerator):
             # auto: chosen once for the slots and a full cache (not yet per step from the live batch)
             generator.on_compile = say
@@ -126,7 +134,7 @@ def build_server(args):
             generator = generator.generator_for(choice.method)
         generator.chunk_steps = args.chunk_steps
     else:
-        generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots,
+        generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots, mesh=mesh,
                               chunk_steps=args.chunk_steps, kernels=kernels)
     generator.on_compile = say
     capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
@@ -143,17 +151,19 @@ def build_server(args):
     return make_app(served), scheduler
 
 
-def check_serving_before_loading(args, target_dir, draft: str | None) -> None:
+def check_serving_before_loading(args, target_dir, draft: str | None, mesh=None) -> None:
     """The one-line errors a server can give before any weights load: --max-model-len past the target's context,
-    weight files that are not whole safetensors (the target's and the draft's), a JAXSPEC_STEP_COSTS that is no
-    store (with a draft: automatic speculation reads it)."""
-    from jaxspec.cli.loading import check_files_before_loading
+    a mesh that does not fit the model's heads or the --slots, weight files that are not whole safetensors (the
+    target's and the draft's), a JAXSPEC_STEP_COSTS that is no store (with a draft: automatic speculation reads
+    it)."""
+    from jaxspec.cli.loading import check_files_before_loading, check_mesh_fits
     from jaxspec.config import load_target_config
 
-    context = load_target_config(target_dir).context_length
-    if args.max_model_len > context:
-        raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}; "
-                           f"lower it")
+    config = load_target_config(target_dir)
+    if args.max_model_len > config.context_length:
+        raise JaxspecError(f"--max-model-len {args.max_model_len} exceeds the model's context length "
+                           f"{config.context_length}; lower it")
+    check_mesh_fits(mesh, config, draft, [args.slots], "--slots")
     check_files_before_loading(args, target_dir, draft)
 
 
