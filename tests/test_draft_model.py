@@ -77,14 +77,16 @@ def test_trees_equal_target_only(draft, batch, reference):
         assert c.stats["draft_calls"] == 3 * c.stats["verify_calls"] + 1  # the catch-up and two more levels
 
 
-@pytest.mark.slow  # ~30 s; CI: bfloat16 and meshes with the other drafters (test_invariance, test_dflash)
-def test_bfloat16_and_a_mesh_equal_target_only():
+@pytest.mark.slow  # ~30 s each; CI: bfloat16 and meshes with the other drafters (test_invariance, test_dflash)
+@pytest.mark.parametrize("tree", [None, "8,3,2"])
+def test_bfloat16_and_a_mesh_equal_target_only(tree):
     from jaxspec import sharding
     from test_invariance import _as_dtype
 
     target = _as_dtype(tiny_target(), jnp.bfloat16)
     want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPTS, max_new_tokens=24)]
-    proposer, params = DraftModelProposer.of(_as_dtype(tiny_target(), jnp.bfloat16), 3)
+    proposer, params = DraftModelProposer.of(_as_dtype(tiny_target(), jnp.bfloat16), 3,
+                                             None if tree is None else TreeConfig.parse(tree))
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
     got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4, mesh=mesh).generate(
         PROMPTS, max_new_tokens=24)
