@@ -18,8 +18,10 @@ from jaxspec.files import read_json
 MAX_DRAFT_DEPTH = 32
 
 # Hugging Face `model_type` → what differs from plain Llama.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma4_text",
+                         "gemma4")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")  # gemma4: the multimodal checkpoint, whose text_config is read
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -63,6 +65,37 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gemma4Layout:
+    """What a Gemma 4 text decoder (models/gemma4.py; transformers' Gemma4TextModel) has beside the fields it shares
+    with Llama. TargetConfig's head_dim and num_kv_heads are its sliding layers'; full-attention layers have their
+    own (`full_head_dim`, `full_kv_heads`: Gemma 4's global_head_dim and num_global_key_value_heads).
+
+    KV sharing: the last `num_kv_shared_layers` layers compute no keys or values; each attends to those of the last
+    earlier layer of its own type (`kv_source`), so only the other layers have a cache (`cache_layers`)."""
+
+    layer_types: tuple[str, ...]  # "sliding_attention" or "full_attention" per layer
+    sliding_window: int  # a sliding layer's query at p sees keys at positions p - window < q <= p
+    full_head_dim: int
+    full_kv_heads: int
+    k_eq_v: bool = False  # full layers: values are the key projection's output (no v_proj)
+    kv_source: tuple[int, ...] = ()  # per layer: the layer whose keys and values it attends (itself, or shared)
+    mlp_widths: tuple[int, ...] = ()  # per layer: the MLP width (2x on shared layers with use_double_wide_mlp)
+    per_layer_dim: int = 0  # hidden_size_per_layer_input: per-layer inputs (PLE); 0 = none
+    per_layer_vocab: int = 0  # vocab_size_per_layer_input
+    final_logit_softcapping: float | None = None
+    sliding_rope: tuple[float, float, float] = (10000.0, 1.0, 1.0)  # (theta, partial_rotary_factor, factor)
+    full_rope: tuple[float, float, float] = (1000000.0, 0.25, 1.0)  # proportional RoPE (theta, partial, factor)
+
+    def sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """The layers that compute keys and values, in order: the cache holds one entry per layer here."""
+        return tuple(i for i, src in enumerate(self.kv_source) if src == i)
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """A Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral), dense or with sparse MLPs (`moe`:
     Mixtral, Qwen2-MoE, Qwen3-MoE)."""
@@ -90,6 +123,7 @@ class TargetConfig:
     # Usable context; smaller than max_position_embeddings when the model uses sliding-window attention.
     context_length: int | None = None
     moe: MoeConfig | None = None  # the sparse MLP layers of a mixture-of-experts target; None: dense
+    gemma4: Gemma4Layout | None = None  # a Gemma 4 text decoder's layout (models/gemma4.py); None: Llama's
 
     def __post_init__(self) -> None:
         check_sizes(self, "config.json")
@@ -378,8 +412,87 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeCo
                      shared_intermediate_size=shared)
 
 
+def _gemma4_rope(raw: dict[str, Any], kind: str) -> tuple[float, float, float]:
+    """(theta, partial_rotary_factor, factor) of one Gemma 4 layer type's `rope_parameters` entry: `default` RoPE
+    rotates every dimension pair, `proportional` the first partial_rotary_factor of them (the rest get frequency 0),
+    both with the exponents over the whole head_dim (transformers' _compute_proportional_rope_parameters)."""
+    defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+    params = (raw.get("rope_parameters") or defaults).get(kind) or defaults[kind]
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ("default", "proportional"):
+        raise JaxspecError(f"config.json: Gemma 4 {kind} rope_type {rope_type!r} is not supported (default, "
+                           "proportional)")
+    partial = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
+    return float(params.get("rope_theta", 10_000.0)), partial, float(params.get("factor", 1.0))
+
+
+def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads: int) -> Gemma4Layout:
+    """A Gemma 4 text config's layout, as transformers' Gemma4TextConfig builds it: layer types (5 sliding : 1 full
+    by default, the last layer full), full layers' head_dim and KV heads (`per_layer_config` as transformers >= 5.2x
+    writes it, or `global_head_dim` / `num_global_key_value_heads`), and which layers share keys and values."""
+    if raw.get("enable_moe_block"):
+        raise JaxspecError("config.json: Gemma 4 mixture-of-experts layers (enable_moe_block) are not supported yet; "
+                           "the dense Gemma 4 models (E2B, E4B, 31B) are")
+    if raw.get("use_bidirectional_attention") is not None:
+        raise JaxspecError("config.json: use_bidirectional_attention is set; jaxspec runs causal Gemma 4 decoders")
+    act = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise JaxspecError(f"config.json: Gemma 4 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    types = list(raw.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                            for i in range(num_layers)])
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise JaxspecError(f"config.json: layer_types must name sliding_attention or full_attention for each of the "
+                           f"{num_layers} layers, got {types}")
+    types[-1] = "full_attention"  # as transformers forces it
+    full_head_dim, full_kv = hf_int(raw, "global_head_dim", 512), kv_heads
+    if raw.get("attention_k_eq_v", False) and raw.get("num_global_key_value_heads") is not None:
+        full_kv = hf_int(raw, "num_global_key_value_heads")
+    per_layer = raw.get("per_layer_config") or {}
+    for layer, override in per_layer.items():
+        if types[int(layer)] == "full_attention":
+            full_head_dim = hf_int(override, "head_dim", full_head_dim)
+            full_kv = hf_int(override, "num_key_value_heads", full_kv)
+        elif override:
+            raise JaxspecError(f"config.json: per_layer_config overrides sliding layer {layer}; jaxspec reads "
+                               "overrides of full-attention layers only")
+    shared = hf_int(raw, "num_kv_shared_layers", 0)
+    first_shared = num_layers - shared
+    if not 0 <= shared < num_layers:
+        raise JaxspecError(f"config.json: num_kv_shared_layers={shared} must be below num_hidden_layers={num_layers}")
+    source = []
+    for i, kind in enumerate(types):
+        if i < first_shared:
+            source.append(i)
+            continue
+        producers = [j for j in range(first_shared) if types[j] == kind]
+        if not producers:
+            raise JaxspecError(f"config.json: shared layer {i} ({kind}) has no earlier {kind} layer to share with")
+        source.append(producers[-1])
+    width = hf_int(raw, "intermediate_size")
+    double = bool(raw.get("use_double_wide_mlp", False))
+    per_layer_dim = hf_int(raw, "hidden_size_per_layer_input", 0) or 0
+    cap = raw.get("final_logit_softcapping")
+    return Gemma4Layout(
+        layer_types=tuple(types), sliding_window=hf_int(raw, "sliding_window", 512), full_head_dim=full_head_dim,
+        full_kv_heads=full_kv, k_eq_v=bool(raw.get("attention_k_eq_v", False)), kv_source=tuple(source),
+        mlp_widths=tuple(width * (2 if double and i >= first_shared else 1) for i in range(num_layers)),
+        per_layer_dim=per_layer_dim,
+        per_layer_vocab=hf_int(raw, "vocab_size_per_layer_input", 0) if per_layer_dim else 0,
+        final_logit_softcapping=None if cap is None else float(cap),
+        sliding_rope=_gemma4_rope(raw, "sliding_attention"), full_rope=_gemma4_rope(raw, "full_attention"),
+    )
+
+
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
     """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
+    if raw.get("model_type") == "gemma4":  # the multimodal checkpoint: its text decoder's config
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise JaxspecError("config.json: a gemma4 config without a text_config object")
+        raw = {**text, "model_type": "gemma4_text",
+               "tie_word_embeddings": text.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))}
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         arch = ",".join(map(str, raw.get("architectures") or [])) or "?"
@@ -388,6 +501,8 @@ def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     with hf_fields("config.json"):
+        if model_type in GEMMA4_MODEL_TYPES:
+            return _gemma4_target_config(raw, aux_layer_ids)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise JaxspecError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
@@ -422,6 +537,39 @@ def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
             context_length=min(max_pos, window) if window else max_pos,
             moe=_moe_from_hf(raw, model_type, cfg["num_layers"]),
         )
+
+
+def _gemma4_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None) -> TargetConfig:
+    """A Gemma 4 text decoder: q/k norms, no attention biases, tied embeddings by default; the context is the model's
+    whole (sliding layers attend within their window exactly, models/gemma4.py)."""
+    hidden, num_heads = hf_int(raw, "hidden_size"), hf_int(raw, "num_attention_heads")
+    num_layers = hf_int(raw, "num_hidden_layers")
+    kv_heads = hf_int(raw, "num_key_value_heads", num_heads) or num_heads
+    head_dim = hf_int(raw, "head_dim", 256)
+    if raw.get("attention_bias"):
+        raise JaxspecError("config.json: Gemma 4 attention_bias is not supported (the published models have none)")
+    max_pos = hf_int(raw, "max_position_embeddings", 131072)
+    return TargetConfig(
+        vocab_size=hf_int(raw, "vocab_size"), hidden_size=hidden, intermediate_size=hf_int(raw, "intermediate_size"),
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=True, model_type="gemma4_text",
+        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")), aux_layer_ids=aux_layer_ids, context_length=max_pos,
+        gemma4=_gemma4_from_hf(raw, num_layers, head_dim, kv_heads),
+    )
+
+
+def gemma4_inv_freq(head_dim: int, rope: tuple[float, float, float]):
+    """Gemma 4's inverse frequencies [head_dim/2], float32, as transformers computes them: the first
+    int(partial · head_dim / 2) pairs rotate with base^(-2i/head_dim), the others not at all, all divided by factor."""
+    import numpy as np
+
+    theta, partial, factor = rope
+    angles = int(partial * head_dim // 2)
+    rotated = (1.0 / (theta ** (np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / head_dim)))
+    inv_freq = np.concatenate([rotated.astype(np.float32), np.zeros(head_dim // 2 - angles, np.float32)])
+    return (inv_freq / np.float32(factor)).astype(np.float32)
 
 
 def load_target_config(model_dir: str | Path, aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:

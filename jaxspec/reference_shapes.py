@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.config import MoeConfig, RopeConfig, TargetConfig
+from jaxspec.config import Gemma4Layout, MoeConfig, RopeConfig, TargetConfig
 
 SHAPES: dict[str, dict] = {
     "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -20,7 +20,29 @@ SHAPES: dict[str, dict] = {
                           num_kv_heads=4, head_dim=128, rope=RopeConfig(theta=1000000.0), qk_norm=True,
                           model_type="qwen3_moe", rms_norm_eps=1e-6,
                           moe=MoeConfig(num_experts=128, top_k=8, intermediate_size=768, layers=tuple(range(48)))),
+    # Gemma 4 31B as its public descriptions give it: 60 layers, 5 sliding (window 1024; 16 KV heads of 256) to 1
+    # full (4 KV heads of 512, values from the key projection, proportional RoPE), tied 262k vocabulary, logits
+    # soft-capped at 30; no per-layer inputs, no KV sharing. Not read from its config.json (no download here).
+    "gemma4-31b": dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=60, num_heads=32,
+                       num_kv_heads=16, head_dim=256, tie_word_embeddings=True, qk_norm=True,
+                       model_type="gemma4_text", rms_norm_eps=1e-6,
+                       gemma4=dict(sliding_window=1024, full_head_dim=512, full_kv_heads=4, k_eq_v=True,
+                                   final_logit_softcapping=30.0)),
 }
+
+
+def gemma4_layout(num_layers: int, intermediate_size: int, **fields) -> Gemma4Layout:
+    """Gemma 4's layout for `num_layers` layers of the default pattern (every sixth layer full, the last full), no
+    KV sharing: what a shape with fewer layers compiles (compiled_cost measures whole periods of six)."""
+    types = tuple("sliding_attention" if (i + 1) % 6 and i < num_layers - 1 else "full_attention"
+                  for i in range(num_layers))
+    return Gemma4Layout(layer_types=types, kv_source=tuple(range(num_layers)),
+                        mlp_widths=(intermediate_size,) * num_layers, **fields)
+
+
+def layer_period(cfg: TargetConfig) -> int:
+    """Layers that repeat as one unit: Gemma 4's six (five sliding, one full), one layer otherwise."""
+    return 6 if cfg.gemma4 is not None else 1
 
 
 def reference_config(name: str, **overrides) -> TargetConfig:
@@ -33,4 +55,6 @@ def reference_config(name: str, **overrides) -> TargetConfig:
     if moe is not None and "moe" not in overrides:
         layers = tuple(i for i in moe.layers if i < fields["num_layers"])
         fields["moe"] = dataclasses.replace(moe, layers=layers)
+    if isinstance(fields.get("gemma4"), dict):
+        fields["gemma4"] = gemma4_layout(fields["num_layers"], fields["intermediate_size"], **fields["gemma4"])
     return TargetConfig(**fields)

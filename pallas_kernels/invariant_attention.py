@@ -16,6 +16,13 @@ The canonical operations, per (sequence, KV head, query token):
 A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
 capacity) does not matter either.
 
+Two static arguments serve Gemma 4: `scale` (None: D^-½; Gemma 4 norms q and k and scales by 1.0) and `window` (a
+sliding layer's query at p sees keys at p - window < position ≤ p). Both are part of the visible mask and the
+canonical operations, the same in every path. A fold that starts on blocks with nothing visible ends with exactly
+the partial of the first visible block (m = -1e30, l = a = 0 merge into it as e^-∞ = 0 and e^0 = 1), so the kernels
+start their loop at the first block the window reaches (`_first_visible_block`; the TPU variant copies nothing
+before it) and give the reference's bits, which folds every block.
+
 The query rows of those dots are zero-padded to QUERY_ROWS (16; G rounded up to a power of two where that is
 more): the kernel pads each token's G rows, and every one of its dots is [16, D] x [D, Bk] and [16, Bk] x [Bk, D].
 The reference (`_attend_tokens`) packs all its tokens' rows into whole 16-row tiles and meets each key block with
@@ -173,11 +180,14 @@ def invariant_attention_reference(
     *,
     key_block: int = 64,
     num_blocks: int | None = None,  # static bound on the blocks any query can see (prefills: ceil(T / Bk))
+    scale: float | None = None,  # the scores' scale; None: D^-½ (Gemma 4 norms q and k instead: 1.0)
+    window: int | None = None,  # sliding window: a query at p sees keys at p - window < position <= p
 ) -> jax.Array:
     """→ [B, T, Hq, D] in q's dtype. More than QUERY_CHUNK tokens go QUERY_CHUNK at a time (a loop): each token's
     operations are the same, and memory stays O(QUERY_CHUNK · S) instead of O(T · S) for a long prefill."""
     t = q.shape[1]
-    attend = functools.partial(_attend_tokens, key_block=key_block, num_blocks=num_blocks)
+    attend = functools.partial(_attend_tokens, key_block=key_block, num_blocks=num_blocks,
+                               scale=q.shape[-1]**-0.5 if scale is None else scale, window=window)
     if t <= QUERY_CHUNK:
         return attend(q, k_cache, v_cache, lengths, positions, ancestors)
     chunks = -(-t // QUERY_CHUNK)
@@ -194,7 +204,8 @@ def invariant_attention_reference(
     return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], chunks * QUERY_CHUNK, *q.shape[2:])[:, :t]
 
 
-def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None):
+def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None,
+                   scale: float, window: int | None):
     """invariant_attention_reference on one group of query tokens.
 
     Each KV head's T·G query rows are packed into R rows, whole tiles of `query_tile_rows(G)` (16 on most models:
@@ -216,14 +227,13 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
     k_blocks = k_cache[:, :, : nb * bk].reshape(b, hkv, nb, bk, d)
     v_blocks = v_cache[:, :, : nb * bk].reshape(b, hkv, nb, bk, d)
-    scale = d**-0.5
     rows = t * g
     r = -(-rows // query_tile_rows(g)) * query_tile_rows(g)  # whole tiles, all of them in one dot
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, H, T, G, D]
     qt = jnp.pad(qg.reshape(b, hkv, rows, d), ((0, 0), (0, 0), (0, r - rows), (0, 0)))[:, :, None]  # [B, H, 1, R, D]
     row_pos = jnp.pad(jnp.repeat(positions, g, axis=1), ((0, 0), (0, r - rows)), constant_values=-1)  # [B, R]
     slots = jnp.arange(nb * bk, dtype=jnp.int32).reshape(nb, bk)
-    visible = slots[None, None] <= row_pos[:, :, None, None]  # [B, R, N, Bk]; padding rows see nothing
+    visible = in_window(slots[None, None], row_pos[:, :, None, None], window)  # [B, R, N, Bk]; padding: nothing
     visible = visible.transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, R, Bk]
     m, l, a = block_partial(
         jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scale, per_row=True,
@@ -235,7 +245,7 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
 
     m, l, a = per_token(m), per_token(l), per_token(a)
     if ancestors is not None:
-        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale)
+        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale, window)
     state = (m[:, :, 0], l[:, :, 0], a[:, :, 0])
     for n in range(1, nb):  # fold the blocks in position order
         state = merge(state, (m[:, :, n], l[:, :, n], a[:, :, n]), scale)
@@ -249,7 +259,15 @@ def query_tile_rows(g: int) -> int:
     return max(QUERY_ROWS, 1 << (g - 1).bit_length())
 
 
-def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
+def in_window(key_pos, query_pos, window: int | None):
+    """Whether a query at query_pos sees the key at key_pos (broadcast): causal, and within a sliding window.
+    Keys left of the window fall out of whole blocks as well as parts: a block with nothing visible leaves the fold
+    exactly unchanged (module docstring), so the window needs no other change to the canonical operations."""
+    visible = key_pos <= query_pos
+    return visible if window is None else visible & (key_pos > query_pos - window)
+
+
+def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk, window: int | None = None):
     """The two blocks from the committed length on (n0 = lengths // Bk and n0 + 1) as each tree node sees them:
     committed slots as they are, then its ancestors gathered into position order. Needs depth + 1 ≤ Bk, so that
     every node's positions end inside those two blocks. → k, v [B, H, T, 2, Bk, D], visible [B, T, 2, Bk], n0 [B]."""
@@ -258,12 +276,12 @@ def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
     if depth > bk:
         raise ValueError(f"tree depth {depth - 1} needs key_block > depth (got key_block={bk})")
     n0 = lengths // bk  # [B]
-    window = n0[:, None] * bk + jnp.arange(2 * bk, dtype=jnp.int32)[None]  # [B, 2Bk] absolute slots
-    rel = window - lengths[:, None]  # [B, 2Bk] offset past the committed length
+    slots = n0[:, None] * bk + jnp.arange(2 * bk, dtype=jnp.int32)[None]  # [B, 2Bk] absolute slots
+    rel = slots - lengths[:, None]  # [B, 2Bk] offset past the committed length
     anc = jnp.take_along_axis(
         ancestors, jnp.broadcast_to(jnp.clip(rel, 0, depth - 1)[:, None, :], (b, t, 2 * bk)), axis=2
     )  # [B, T, 2Bk]
-    src = jnp.where(rel[:, None, :] < 0, window[:, None, :], lengths[:, None, None] + anc)
+    src = jnp.where(rel[:, None, :] < 0, slots[:, None, :], lengths[:, None, None] + anc)
     src = jnp.clip(src, 0, k_cache.shape[2] - 1)  # [B, T, 2Bk] which cache slot holds the key at each position
 
     def gather(cache):  # [B, H, S, D] -> [B, H, T, 2, Bk, D]
@@ -271,15 +289,15 @@ def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk):
         rows = jnp.take_along_axis(cache[:, :, None], idx, axis=3)
         return rows.reshape(b, hkv, t, 2, bk, d)
 
-    visible = (window[:, None, :] <= positions[:, :, None]).reshape(b, t, 2, bk)
+    visible = in_window(slots[:, None, :], positions[:, :, None], window).reshape(b, t, 2, bk)
     return gather(k_cache), gather(v_cache), visible, n0
 
 
-def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scale):
+def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scale, window):
     """Replace the partials [B, H, N, T, G, ...] of the two tail blocks by ones over each node's own keys
     (tree_tail_keys); qg [B, H, T, G, D]."""
     b, hkv, t, g, d = qg.shape
-    k_tail, v_tail, visible, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
+    k_tail, v_tail, visible, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk, window)
     m, l, a = partials
     nb = m.shape[2]
     tm, tl, ta = block_partial(
@@ -304,13 +322,23 @@ def _visible_blocks(pos, key_block: int, num_blocks: int):
     return jnp.clip(jax.lax.div(jnp.maximum(pos, 0), key_block) + 1, 1, num_blocks)
 
 
+def _first_visible_block(pos, key_block: int, window: int | None, end):
+    """The first block a query at `pos` can see under a sliding window (0 without one; at most end - 1). The blocks
+    before it hold nothing visible, and a fold that starts at block 0 leaves its state exactly as this block's
+    partial (module docstring), so skipping them changes no bit: a sliding layer reads its window, not its past."""
+    if window is None:
+        return 0
+    return jnp.minimum(jax.lax.div(jnp.maximum(pos - window + 1, 0), key_block), end - 1)
+
+
 def _rows(n, size: int):
     """Rows n·size .. (n + 1)·size - 1 of a ref (`pl.ds`), with the alignment said for a traced n."""
     start = n * size
     return pl.ds(start if isinstance(start, int) or size == 1 else pl.multiple_of(start, size), size)
 
 
-def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: float, fence: bool):
+def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: float, window: int | None,
+              fence: bool):
     """→ partial(n): block n's (m, l, a) for one query token's padded rows (Triton kernels), by `block_partial`.
     Block n is read from the cache `key_block` rows at a time, or, for a tree's tail blocks (n0 and n0 + 1),
     from the pre-gathered tails (`tail_refs` = (n0_ref, kt_ref, vt_ref); None: no tree)."""
@@ -331,7 +359,7 @@ def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: flo
 
     def partial(n):
         k, v = load(n)
-        visible = n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
+        visible = in_window(n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0), pos, window)
         return canonical(q, k, v, visible, scale)
 
     return partial
@@ -349,21 +377,24 @@ def _unpack_refs(refs, tree: bool, outputs: int):
     return q_ref, k_ref, v_ref, tail, outs
 
 
-def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, tree: bool, fence: bool):
+def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, window: int | None, tree: bool,
+            fence: bool):
     """One (sequence, query token, KV head): its query rows (the G heads, zero-padded) against the key blocks in
     position order, one block live at a time, with the same per-block operations and fold as the reference. Blocks
     past the query's position are not visited: with nothing visible they would leave (m, l, a) exactly unchanged.
     Tree tails (blocks n0 and n0 + 1, per token) come pre-gathered; the other blocks are read from the cache."""
     q_ref, k_ref, v_ref, tail, (o_ref,) = _unpack_refs(refs, tree, 1)
     pos = pos_ref[...]
-    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, fence=fence)
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, window=window,
+                        fence=fence)
     end = _visible_blocks(pos, key_block, num_blocks)
-    state = jax.lax.fori_loop(1, end, lambda n, st: merge(st, partial(n), scale), partial(0))
+    start = _first_visible_block(pos, key_block, window, end)
+    state = jax.lax.fori_loop(start + 1, end, lambda n, st: merge(st, partial(n), scale), partial(start))
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
 def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per_split: int, kept: int,
-                     scale: float, tree: bool, fence: bool):
+                     scale: float, window: int | None, tree: bool, fence: bool):
     """Split form, phase 1: one (query token, KV head, sequence, split) computes the partials (m, l, a) of its
     contiguous range of blocks [c·P, (c + 1)·P), those the query can see, each exactly as `_kernel` computes it, and
     stores block n's first `kept` rows at rows n·kept .. of the token's buffers (masked stores: the padding rows past
@@ -372,9 +403,11 @@ def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per
     q_ref, k_ref, v_ref, tail, (m_ref, l_ref, a_ref) = _unpack_refs(refs, tree, 3)
     pos = pos_ref[...]
     rows = q_ref.shape[0]
-    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, fence=fence)
-    first = pl.program_id(3) * blocks_per_split
-    stop = jnp.minimum(first + blocks_per_split, _visible_blocks(pos, key_block, num_blocks))
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, window=window,
+                        fence=fence)
+    end = _visible_blocks(pos, key_block, num_blocks)
+    first = jnp.maximum(pl.program_id(3) * blocks_per_split, _first_visible_block(pos, key_block, window, end))
+    stop = jnp.minimum(pl.program_id(3) * blocks_per_split + blocks_per_split, end)
     keep = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < kept
 
     def store(ref, value, n):
@@ -393,7 +426,7 @@ def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per
 
 
 def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blocks: int, scale: float,
-                 unroll: int):
+                 window: int | None, unroll: int):
     """Split form, phase 2: one (query token, KV head, sequence) folds the stored partials of blocks 0 .. end - 1
     left to right with `merge`, as `_kernel` folds them, then `finish`. Elementwise on the kept rows [G', D]: each
     row's bits are those of the same row in `_kernel`'s [R, D]. `unroll` blocks' partials are loaded before they
@@ -407,20 +440,21 @@ def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blo
         return m_ref[rows], l_ref[rows], a_ref[rows, :]
 
     def group(i, state):
-        first = 1 + i * unroll
+        first = start + 1 + i * unroll
         parts = [load(first + u) for u in range(unroll)]
         for part in parts:
             state = merge(state, part, scale)
         return state
 
-    groups = jax.lax.div(end - 1, unroll)
-    state = jax.lax.fori_loop(0, groups, group, load(0))
-    state = jax.lax.fori_loop(1 + groups * unroll, end, lambda n, st: merge(st, load(n), scale), state)
+    start = _first_visible_block(pos, key_block, window, end)  # phase 1 stored blocks start .. end - 1 only
+    groups = jax.lax.div(end - 1 - start, unroll)
+    state = jax.lax.fori_loop(0, groups, group, load(start))
+    state = jax.lax.fori_loop(start + 1 + groups * unroll, end, lambda n, st: merge(st, load(n), scale), state)
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
 def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num_blocks: int, scale: float,
-                tree: bool, fence: bool):
+                window: int | None, tree: bool, fence: bool):
     """Mosaic TPU: `_kernel`'s operations for one (query token, KV head, sequence), with the scalars (positions,
     tree tails' first blocks n0) in SMEM (scalar prefetch) and the cache left in HBM: each [Bk, D] key and value
     block is copied into VMEM by DMA, double-buffered (block n + 1 is on its way while block n is used). Tree tails
@@ -452,7 +486,7 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
             n0 = n0_ref[i]
             shared = (n < n0) | (n > n0 + 1)  # as in `_kernel`
             k, v = jax.lax.cond(shared, lambda: (k, v), lambda: (kt_ref[n - n0], vt_ref[n - n0]))
-        visible = n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0) <= pos
+        visible = in_window(n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0), pos, window)
         return canonical(q, k, v, visible, scale)
 
     def step(n, state):
@@ -461,18 +495,20 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
         return merge(state, partial(n, slot), scale)
 
     end = _visible_blocks(pos, key_block, num_blocks)
-    for copy in copies(0, 0):
+    start = _first_visible_block(pos, key_block, window, end)
+    slot = jax.lax.rem(start, 2)
+    for copy in copies(start, slot):
         copy.start()
 
-    @pl.when(end > 1)
+    @pl.when(end > start + 1)
     def _():
-        for copy in copies(1, 1):
+        for copy in copies(start + 1, 1 - slot):
             copy.start()
 
-    for copy in copies(0, 0):
+    for copy in copies(start, slot):
         copy.wait()
-    first = partial(0, 0)
-    state = jax.lax.fori_loop(1, end, step, first)
+    first = partial(start, slot)
+    state = jax.lax.fori_loop(start + 1, end, step, first)
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
@@ -504,10 +540,12 @@ def split_blocks(programs: int, num_blocks: int, split: bool | int | None = None
     raise ValueError(f"split must be None, a bool or a positive number of blocks, got {split!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "interpret", "backend", "split"))
+@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "scale", "window", "interpret", "backend",
+                                             "split"))
 def invariant_attention(
     q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
-    interpret: bool | pltpu.InterpretParams = False, backend: str | None = None, split: bool | int | None = None,
+    scale: float | None = None, window: int | None = None, interpret: bool | pltpu.InterpretParams = False,
+    backend: str | None = None, split: bool | int | None = None,
 ) -> jax.Array:
     """The Pallas kernel; same signature and bits as `invariant_attention_reference` (see the module docstring for
     its grid, blocks and lowering). `backend` picks the variant: "tpu" the Mosaic TPU one, anything else ("cuda",
@@ -533,6 +571,7 @@ def invariant_attention(
         if split not in (None, False):
             raise ValueError("the TPU variant has no split form (split=None or False)")
         return _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, key_block=bk, num_blocks=nb,
+                         scale=d**-0.5 if scale is None else scale, window=window,
                          interpret=interpret)[:, :, :, :g].reshape(b, t, hq, d)
     interpret = bool(interpret)
     # grid (token, KV head, sequence[, split]): the first axis is CUDA's x, whose blocks start first, so the tokens
@@ -542,13 +581,13 @@ def invariant_attention(
     in_specs = [token, pl.BlockSpec((None, None, None, rows, d), lambda j, h, i, *_: (i, j, h, 0, 0)), cache, cache]
     operands = [positions.astype(jnp.int32), qg, k_cache, v_cache]
     if tree:
-        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk)
+        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk, window)
         tail = pl.BlockSpec((None, None, None, 2, bk, d), lambda j, h, i, *_: (i, h, j, 0, 0, 0))
         in_specs[1:1] = [pl.BlockSpec((None,), lambda j, h, i, *_: (i,))]
         in_specs += [tail, tail]
         operands[1:1] = [n0.astype(jnp.int32)]
         operands += [k_tail, v_tail]
-    opts = {"key_block": bk, "num_blocks": nb, "scale": d**-0.5}
+    opts = {"key_block": bk, "num_blocks": nb, "scale": d**-0.5 if scale is None else scale, "window": window}
     params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     per = split_blocks(t * hkv * b, nb, split)
     if not per:
@@ -595,7 +634,7 @@ def invariant_attention(
 
 
 def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int,
-              interpret: bool | pltpu.InterpretParams):
+              scale: float, window: int | None, interpret: bool | pltpu.InterpretParams):
     """The Mosaic TPU call on the padded queries qg [B, T, H, R, D] → [B, T, H, R, D]: positions and n0 as
     scalar-prefetch operands, the caches in HBM (`pl.ANY`, copied block by block), queries, outputs and tree tails
     as VMEM blocks whose last two dimensions are whole ([R, D], [Bk, D]), as Mosaic's (8, 128) tiling asks."""
@@ -605,14 +644,15 @@ def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block:
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs, operands = [per_token, hbm, hbm], [qg, k_cache, v_cache]
     if tree:
-        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, key_block)
+        k_tail, v_tail, _, n0 = tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, key_block, window)
         tail = pl.BlockSpec((None, None, None, 2, key_block, d), lambda j, h, i, *_: (i, h, j, 0, 0, 0))
         in_specs += [tail, tail]
         operands += [k_tail, v_tail]
     else:
         n0 = jnp.zeros((b,), jnp.int32)
     kernel = functools.partial(
-        _kernel_tpu, key_block=key_block, num_blocks=num_blocks, scale=d**-0.5, tree=tree, fence=bool(interpret)
+        _kernel_tpu, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window, tree=tree,
+        fence=bool(interpret)
     )
     return pl.pallas_call(
         kernel,
@@ -631,16 +671,19 @@ def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block:
     )(positions.astype(jnp.int32), n0.astype(jnp.int32), *operands)
 
 
-def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str):
+def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str,
+                     scale: float | None = None, window: int | None = None):
     """Dispatch for the target's attention by implementation (`pallas_kernels.dispatch`): "reference" (jax.numpy,
     every backend), "pallas" (compiled kernel) or "interpret" (the kernel in Pallas interpret mode: CPU). Under a (data, model) mesh the
     kernel runs per shard in `jax.shard_map` (rows over data, KV heads over model: no collective)."""
     if impl == "reference":
         return invariant_attention_reference(
-            q, k_cache, v_cache, lengths, positions, ancestors, key_block=key_block, num_blocks=num_blocks
+            q, k_cache, v_cache, lengths, positions, ancestors, key_block=key_block, num_blocks=num_blocks,
+            scale=scale, window=window,
         )
     fn = functools.partial(
-        invariant_attention, key_block=key_block, num_blocks=num_blocks, interpret=impl == "interpret"
+        invariant_attention, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window,
+        interpret=impl == "interpret",
     )
     if not on_mesh():
         return fn(q, k_cache, v_cache, lengths, positions, ancestors)

@@ -127,3 +127,32 @@ def make_training_setup(base: Path, target_seed: int = 1) -> Path:
     write_shard(base / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
                 [True] * len(seqs))
     return base
+
+
+def train_head_on_own_text(target_dir: Path, out: Path, prompts: list[list[int]], batch_size: int = 8,
+                           seq_len: int = 32, **head) -> tuple[Path, list[list[int]]]:
+    """train.launch on a tiny target's own greedy text: its 24-token continuations of `prompts` (5 tokens each) as
+    one shard under out/data, 60 steps of a head (`head`: the config's head section) → (the run directory, the
+    training sequences)."""
+    import yaml
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generation import Generator
+    from train.config import load_config
+    from train.data import write_shard
+    from train.launch import run
+
+    continuations = Generator(load_target(target_dir), batch_size=batch_size).generate(prompts, max_new_tokens=24)
+    seqs = [p + c.token_ids for p, c in zip(prompts, continuations)]
+    (out / "data").mkdir(parents=True)
+    write_shard(out / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
+                [True] * len(seqs))
+    cfg = {"target": str(target_dir), "data": str(out / "data"), "out": str(out / "run"),
+           "head": {"intermediate_size": 96, **head},
+           "train": {"num_draft_steps": 3, "batch_size": 4, "seq_len": seq_len, "steps": 60, "seed": 0,
+                     "checkpoint_every": 60, "keep_checkpoints": 1, "log_every": 10, "eval_every": 0,
+                     "compute_dtype": "float32"},
+           "optim": {"learning_rate": 0.003, "warmup_steps": 2}}
+    (out / "run.yaml").write_text(yaml.safe_dump(cfg))
+    run(load_config(out / "run.yaml"))
+    return out / "run", seqs

@@ -66,6 +66,7 @@ def test_the_choice_follows_costs_and_acceptance_and_the_output_is_the_targets(p
         assert out[-1].stats["auto"]["basis"] == "prior+observed"
 
 
+@pytest.mark.slow  # ~44 s; CI: the draft-model CLI test runs auto's first batch (tests/test_draft_model.py)
 def test_without_a_prior_the_first_batch_measures_and_the_counts_decide(target_only):
     gen = _auto(None, DEAR_VERIFY)
     out = gen.generate(PROMPTS, max_new_tokens=MAX_NEW)

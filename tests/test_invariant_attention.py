@@ -262,3 +262,56 @@ def test_rows_are_independent(kind, dtype, t, hq):
         got, want = run_both(args, None)
         for name, out in (("kernel", got), ("reference", want)):
             np.testing.assert_array_equal(bits(out[at]), bits(got_alone[0]), err_msg=f"{name}: row at {at}")
+
+
+# Sliding windows (Gemma 4's sliding layers) with the scores unscaled (scale 1.0: Gemma 4 norms q and k instead):
+# windows shorter than a block, a block, and across blocks, so that whole blocks and parts of blocks fall out.
+WINDOWED = [
+    pytest.param("chain", "float32", 4, 6, 6, 2, 16, 256, (1, 64, 65, 250), None, 8, id="chain6-window8"),
+    pytest.param("tree", "bfloat16", 4, 16, 8, 2, 16, 256, (62, 64, 130, 200), 7, 100, id="tree16-window100",
+                 marks=pytest.mark.slow),
+    pytest.param("chain", "bfloat16", 1, 1, 8, 2, 32, 4160, (4095,), None, 64, id="decode4k-window64",
+                 marks=pytest.mark.slow),
+    pytest.param("prefill", "float32", 1, 100, 4, 2, 16, 200, (0,), None, 30, id="prefill100-window30",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,b,t,hq,hkv,d,s,lengths,max_depth,window", WINDOWED)
+def test_a_sliding_window_kernel_equals_reference_and_masks_by_position(kind, dtype, b, t, hq, hkv, d, s, lengths,
+                                                                         max_depth, window):
+    """The kernel (one-pass, and the split form on long caches; its Triton and TPU variants) gives the reference's
+    bits under a window, starting from the first block the window reaches, and both are softmax(q·k) over the keys at
+    positions p - window < position <= p (a direct float32 computation)."""
+    args, num_blocks = make_inputs(f"window-{kind}-{window}", kind, dtype, b, t, hq, hkv, d, s, lengths, max_depth)
+    opts = {"key_block": KEY_BLOCK, "num_blocks": num_blocks, "scale": 1.0, "window": window}
+    windowed = jax.jit(invariant_attention_reference, static_argnames=tuple(opts))
+    want = windowed(*args, **opts)
+    for split in (False, True) if s > 1024 else (None,):
+        got = invariant_attention(*args, **opts, interpret=INTERPRET, split=split)
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"split={split}")
+    if INTERPRET and kind != "prefill":  # the Mosaic TPU variant, in TPU interpret mode: DMAs from the first
+        # visible block on (the blocks left of the window are never copied)
+        from jax.experimental.pallas import tpu as pltpu
+
+        got = invariant_attention(*args, **opts, interpret=pltpu.InterpretParams(), backend="tpu")
+        pltpu.reset_tpu_interpret_mode_state()
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg="tpu")
+    q, k_cache, v_cache, lens, positions, ancestors = (None if a is None else np.asarray(a, np.float32) for a in args)
+    g = hq // hkv
+    for i in range(b):
+        for j in range(t):
+            p = int(positions[i, j])
+            if ancestors is None:
+                slots = np.arange(p + 1)
+            else:  # committed slots, then the node's ancestors (itself last), each at slot lengths + node
+                depth = p - int(lens[i])
+                slots = np.concatenate([np.arange(int(lens[i])), int(lens[i]) + ancestors[i, j, :depth + 1]])
+            key_pos = np.arange(len(slots))  # slots in position order: slot list index = position
+            slots = slots[key_pos > p - window].astype(int)
+            for h in range(hq):
+                scores = k_cache[i, h // g, slots] @ q[i, j, h]
+                probs = np.exp(scores - scores.max())
+                direct = (probs / probs.sum()) @ v_cache[i, h // g, slots]
+                tol = 2e-2 if dtype == "bfloat16" else 1e-5
+                np.testing.assert_allclose(np.asarray(want[i, j, h], np.float32), direct, rtol=tol, atol=tol)

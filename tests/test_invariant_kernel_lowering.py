@@ -362,3 +362,30 @@ def check_equals_reference(case, **kernel_opts):
     assert got.shape == want.shape == q.shape and got.dtype == want.dtype == q.dtype
     np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name} {dtype}")
     assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+# Gemma 4 31B's attention: sliding layers (32 query / 16 KV heads of 256, a window of 1024) and full layers (32 / 4
+# heads of 512), both with unscaled scores
+GEMMA4_LAYERS = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, None)}
+
+
+@pytest.mark.parametrize("layer", list(GEMMA4_LAYERS))
+@pytest.mark.parametrize("b,t,s", [(1, 1, 8192), (8, 6, 4096)])
+def test_gemma4_attention_lowers_for_cuda_and_tpu(layer, b, t, s):
+    """The window and scale are static arguments: the kernel lowers with them for CUDA (its one-pass and split
+    forms) and for TPUs, at Gemma 4's head sizes (the full layers' 512-wide heads too)."""
+    hq, hkv, d, window = GEMMA4_LAYERS[layer]
+    args = [jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, hkv, s, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, hkv, s, d), jnp.bfloat16), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, t), jnp.int32)]
+
+    def fn(backend, split=None):
+        return lambda q, k, v, lengths, positions: invariant_attention(
+            q, k, v, lengths, positions, backend=backend, split=split, scale=1.0, window=window)
+
+    for split in (False, True):
+        text = export_for_cuda(fn(None, split), args)
+        if text is not None:
+            assert f"tensor<{b}x{t}x{hq}x{d}xbf16>" in text
+    text = export_for_tpu(fn("tpu"), args)
+    assert "tpu_custom_call" in text and f"tensor<{b}x{t}x{hq}x{d}xbf16>" in text

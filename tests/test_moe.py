@@ -236,13 +236,10 @@ def test_a_moe_model_type_with_bad_expert_counts_is_one_line():
 def test_a_head_trained_on_a_moe_target_loads_back_and_accepts_more_than_a_random_one(tmp_path):
     """train.launch on a tiny Qwen3-MoE checkpoint and its own greedy continuations: the exported head loads
     against the target and accepts more drafts per verify than an untrained head of the same shape."""
-    import yaml
+    from hf_tiny import train_head_on_own_text
 
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.models.eagle3 import Eagle3Head
-    from train.config import load_config
-    from train.data import write_shard
-    from train.launch import run
 
     hf = make_tiny("qwen3_moe", tmp_path / "target", seed=1)
     with torch.no_grad():  # embeddings dominate the residual stream (as spec_fixtures.tiny_target), sharp routers
@@ -253,20 +250,9 @@ def test_a_head_trained_on_a_moe_target_loads_back_and_accepts_more_than_a_rando
     target = load_target(tmp_path / "target")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, 5).tolist() for _ in range(48)]
-    continuations = Generator(target, batch_size=16).generate(prompts, max_new_tokens=24)  # self-distilled data
-    seqs = [p + c.token_ids for p, c in zip(prompts, continuations)]
-    (tmp_path / "data").mkdir()
-    write_shard(tmp_path / "data" / "shard-00000.npz", seqs, [5] * len(seqs), [str(i) for i in range(len(seqs))],
-                [True] * len(seqs))
-    cfg = {"target": str(tmp_path / "target"), "data": str(tmp_path / "data"), "out": str(tmp_path / "run"),
-           "head": {"draft_vocab_size": 64, "intermediate_size": 96},
-           "train": {"num_draft_steps": 3, "batch_size": 4, "seq_len": 24, "steps": 60, "seed": 0,
-                     "checkpoint_every": 60, "keep_checkpoints": 1, "log_every": 10, "eval_every": 0,
-                     "compute_dtype": "float32"},
-           "optim": {"learning_rate": 0.003, "warmup_steps": 2}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    run(load_config(tmp_path / "run.yaml"))
-    trained = load_head(tmp_path / "run" / "head-speculators", target.config, dtype="float32")
+    run_dir, seqs = train_head_on_own_text(tmp_path / "target", tmp_path, prompts, batch_size=16, seq_len=24,
+                                           draft_vocab_size=64)
+    trained = load_head(run_dir / "head-speculators", target.config, dtype="float32")
     untrained = Eagle3Head(trained.config, rngs=nnx.Rngs(0))
     held_out = [s[:6] for s in seqs[:8]]
 

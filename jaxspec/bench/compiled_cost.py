@@ -230,8 +230,8 @@ def compile_forward(case: CostCase, layers: int, device):
     import numpy as np
     from flax import nnx
 
-    from jaxspec.models.llama import LlamaModel
     from jaxspec.models.numerics import default_numerics
+    from jaxspec.models.target import target_model
     from jaxspec.reference_shapes import reference_config
 
     backend = PLATFORMS[case.platform].backend
@@ -245,7 +245,7 @@ def compile_forward(case: CostCase, layers: int, device):
         numerics = None
         if case.numerics == "invariant":
             numerics = default_numerics(backend, case.kernels)
-        model = LlamaModel(cfg, dtype=jnp.bfloat16, rngs=None, numerics=numerics)  # rngs=None: shapes only
+        model = target_model(cfg, dtype=jnp.bfloat16, rngs=None, numerics=numerics)  # rngs=None: shapes only
         if case.quantize:
             from jaxspec.models.quantize import quantize_target
 
@@ -537,9 +537,19 @@ def read_program(compiled, unknown_trips: int = 1) -> dict:
 
 
 def kv_bytes(case: CostCase, cfg) -> int:
-    """Keys and values a step must read at least: the committed tokens' and its own, every layer, every row."""
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bfloat16
-    return case.batch * (case.length + case.tokens) * per_token
+    """Keys and values a step must read at least: the committed tokens' and its own, every layer, every row; a
+    sliding-window layer (Gemma 4) only those of its window before the step's first token."""
+    seen = case.length + case.tokens
+    g = cfg.gemma4
+    if g is None:
+        return case.batch * seen * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bfloat16
+    total = 0
+    for i in g.cache_layers:
+        if g.sliding(i):
+            total += min(seen, g.sliding_window - 1 + case.tokens) * cfg.num_kv_heads * cfg.head_dim
+        else:
+            total += seen * g.full_kv_heads * g.full_head_dim
+    return case.batch * total * 2 * 2
 
 
 def expected_experts(tokens: int, moe) -> float:
@@ -569,19 +579,25 @@ def measure(case: CostCase, device, say=print) -> dict:
     from pallas_kernels.dispatch import resolve_kernels
 
     from jaxspec.models.numerics import default_numerics
-    from jaxspec.reference_shapes import reference_config
+    from jaxspec.reference_shapes import layer_period, reference_config
 
     real = reference_config(case.shape)
     begin = time.perf_counter()
-    (small, w_small), (big, w_big) = (compile_forward(case, n, device) for n in (case.layers, case.layers + 1))
+    # whole periods of layers where layer types alternate (Gemma 4: one period of six, then two), else layers
+    period = layer_period(real)
+    first = case.layers if period == 1 else period
+    (small, w_small), (big, w_big) = (compile_forward(case, n, device) for n in (first, first + period))
     trips = 1
     if real.moe is not None and case.numerics == "invariant":
         trips = expected_tiles(case, real, default_numerics(PLATFORMS[case.platform].backend).row_tile)
     a, b = read_program(small, trips), read_program(big, trips)
-    extra = real.num_layers - case.layers
+    extra = (real.num_layers - first) / period  # periods beyond the first compile's
 
     def extrapolate(key: str) -> float:
         return a[key] + extra * (b[key] - a[key])
+
+    def per_layer(difference):  # a period's difference shared by its layers (exact where the period is one)
+        return difference if period == 1 else round(difference / period, 2)
 
     weights = w_small + extra * (w_big - w_small)
     if real.moe is not None:
@@ -592,10 +608,12 @@ def measure(case: CostCase, device, say=print) -> dict:
     row = {
         **dataclasses.asdict(case), "tokens": case.tokens, "capacity": case.capacity, "real_layers": real.num_layers,
         "kernels_resolved": kernels,
-        "kernels_per_step": int(extrapolate("kernels")), "kernels_per_layer": b["kernels"] - a["kernels"],
+        "kernels_per_step": int(extrapolate("kernels")),
+        "kernels_per_layer": per_layer(b["kernels"] - a["kernels"]),
+        "compiled_layers": (first, first + period), "layer_period": period,
         "loop_trips_unknown": a["loop_trips_unknown"] or b["loop_trips_unknown"],
         "moe_tiles": trips if real.moe is not None else None,
-        "bytes_accessed": accessed, "bytes_per_layer": b["parsed bytes"] - a["parsed bytes"],
+        "bytes_accessed": accessed, "bytes_per_layer": per_layer(b["parsed bytes"] - a["parsed bytes"]),
         "cost_model_bytes": extrapolate("bytes accessed"),
         "weight_bytes": weights, "kv_bytes": kv, "bytes_over_floor": accessed / (weights + kv),
         "flops": extrapolate("flops"), "temp_bytes": b["temp_bytes"], "top": b["top"],
@@ -644,7 +662,7 @@ def _gb(x: float) -> str:
 
 def markdown(rows: list[dict], top: int = 3) -> str:
     """One table of every case, then each case's largest kernels by bytes."""
-    layers = sorted({(r["layers"], r["real_layers"]) for r in rows})
+    layers = sorted({(tuple(r["compiled_layers"]), r["real_layers"], r["layer_period"]) for r in rows})
     lines = [
         "| platform | numerics | step | batch | committed | kernels/step | kernels/layer | GB/step | weights+KV GB | "
         "ratio | goal | GB/step (XLA cost model) | TFLOP | temp MB |",
@@ -663,8 +681,10 @@ def markdown(rows: list[dict], top: int = 3) -> str:
         )
     lines += [
         "",
-        "Compiled at " + ", ".join(f"{n} and {n + 1} layers" for n, _ in layers) + "; per layer = the difference, "
-        "per step = fixed + " + ", ".join(str(real) for _, real in layers) + " × per layer. GB/step: the device "
+        "Compiled at " + ", ".join(f"{n} and {m} layers" for (n, m), _, _ in layers) + "; per layer = the difference "
+        "(over a period of layer types where they alternate: Gemma 4's six), per step = the first compile + the "
+        "further periods × the difference (" + ", ".join(f"{real} layers" for _, real, _ in layers) + "). "
+        "GB/step: the device "
         "memory each kernel reads and writes, from the optimized program's shapes (compiled_cost.kernel_bytes: "
         "slices and gathers charged what they read, in-place cache writes their update, on-chip TPU memory free); "
         "XLA's cost model beside it charges a fused gather its whole table. weights+KV: every weight but the "

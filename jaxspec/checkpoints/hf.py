@@ -1,4 +1,4 @@
-"""Hugging Face safetensors → LlamaModel, streamed tensor by tensor (no torch, no second full copy)."""
+"""Hugging Face safetensors → a target model, streamed tensor by tensor (no torch, no second full copy)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from jaxspec.config import TargetConfig, load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.files import read_json
-from jaxspec.models.llama import LlamaModel
+from jaxspec.models.target import TargetModel, target_model
 from jaxspec.models.numerics import held_dtype
 from jaxspec.models.quantize import quantize_target, quantize_weight
 
@@ -94,8 +94,8 @@ def hf_key(path: tuple) -> tuple[str, bool]:
     is stored by PyTorch as `weight` [out, in].
     """
     parts = [str(p) for p in path]
-    if parts == ["embed_tokens"]:
-        return "model.embed_tokens.weight", False
+    if len(parts) == 1:  # an embedding table: embed_tokens, Gemma 4's embed_tokens_per_layer
+        return f"model.{parts[0]}.weight", False
     prefix = ".".join(parts[:-1]) if parts[0] == "lm_head" else "model." + ".".join(parts[:-1])
     if parts[-1] == "kernel":
         return prefix + ".weight", True
@@ -104,7 +104,7 @@ def hf_key(path: tuple) -> tuple[str, bool]:
     return f"{prefix}.{parts[-1]}", False
 
 
-def model_params(model: LlamaModel) -> dict[str, tuple[nnx.Variable, bool]]:
+def model_params(model: TargetModel) -> dict[str, tuple[nnx.Variable, bool]]:
     """Checkpoint key → (the model's parameter, stored transposed?). A mixture-of-experts target's stacked experts
     appear under `<layer>.mlp.experts.<gate_proj|up_proj|down_proj>`; `expert_sources` names the per-expert tensors
     a checkpoint holds them in."""
@@ -137,16 +137,44 @@ def expert_sources(params: dict[str, tuple[nnx.Variable, bool]], model_type: str
     return out
 
 
+GEMMA4_TEXT_PREFIX = "model.language_model."  # Gemma4ForConditionalGeneration's text decoder
+
+
+def checkpoint_names(params: dict[str, tuple[nnx.Variable, bool]], index: dict[str, Path],
+                     cfg: TargetConfig) -> dict[str, tuple[nnx.Variable, bool]]:
+    """`model_params` under the names this checkpoint uses: a multimodal Gemma 4 checkpoint keeps its text decoder
+    under `model.language_model.` (its LM head is the tied table)."""
+    if cfg.gemma4 is None or GEMMA4_TEXT_PREFIX + "embed_tokens.weight" not in index:
+        return params
+    return {GEMMA4_TEXT_PREFIX + k.removeprefix("model.") if k.startswith("model.") else k: v
+            for k, v in params.items()}
+
+
+def _ignorable(key: str, cfg: TargetConfig) -> bool:
+    """A tensor the checkpoint may hold that this target does not use: exporters' buffers; a tied LM head; for Gemma
+    4, the vision and audio towers of a multimodal checkpoint and the key/value weights of KV-shared layers (which
+    transformers ignores too)."""
+    if key.endswith(_IGNORABLE_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+        return True
+    if cfg.gemma4 is None:
+        return False
+    if key.startswith("model.") and not key.startswith(("model.layers.", "model.norm.", "model.embed_tokens",
+                                                        "model.per_layer_", GEMMA4_TEXT_PREFIX)):
+        return True  # model.vision_tower, model.audio_tower, model.embed_vision, ...
+    parts = key.removeprefix(GEMMA4_TEXT_PREFIX).removeprefix("model.").split(".")
+    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[2] == "self_attn":
+        layer = int(parts[1])
+        return (layer < cfg.num_layers and cfg.gemma4.kv_source[layer] != layer
+                and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"))
+    return False
+
+
 def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: TargetConfig) -> None:
     missing = sorted(set(expected) - set(index))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise JaxspecError(f"{str(model_dir)!r} lacks tensors {', '.join(missing[:5])}{more}")
-    unexpected = sorted(
-        k
-        for k in set(index) - set(expected)
-        if not k.endswith(_IGNORABLE_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
-    )
+    unexpected = sorted(k for k in set(index) - set(expected) if not _ignorable(k, cfg))
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise JaxspecError(
@@ -158,8 +186,9 @@ def _check_keys(expected: dict, index: dict[str, Path], model_dir: Path, cfg: Ta
 def load_target(
     model_dir: str | Path, *, dtype=jnp.float32, aux_layer_ids: tuple[int, ...] | None = None, mesh=None,
     quantize: str | None = None,
-) -> LlamaModel:
-    """Build a LlamaModel from a Hugging Face directory (or one converted to orbax by `jaxspec.convert target`),
+) -> TargetModel:
+    """Build a target model (Llama family or Gemma 4, `target_model`) from a Hugging Face directory (or one
+    converted to orbax by `jaxspec.convert target`),
     casting every tensor to `dtype` as it is read. With a (data, model) `mesh`, an orbax checkpoint is restored
     straight into the mesh's parameter shardings (safetensors are read on the host and placed later). quantize:
     int8 or fp8 to quantize the decoder's matmul weights (`--quantize`, models/quantize.py), where every command that
@@ -174,14 +203,14 @@ def load_target(
         return quantize_target(model, quantize) if quantize else model
     cfg = load_target_config(model_dir, aux_layer_ids)
     index = tensor_index(model_dir)
-    model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
+    model = target_model(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
     scheme = checkpoint_quantization(model_dir)
     if scheme and quantize:
         raise JaxspecError(f"{str(model_dir)!r} is stored quantized ({scheme}); drop --quantize (target.quantize in "
                            "a training config)")
     if scheme or quantize:  # 8-bit kernels and their scales: read as stored, or made from each float kernel read
         quantize_target(model, scheme or quantize)
-    params = model_params(model)
+    params = checkpoint_names(model_params(model), index, cfg)
     # --quantize: kernel key → its scale's key, both set from the float weight as it is read
     made = {k.removesuffix("_scale"): k for k in params if k.endswith(".weight_scale")} if quantize else {}
     read = [k for k in params if k not in made.values()]

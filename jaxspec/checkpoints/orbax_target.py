@@ -21,7 +21,7 @@ from flax import nnx
 from jaxspec.config import load_target_config
 from jaxspec.errors import JaxspecError
 from jaxspec.files import read_json
-from jaxspec.models.llama import LlamaModel
+from jaxspec.models.target import TargetModel, target_model
 from jaxspec.sharding import param_shardings
 
 MARKER = "jaxspec_orbax.json"
@@ -33,7 +33,7 @@ def is_orbax_target(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def save_target_orbax(model: LlamaModel, source_dir: str | Path, out_dir: str | Path) -> Path:
+def save_target_orbax(model: TargetModel, source_dir: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir).absolute()
     if out.exists() and any(out.iterdir()):
         raise JaxspecError(f"output directory {str(out)!r} is not empty")
@@ -74,7 +74,7 @@ def _check_shapes(path: Path, saved: dict[str, list[int]] | None, expected: dict
         )
 
 
-def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, mesh=None) -> LlamaModel:
+def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, mesh=None) -> TargetModel:
     """Restore a converted target, cast to `dtype` (default: as saved) by orbax while reading; with a (data,
     model) `mesh`, each array is read straight into its `sharding.param_shardings` placement."""
     path = Path(path).absolute()
@@ -83,7 +83,7 @@ def load_target_orbax(path: str | Path, *, dtype=None, aux_layer_ids=None, mesh=
         raise JaxspecError(f"{str(path / MARKER)!r} is corrupt (no dtype); convert the target again")
     dtype = jnp.dtype(dtype or meta["dtype"])
     cfg = load_target_config(path, aux_layer_ids)
-    model = LlamaModel(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
+    model = target_model(cfg, dtype=dtype, rngs=None)  # shapes only: every weight is read below
     graphdef, abstract = nnx.split(model)
     target = nnx.to_pure_dict(abstract)
     _check_shapes(path, meta.get("shapes"), _shapes(target))

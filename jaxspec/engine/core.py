@@ -180,7 +180,7 @@ def spec_step(
     for a one-token forward."""
     running = (~st.done).astype(jnp.int32)
     k_propose, k_uniform, k_noise, keys = split_rows(st.keys, 4)
-    view = StepView(st.last_token, st.cache.lengths, running, st.processors, st.sampling)
+    view = StepView(st.last_token, st.cache.lengths, running, st.processors, st.sampling, st.cache)
     proposal, own = proposer.propose(params, target, st.proposer, view, k_propose)
     tokens = proposal.tokens.at[:, 0].set(st.last_token)  # [B, N]
     b, n = tokens.shape

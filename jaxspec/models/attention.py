@@ -30,20 +30,32 @@ def masked_attention(
     k_win: jax.Array,  # [B, Hkv, W, D] the uncommitted window
     v_win: jax.Array,  # [B, Hkv, W, D]
     mask: jax.Array,  # [B, T, W] bool
+    *,
+    scale: float | None = None,  # the scores' scale; None: D^-½
+    window: int | None = None,  # sliding window (with positions): a query at p sees p - window < position <= p
+    positions: jax.Array | None = None,  # [B, T] the queries' positions, which are the window entries' too (W = T)
 ) -> jax.Array:
-    """→ [B, T, Hq, D] in q's dtype, in plain jax.numpy (XLA partitions it like any other op on a mesh)."""
+    """→ [B, T, Hq, D] in q's dtype, in plain jax.numpy (XLA partitions it like any other op on a mesh). Committed
+    slot s holds position s; with a sliding window the W entries must be the new tokens themselves (`positions`)."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
+    if window is not None:
+        prefix_pos = jnp.arange(s)[None, None, :]  # [1, 1, S]
+        query_pos = positions[:, :, None]  # [B, T, 1]
+        within = (prefix_pos > query_pos - window) & (prefix_pos < lengths[:, None, None])  # [B, T, S]
+        mask = mask & (positions[:, None, :] > query_pos - window)  # [B, T, W]
+    else:
+        within = None
     # float32 math on the inputs' values (for bfloat16: exact products, float32 accumulation).
     # Prefix and window are scored separately and share one softmax, so the cache is never copied.
     g = hq // hkv
     qg = group_queries(q, hkv).astype(jnp.float32)  # [B, Hkv, G·T, D]
-    prefix = jnp.arange(s)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    prefix = jnp.arange(s)[None, None, :] < lengths[:, None, None] if within is None else within  # [B, 1|T, S]
     visible = jnp.concatenate([jnp.broadcast_to(prefix, (b, t, s)), mask], axis=2)  # [B, T, S + W]
     scores = jnp.concatenate([
         jnp.einsum("bkqd,bksd->bkqs", qg, k_cache.astype(jnp.float32)),
         jnp.einsum("bkqd,bksd->bkqs", qg, k_win.astype(jnp.float32)),
-    ], axis=-1).reshape(b, hkv, g, t, -1) * d**-0.5  # [B, Hkv, G, T, S + W]
+    ], axis=-1).reshape(b, hkv, g, t, -1) * (d**-0.5 if scale is None else scale)  # [B, Hkv, G, T, S + W]
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)

@@ -46,6 +46,9 @@ class StepView(NamedTuple):
     running: jax.Array  # [B] int32, 1 for rows still generating
     processors: ProcessorState | None  # logit processors, for drafting what the processed target would pick
     sampling: RowSampling | None = None  # the rows' sampling settings (None: all greedy), for sampled drafts
+    # the target's KV cache, committed [0, committed) per row (read-only): for drafters that attend to the target's
+    # own keys and values (Gemma 4's assistant, MTP heads) instead of keeping a cache
+    target_cache: kvc.KVCache | None = None
 
 
 class Proposal(NamedTuple):

@@ -1,0 +1,332 @@
+"""The Gemma 4 text decoder in Flax NNX (transformers' Gemma4TextModel / Gemma4ForCausalLM, and the language model
+of Gemma4ForConditionalGeneration), with the target interface of models/llama.py: an explicit KV cache, EAGLE-3
+features, and the batch-invariant numerics of numerics.py, so that speculation stays bit-exact.
+
+What Gemma 4 adds to a Llama decoder, each followed from transformers' code:
+- two layer types (`config.gemma4.layer_types`): sliding layers attend to the last `sliding_window` positions, with
+  their own head_dim, KV heads and RoPE (default, theta 10k); full layers see the whole context with a wider head
+  (global_head_dim) and proportional RoPE (only the first quarter of the pairs rotate). The window is a static
+  argument of the invariant attention (kernel and reference), so a sliding layer's keys are masked by position in
+  every program alike;
+- q and k RMS-normed per head (weights multiplied as they are, not 1 + w), v normed without a weight, and the
+  scores not scaled (scale 1.0): the norms set their size;
+- four norms per layer (before and after attention and MLP), a learned `layer_scalar` multiplying its output;
+- full layers with `attention_k_eq_v`: the values are the key projection's output (normed as values, not keys);
+- KV sharing: the last `num_kv_shared_layers` layers project no keys or values and attend to those of the last
+  earlier layer of their type (`Gemma4Layout.kv_source`), read from that layer's cache after this forward wrote
+  it; only the other layers have a cache entry (`Gemma4Layout.cache_layers`);
+- per-layer inputs (PLE): a second embedding table of L·P columns and a projection of the token embedding, normed
+  and summed, give each layer a P-wide input that gates a residual branch after its MLP;
+- the embedding scaled by sqrt(H) (rounded to the weights' dtype first, as transformers does), the GELU (tanh) MLP,
+  double-width MLPs on shared layers (`use_double_wide_mlp`), and tanh soft-capping of the logits.
+Not supported (one-line errors in config.py): the mixture-of-experts block (26B-A4B) and bidirectional attention.
+
+Invariant numerics: every matmul runs on the target's row tiles (`Linear` with numerics), every sum over features is
+a halving sum, and every product that meets an add is rounded first (`exact_mul`), as in llama.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import TargetConfig, gemma4_inv_freq
+from jaxspec.errors import JaxspecError
+from jaxspec.models import kv_cache as kvc
+from jaxspec.models.attention import masked_attention
+from jaxspec.models.layers import apply_rope, rope_cos_sin
+from jaxspec.models.llama import Linear, TargetOutput
+from jaxspec.models.numerics import (
+    Numerics,
+    contract,
+    default_numerics,
+    exact_mul,
+    halving_sum,
+    held_dtype,
+    materialized_sums,
+    normal_weight,
+    tiled_matmul,
+)
+from jaxspec.sharding import cache_kv_heads
+from pallas_kernels.invariant_attention import invariant_attend
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, invariant: bool = False) -> jax.Array:
+    """Gemma4RMSNorm: x · (mean(x²) + eps)^-½ in float32, times the weight in float32 (None: no weight, the value
+    norm), then rounded to x's dtype. invariant: the mean by halving sum, products rounded before any add."""
+    xf = x.astype(jnp.float32)
+    if invariant:
+        ms = exact_mul(halving_sum(exact_mul(xf, xf), materialize=materialized_sums())[..., None], 1.0 / x.shape[-1])
+    else:
+        ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + eps)
+    if weight is not None:
+        y = exact_mul(y, weight.astype(jnp.float32)) if invariant else y * weight.astype(jnp.float32)
+    elif invariant:
+        y = exact_mul(y, 1.0)  # rounded here: whatever adds to it next sees these bits in every program
+    return y.astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array, invariant: bool = False) -> jax.Array:
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh, jax.nn.gelu(approximate=True)); invariant:
+    computed in float32 with each product rounded before it meets an add."""
+    xf = x.astype(jnp.float32)  # in float32 whatever the dtype, as torch computes a 16-bit GELU
+    if not invariant:
+        return jax.nn.gelu(xf, approximate=True).astype(x.dtype)
+    inner = exact_mul(xf + exact_mul(exact_mul(exact_mul(xf, xf), xf), 0.044715), math.sqrt(2.0 / math.pi))
+    cdf = 1.0 + exact_mul(jnp.tanh(inner), 1.0)  # tanh rounded before the add
+    return exact_mul(exact_mul(xf, 0.5), cdf).astype(x.dtype)
+
+
+def _mul(a: jax.Array, b, invariant: bool) -> jax.Array:
+    return exact_mul(a, b) if invariant else a * b
+
+
+class Norm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype, scaled: bool = True):
+        self.weight = nnx.data(nnx.Param(jnp.ones((dim,), held_dtype(dtype))) if scaled else None)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:
+        return gemma_rms_norm(x, None if self.weight is None else self.weight[...], self.eps, invariant)
+
+
+class Gemma4Attention(nnx.Module):
+    """One layer's attention. A KV-shared layer holds only q_proj, q_norm and o_proj; a full layer with
+    attention_k_eq_v has no v_proj."""
+
+    def __init__(self, cfg: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
+        g = cfg.gemma4
+        h = cfg.hidden_size
+        self.sliding = g.sliding(layer)
+        self.head_dim = cfg.head_dim if self.sliding else g.full_head_dim
+        self.kv_heads = cfg.num_kv_heads if self.sliding else g.full_kv_heads
+        self.num_heads = cfg.num_heads
+        self.window = g.sliding_window if self.sliding else None
+        self.shared = g.kv_source[layer] != layer
+        d = self.head_dim
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=False, dtype=dtype, rngs=rngs)
+        self.q_norm = Norm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs)
+        own_kv = not self.shared
+        self.k_proj = nnx.data(Linear(h, self.kv_heads * d, bias=False, dtype=dtype, rngs=rngs) if own_kv else None)
+        has_v = own_kv and not (g.k_eq_v and not self.sliding)
+        self.v_proj = nnx.data(Linear(h, self.kv_heads * d, bias=False, dtype=dtype, rngs=rngs) if has_v else None)
+        self.k_norm = nnx.data(Norm(d, cfg.rms_norm_eps, dtype=dtype) if own_kv else None)
+        self.v_norm = nnx.data(Norm(d, cfg.rms_norm_eps, dtype=dtype, scaled=False) if own_kv else None)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, *, empty_cache, numerics, positions, ancestors):
+        """x [B, T, H]; cos/sin [B, T, D] of this layer type; k/v_cache [B, Hkv·r, S, D]: this layer's own, or the
+        producer's already holding this forward's keys (a shared layer). → (o_proj output, k_cache, v_cache)."""
+        b, t, _ = x.shape
+        inv = numerics is not None
+        d = self.head_dim
+        q = self.q_proj(x, numerics).reshape(b, t, self.num_heads, d)
+        q = apply_rope(self.q_norm(q, inv), cos, sin, inv)  # [B, T, Hq, D]
+        if not self.shared:
+            k = self.k_proj(x, numerics).reshape(b, t, self.kv_heads, d)
+            v = k if self.v_proj is None else self.v_proj(x, numerics).reshape(b, t, self.kv_heads, d)
+            k = apply_rope(self.k_norm(k, inv), cos, sin, inv)
+            v = self.v_norm(v, inv)
+            k, v = kvc.repeat_heads(k, k_cache.shape[1]), kvc.repeat_heads(v, v_cache.shape[1])
+            k_cache = kvc.write_block(k_cache, k, lengths)
+            v_cache = kvc.write_block(v_cache, v, lengths)
+        if inv:
+            bk = numerics.key_block
+            out = invariant_attend(
+                q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
+                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels, scale=1.0, window=self.window,
+            )
+        else:
+            k_win = kvc.read_window(k_cache, lengths, t).astype(k_cache.dtype)
+            v_win = kvc.read_window(v_cache, lengths, t).astype(v_cache.dtype)
+            k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
+            out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask, scale=1.0, window=self.window,
+                                   positions=positions)
+        return self.o_proj(out.reshape(b, t, self.num_heads * d), numerics), k_cache, v_cache
+
+
+class Gemma4MLP(nnx.Module):
+    def __init__(self, h: int, width: int, *, dtype, rngs: nnx.Rngs | None):
+        self.gate_proj = Linear(h, width, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, width, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(width, h, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        inv = numerics is not None
+        gated = _mul(gelu_tanh(self.gate_proj(x, numerics), inv), self.up_proj(x, numerics), inv)
+        return self.down_proj(gated, numerics)
+
+
+class Gemma4DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
+        g, h, eps = cfg.gemma4, cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Gemma4Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.mlp = Gemma4MLP(h, g.mlp_widths[layer], dtype=dtype, rngs=rngs)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, Norm(h, eps, dtype=dtype))
+        self.layer_scalar = nnx.Param(jnp.ones((1,), held_dtype(dtype)))
+        p = g.per_layer_dim
+        self.per_layer_input_gate = nnx.data(Linear(h, p, bias=False, dtype=dtype, rngs=rngs) if p else None)
+        self.per_layer_projection = nnx.data(Linear(p, h, bias=False, dtype=dtype, rngs=rngs) if p else None)
+        self.post_per_layer_input_norm = nnx.data(Norm(h, eps, dtype=dtype) if p else None)
+
+    def __call__(self, x, per_layer_input, cos, sin, k_cache, v_cache, lengths, mask, *, empty_cache, numerics,
+                 positions, ancestors):
+        inv = numerics is not None
+        attn, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x, inv), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache,
+            numerics=numerics, positions=positions, ancestors=ancestors)
+        x = x + self.post_attention_layernorm(attn, inv)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, inv), numerics), inv)
+        if self.per_layer_input_gate is not None:
+            gate = gelu_tanh(self.per_layer_input_gate(x, numerics), inv)
+            branch = self.per_layer_projection(_mul(gate, per_layer_input, inv), numerics)
+            x = x + self.post_per_layer_input_norm(branch, inv)
+        return _mul(x, self.layer_scalar[...].astype(x.dtype), inv), k_cache, v_cache
+
+
+class Gemma4Model(nnx.Module):
+    """Token ids → logits and EAGLE-3 features through an explicit KV cache, with LlamaModel's interface (engine,
+    proposers, CLIs). Attribute names follow transformers' module tree (`model.layers.{i}.self_attn.q_proj`, ...)
+    so that checkpoints load by name (checkpoints/hf.py).
+
+    The cache holds one entry per layer that computes keys and values (`Gemma4Layout.cache_layers`), each of its
+    layer type's shape: sliding layers [B, Hkv, S, D], full layers [B, Hkv_full, S, D_full], at the full capacity
+    (a sliding layer's keys are masked by position, not evicted)."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None,
+                 numerics: Numerics | None | str = "default"):
+        if cfg.gemma4 is None:
+            raise ValueError("Gemma4Model needs a Gemma 4 config (TargetConfig.gemma4)")
+        g = cfg.gemma4
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.numerics = self.invariant_numerics() if numerics == "default" else numerics
+        self.quantization: str | None = None
+        self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
+        self.layers = nnx.List([Gemma4DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = nnx.data(None if cfg.tie_word_embeddings else
+                                Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+        p = g.per_layer_dim
+        if p:
+            self.embed_tokens_per_layer = nnx.Param(normal_weight(rngs, (g.per_layer_vocab, cfg.num_layers * p), dtype))
+            self.per_layer_model_projection = Linear(cfg.hidden_size, cfg.num_layers * p, bias=False, dtype=dtype,
+                                                     rngs=rngs)
+            self.per_layer_projection_norm = Norm(p, cfg.rms_norm_eps, dtype=dtype)
+
+    def invariant_numerics(self, kernels: str | None = None) -> Numerics:
+        return default_numerics(kernels=kernels)
+
+    def hold_fused_qkv(self) -> Gemma4Model:
+        """LlamaModel's side-by-side q/k/v kernels: Gemma 4 projects q, k and v by separate dots (shared layers have
+        no k or v), so there is nothing to hold."""
+        return self
+
+    def without_held_qkv(self) -> Gemma4Model:
+        return self
+
+    def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
+        """An empty cache: one entry per layer that computes keys and values, of its layer type's shape."""
+        cfg, g = self.config, self.config.gemma4
+        ks, vs = [], []
+        for i in g.cache_layers:
+            attn = self.layers[i].self_attn
+            shape = (batch, cache_kv_heads(cfg.num_heads, attn.kv_heads), capacity, attn.head_dim)
+            ks.append(jnp.zeros(shape, self.dtype))
+            vs.append(jnp.zeros(shape, self.dtype))
+        return kvc.KVCache(tuple(ks), tuple(vs), jnp.zeros((batch,), jnp.int32))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """The scaled embedding: table rows times sqrt(H) rounded to the model dtype (transformers rounds the scale
+        to the weights' dtype), rounded before anything adds to it."""
+        rows = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+        return exact_mul(rows, jnp.asarray(self.config.hidden_size**0.5, self.dtype))
+
+    def per_layer_inputs(self, tokens: jax.Array, x: jax.Array, numerics: Numerics | None) -> jax.Array:
+        """PLE: (norm(proj(embedding) · H^-½) + table[tokens] · sqrt(P)) · 2^-½ → [B, T, L, P]."""
+        cfg, p = self.config, self.config.gemma4.per_layer_dim
+        inv = numerics is not None
+        lead = tokens.shape
+        ids = jnp.where(tokens < cfg.gemma4.per_layer_vocab, tokens, 0)  # transformers' table covers the vocabulary
+        rows = jnp.take(self.embed_tokens_per_layer[...], ids, axis=0).astype(self.dtype)
+        token_part = exact_mul(rows, jnp.asarray(p**0.5, self.dtype)).reshape(*lead, cfg.num_layers, p)
+        # scalar factors in float32, rounded once to the dtype (as torch multiplies a 16-bit tensor by a float)
+        proj = self.per_layer_model_projection(x, numerics).astype(jnp.float32)
+        proj = _mul(proj, cfg.hidden_size**-0.5, inv).astype(self.dtype)
+        proj = self.per_layer_projection_norm(proj.reshape(*lead, cfg.num_layers, p), inv)
+        return _mul((proj + token_part).astype(jnp.float32), 2.0**-0.5, inv).astype(self.dtype)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm, LM head and soft-capping on pre-norm hidden states [..., H] → float32 logits [..., V]."""
+        nm = None if self.numerics is None else self.numerics.narrow()
+        return self.vocab_logits(self.norm(hidden, nm is not None), nm)
+
+    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+        """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
+        if self.lm_head is None:
+            table = self.embed_tokens[...]  # [V, H]
+            if numerics is not None:
+                logits = tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
+            else:
+                logits = contract(normed, table, ((normed.ndim - 1,), (1,)))
+        else:
+            logits = self.lm_head(normed, numerics)
+        cap = self.config.gemma4.final_logit_softcapping
+        if cap is not None:  # in the model dtype, as transformers caps them
+            logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)
+        return logits.astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        positions: jax.Array,  # [B, T] int32
+        cache: kvc.KVCache,
+        *,
+        block_mask: jax.Array | None = None,  # [B, T, T] among the new tokens (a tree's ancestors); None = causal
+        ancestors: jax.Array | None = None,  # [B, T, L] a tree's ancestors by depth (invariant numerics)
+        logit_indices: jax.Array | None = None,  # [B, n] which positions get logits; None = all
+        return_aux: bool = False,
+        return_hidden: bool = False,
+        empty_cache: bool = False,
+        write_offset: int | jax.Array = 0,
+    ) -> TargetOutput:
+        cfg, g = self.config, self.config.gemma4
+        b, t = tokens.shape
+        if not (isinstance(write_offset, int) and write_offset == 0):
+            raise JaxspecError("a Gemma 4 model writes its keys at the committed length only (no write_offset: it is "
+                               "not a draft model yet)")
+        if self.numerics is not None and ancestors is None and block_mask is not None:
+            ancestors = kvc.ancestors_from_mask(block_mask, min(t, self.numerics.key_block))
+        if block_mask is None:
+            block_mask = kvc.causal_block_mask(b, t)
+        inv = self.numerics is not None
+        numerics = self.numerics.for_prefill() if inv and empty_cache else self.numerics
+        rope = {  # cos/sin [B, T, D] per layer type, each of its own head size and frequencies
+            kind: rope_cos_sin(positions, jnp.asarray(gemma4_inv_freq(d, freqs)), inv)
+            for kind, d, freqs in (("sliding_attention", cfg.head_dim, g.sliding_rope),
+                                   ("full_attention", g.full_head_dim, g.full_rope))
+        }
+        x = self.embed(tokens)  # [B, T, H]
+        ple = self.per_layer_inputs(tokens, x, numerics) if g.per_layer_dim else None  # [B, T, L, P]
+        slot = {layer: n for n, layer in enumerate(g.cache_layers)}
+        ks, vs = list(cache.k), list(cache.v)
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if return_aux and i in cfg.aux_layer_ids:
+                aux[i] = x  # hidden_states[i]: the input of layer i
+            n = slot[g.kv_source[i]]
+            cos, sin = rope[g.layer_types[i]]
+            x, ks[n], vs[n] = layer(
+                x, None if ple is None else ple[:, :, i], cos, sin, ks[n], vs[n], cache.lengths, block_mask,
+                empty_cache=empty_cache, numerics=numerics, positions=positions, ancestors=ancestors)
+        if logit_indices is not None:
+            x = jnp.take_along_axis(x, logit_indices[:, :, None], axis=1)  # [B, n, H]
+        features = jnp.concatenate([aux[i] for i in cfg.aux_layer_ids], axis=-1) if return_aux else None
+        return TargetOutput(self.logits(x), features, cache._replace(k=tuple(ks), v=tuple(vs)),
+                            x if return_hidden else None)

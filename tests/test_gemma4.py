@@ -1,0 +1,323 @@
+"""Gemma 4 targets (jaxspec/models/gemma4.py): tiny random Gemma 4 text decoders built with transformers' own
+config class and weight names load by name (and from the multimodal checkpoint's layout), give transformers' logits
+and features and its greedy text (past the sliding window), and greedy speculation (EAGLE-3 chain and tree, n-gram;
+batch 1 and 4; one device and the CPU mesh) equals target-only in bfloat16. The sliding window in the invariant
+attention itself (kernel and reference) is tested in tests/test_invariant_attention.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+from spec_fixtures import PROMPTS, in_dtype
+
+from jaxspec import sharding
+from jaxspec.checkpoints.hf import load_target
+from jaxspec.config import target_config_from_hf
+from jaxspec.engine.generation import Generator
+from jaxspec.engine.generator import SpeculativeGenerator
+from jaxspec.engine.tree import TreeConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.models.gemma4 import Gemma4Model
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# Every Gemma 4 feature on: two layer types with their own head sizes and RoPE, a window of 8 (generation runs far
+# past it), keys and values shared by the last two layers, per-layer inputs, values from the key projection in full
+# layers, double-wide MLPs in shared layers, soft-capped logits.
+ALL_ON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+    layer_types=[SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL], hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=128, num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1,
+    final_logit_softcapping=30.0, use_double_wide_mlp=True,
+)
+# ... and off: no sharing, no per-layer inputs, separate values, the default 5:1 layer pattern, no capping.
+ALL_OFF = dict(ALL_ON, num_hidden_layers=7, layer_types=None, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+               attention_k_eq_v=False, num_global_key_value_heads=None, final_logit_softcapping=None,
+               use_double_wide_mlp=False, sliding_window=6)
+
+
+def make_gemma4(out_dir, seed: int = 0, **config):
+    """A random Gemma4ForCausalLM saved to out_dir: weights N(0, 0.15²), norm weights 1 + N(0, 0.2²) and layer
+    scalars 0.8, so that every part changes the output. (At N(0, 0.3²) one position of ALL_ON's logits moved 2e-3
+    between transformers and jaxspec, plain and invariant numerics alike: a value vector near zero, which the
+    weightless value norm scales up, amplifies float32 rounding; 2e-5 elsewhere.)"""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    hf = Gemma4ForCausalLM(Gemma4TextConfig(**config)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.2 if "norm" in name else 0.15)
+            if "norm" in name:
+                p.add_(1.0)
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.8)
+    hf.save_pretrained(out_dir)
+    hf.generation_config.eos_token_id = None  # 32 tokens whatever they are, as jaxspec without stop ids
+    return hf
+
+
+@pytest.mark.parametrize("config", [ALL_ON, pytest.param(ALL_OFF, marks=pytest.mark.slow)], ids=["all-on", "all-off"])
+def test_logits_features_and_greedy_text_equal_transformers(config, tmp_path):
+    hf = make_gemma4(tmp_path, **config)
+    model = load_target(tmp_path, aux_layer_ids=(1, 3, 5))
+    assert isinstance(model, Gemma4Model)
+    forward = nnx.jit(lambda m, ids, positions: m(ids, positions, m.init_cache(2, 24), empty_cache=True,
+                                                  return_aux=True))
+    ids = np.random.RandomState(0).randint(0, 128, (2, 20))
+    with torch.no_grad():  # hidden states asked for: transformers then runs every layer on every position
+        ref = hf(torch.tensor(ids), output_hidden_states=True)
+    positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
+    for numerics in ("invariant", "plain") if config is ALL_OFF else ("invariant",):  # plain: -m slow
+        if numerics == "plain":
+            model.numerics = None
+        out = forward(model, jnp.asarray(ids), positions)
+        scale = np.abs(ref.logits.numpy()).max()
+        np.testing.assert_allclose(np.asarray(out.logits), ref.logits.numpy(), atol=1e-4 * scale, err_msg=numerics)
+        features = np.concatenate([ref.hidden_states[i].numpy() for i in (1, 3, 5)], axis=-1)
+        np.testing.assert_allclose(np.asarray(out.aux), features, atol=1e-4 * np.abs(features).max())
+    if config is ALL_ON:  # the same decoder in the multimodal checkpoint's layout: the same logits
+        multimodal = as_multimodal(tmp_path, tmp_path / "multimodal")
+        mm_out = forward(load_target(multimodal, aux_layer_ids=(1, 3, 5)), jnp.asarray(ids), positions)
+        np.testing.assert_array_equal(np.asarray(mm_out.logits), np.asarray(out.logits))
+    model = load_target(tmp_path)  # invariant numerics, the default
+    prompts = [[5, 17, 3, 9, 60], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4]]
+    got = Generator(model, batch_size=2).generate(prompts, max_new_tokens=32)
+    for prompt, completion in zip(prompts, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert completion.token_ids == want[0, len(prompt):].tolist()
+
+
+@functools.cache
+def gemma_checkpoint(tmp_root) -> str:
+    path = tmp_root / "gemma4-all-on"
+    make_gemma4(path, seed=1, **ALL_ON)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bf16_gemma(tmp_path_factory):
+    return in_dtype(load_target(gemma_checkpoint(tmp_path_factory.getbasetemp())), jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def gemma_head(bf16_gemma, tmp_path_factory):
+    from fit_head import fit_head
+
+    return fit_head(load_target(gemma_checkpoint(tmp_path_factory.getbasetemp())), steps=300)
+
+
+PROMPT_SET = [PROMPTS[0], PROMPTS[1] * 3, PROMPTS[2], PROMPTS[3]]  # one repeats itself: prompt lookup finds matches
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(bf16_gemma):
+    """Target-only, one row at a time: what every batch, method and mesh must give."""
+    return [c.token_ids for c in Generator(bf16_gemma, batch_size=1).generate(PROMPT_SET, max_new_tokens=32)]
+
+
+@pytest.mark.parametrize("method,batch", [  # CI: n-gram on the mesh below (a head takes ~60 s to fit)
+    pytest.param("chain5", 4, marks=pytest.mark.slow),
+    pytest.param("chain5", 1, marks=pytest.mark.slow),
+    pytest.param("tree", 4, marks=pytest.mark.slow),
+    pytest.param("tree", 1, marks=pytest.mark.slow),
+    pytest.param("ngram", 1, marks=pytest.mark.slow),
+])
+def test_bfloat16_greedy_speculation_equals_target_only(method, batch, bf16_gemma, gemma_head, bf16_reference):
+    """In bfloat16, where a token's bits changing with its company would part the texts within a few tokens; 32
+    tokens after prompts of up to 33 run every sliding layer far past its window of 8."""
+    if method == "ngram":
+        from jaxspec.engine.proposers.ngram import NgramProposer
+
+        gen = Generator(bf16_gemma, proposer=NgramProposer(4, 2, 3), batch_size=batch)
+    else:
+        tree = TreeConfig(10, 4, 3) if method == "tree" else None
+        gen = SpeculativeGenerator(bf16_gemma, in_dtype(gemma_head, jnp.bfloat16), num_draft=5, tree=tree,
+                                   batch_size=batch)
+    got = gen.generate(PROMPT_SET, max_new_tokens=32)
+    assert [c.token_ids for c in got] == bf16_reference
+    assert sum(c.stats["accepted_per_position"][0] for c in got) > 0  # drafts were really accepted
+
+
+@pytest.mark.slow  # ~70 s; CI: the assistant's bfloat16 batch below (one device) and the mesh tests of the other
+def test_a_mesh_gives_one_devices_tokens(bf16_gemma, bf16_reference):  # families
+    """data=2, model=2: heads split over the model axis (the full layers' one KV head repeated on both devices),
+    prompt lookup in bfloat16, the one-device target-only tokens."""
+    from jaxspec.engine.proposers.ngram import NgramProposer
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    gen = Generator(bf16_gemma, proposer=NgramProposer(4, 2, 3), batch_size=4, mesh=mesh)
+    got = gen.generate(PROMPT_SET, max_new_tokens=32)
+    assert [c.token_ids for c in got] == bf16_reference
+    assert sum(c.stats["rejections"]["all_accepted"] + c.stats["rejections"]["miss"] for c in got) > 0
+
+
+def as_multimodal(text_dir, out_dir):
+    """A Gemma4ForConditionalGeneration-layout copy of a text checkpoint: config.json's text_config, the decoder under
+    model.language_model., a vision tower beside it (to be ignored), and a k/v weight a KV-shared layer does not use
+    (ignored, as transformers ignores them)."""
+    tensors = load_file(text_dir / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items() if k != "lm_head.weight"}
+    renamed["model.vision_tower.encoder.weight"] = np.zeros((4, 4), np.float32)
+    renamed["model.language_model.layers.5.self_attn.k_proj.weight"] = np.zeros((32, 64), np.float32)
+    out_dir.mkdir()
+    save_file(renamed, out_dir / "model.safetensors")
+    text_config = json.loads((text_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({"model_type": "gemma4", "architectures": [
+        "Gemma4ForConditionalGeneration"], "text_config": text_config, "vision_config": {}}))
+    return out_dir
+
+
+def test_config_layout_and_refusals():
+    raw = dict(ALL_ON, model_type="gemma4_text", per_layer_config=None)
+    cfg = target_config_from_hf(raw)
+    g = cfg.gemma4
+    assert g.kv_source == (0, 1, 2, 3, 3, 2) and g.cache_layers == (0, 1, 2, 3)
+    assert (g.full_head_dim, g.full_kv_heads, cfg.head_dim, cfg.num_kv_heads) == (32, 1, 16, 2)
+    assert g.mlp_widths == (96,) * 4 + (192,) * 2
+    assert g.full_rope == (1e6, 0.25, 1.0) and g.sliding_rope == (1e4, 1.0, 1.0)
+    from jaxspec.models.quantize import quantize_target
+
+    with pytest.raises(JaxspecError, match="quantization of Gemma 4"):
+        quantize_target(Gemma4Model(cfg, rngs=None), "int8")
+    for bad, message in ((dict(enable_moe_block=True), "mixture-of-experts"),
+                         (dict(use_bidirectional_attention="all"), "bidirectional"),
+                         (dict(hidden_activation="relu"), "hidden_activation"),
+                         (dict(num_kv_shared_layers=6), "num_kv_shared_layers")):
+        with pytest.raises(JaxspecError, match=message):
+            target_config_from_hf({**raw, **bad})
+
+
+@pytest.mark.slow  # ~90 s: greedy data from the target, 60 training steps, two generate runs
+def test_an_eagle3_head_trained_on_gemma4_loads_back_and_accepts_more_than_a_random_one(tmp_path, capsys):
+    """train.launch against a Gemma 4 target (online features from its layers), the export names the verifier
+    Gemma4ForCausalLM, and jaxspec.generate with it gives the target's text with more tokens per verify than an
+    untrained head of the same shape."""
+    from hf_tiny import train_head_on_own_text, write_char_tokenizer
+
+    from jaxspec import convert, generate
+
+    target = tmp_path / "target"
+    make_gemma4(target, seed=2, **dict(ALL_ON, vocab_size=97, vocab_size_per_layer_input=97))
+    write_char_tokenizer(target)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 95, 5).tolist() for _ in range(24)]  # printable characters (write_char_tokenizer)
+    run_dir, _ = train_head_on_own_text(target, tmp_path, prompts)
+    head = run_dir / "head-speculators"
+    record = json.loads((head / "config.json").read_text())
+    assert record["speculators_config"]["verifier"]["architectures"] == ["Gemma4ForCausalLM"]
+    assert convert.main(["random-head", "--target", str(target), "--out", str(tmp_path / "random")]) == 0
+    text = "".join(chr(32 + i) for i in prompts[0])  # a training prompt: the head has seen its continuation
+    common = ["--target", str(target), "--raw", "--json", "--prompt", text, "--max-new-tokens", "24"]
+    runs = {}
+    for name, extra in (("none", ["--no-draft"]), ("trained", ["--draft", str(head)]),
+                        ("random", ["--draft", str(tmp_path / "random")])):
+        capsys.readouterr()
+        assert generate.main([*common, *extra, *(["--num-speculative-tokens", "3"] if name != "none" else [])]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["trained"]["token_ids"] == runs["random"]["token_ids"] == runs["none"]["token_ids"]
+    accepted = {n: runs[n]["stats"]["mean_accepted_length"] for n in ("trained", "random")}
+    assert accepted["trained"] > accepted["random"] + 0.5, accepted
+
+
+ASSISTANT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                 attention_k_eq_v=True, sliding_window=8, layer_types=[SLIDING, FULL],
+                 hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+
+
+def make_assistant(out_dir, ordered: bool, seed: int = 3):
+    """A random Gemma4AssistantForCausalLM for ALL_ON's target (its KV heads, head sizes and window), saved; with
+    `ordered`, the centroid-clustered head over a shuffled token ordering."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT), backbone_hidden_size=64,
+                                use_ordered_embeddings=ordered, num_centroids=16, centroid_intermediate_top_k=4)
+    hf = Gemma4AssistantForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.2 if "norm" in name else 0.15)
+            if "norm" in name:
+                p.add_(1.0)
+        if ordered:
+            hf.masked_embedding.token_ordering.copy_(torch.randperm(128))
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+@pytest.mark.parametrize("ordered", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["centroids", "tied"])
+def test_the_assistant_drafts_what_transformers_drafts(ordered, tmp_path):
+    """The assistant's K draft steps from a prompt's target pass equal transformers' candidate generator loop on the
+    same inputs: the target's keys and values (shared_kv_states), its last hidden state, the root at position n."""
+    from jaxspec.checkpoints.gemma4_assistant import load_assistant
+    from jaxspec.engine.proposers.base import PrefillView, StepView
+    from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
+    from jaxspec.models import kv_cache as kvc
+
+    hf_target = make_gemma4(tmp_path / "target", **ALL_ON)
+    hf_assistant = make_assistant(tmp_path / "assistant", ordered)
+    ids = torch.tensor([[5, 17, 3, 9, 60, 44, 2, 61, 8, 19, 23, 7, 1]])  # 13 tokens: past the window of 8
+    n, k = ids.shape[1], 4
+    with torch.no_grad():
+        out = hf_target(ids, output_hidden_states=True, return_shared_kv_states=True)
+        root = out.logits[:, -1].argmax(-1, keepdim=True)
+        hidden, want, want_logits = out.hidden_states[-1][:, -1:], [], []
+        token = root
+        for _ in range(k):
+            inputs = torch.cat([hf_target.model.embed_tokens(token), hidden], dim=-1)
+            step = hf_assistant(inputs_embeds=inputs, position_ids=torch.tensor([[n]]),
+                                shared_kv_states=out.shared_kv_states, use_cache=False)
+            token, hidden = step.logits.argmax(-1), step.last_hidden_state
+            want.append(int(token[0, 0]))
+            want_logits.append(step.logits[0, 0].numpy())
+    target = load_target(tmp_path / "target")
+    target.numerics = None  # the drafts' inputs need the target's values, not its invariant bits
+    assistant = load_assistant(tmp_path / "assistant", target.config)
+    proposer, params = AssistantProposer.of(assistant, target.config, k)
+    prefill = target(jnp.asarray(ids.numpy()), jnp.arange(n)[None], target.init_cache(1, 32), empty_cache=True,
+                     return_hidden=True)
+    cache = kvc.advance(prefill.cache, jnp.asarray([n]))
+    assert int(root[0, 0]) == int(jnp.argmax(prefill.logits[0, -1]))
+    state = proposer.init(params, target, PrefillView(None, None, None, None, prefill.hidden[:, -1:]), 32)
+    view = StepView(jnp.asarray([int(root[0, 0])]), cache.lengths, jnp.ones((1,), jnp.int32), None, None, cache)
+    proposal, _ = proposer.propose(params, target, state, view, None)
+    assert proposal.tokens[0, 1:].tolist() == want
+    # the first step's logits (the only step whose input does not depend on earlier argmaxes)
+    first, _ = assistant(jnp.concatenate([target.embed(jnp.asarray([[int(root[0, 0])]])),
+                                          target.norm(prefill.hidden[:, -1:])], axis=-1),
+                         jnp.asarray([[n]]), *(
+                             {kind: getattr(cache, kv)[i] for kind, i in proposer.cache_index} for kv in ("k", "v")),
+                         cache.lengths)
+    np.testing.assert_allclose(np.asarray(first[0, 0]), want_logits[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,batch", [("bfloat16", 4), pytest.param("float32", 1, marks=pytest.mark.slow)])
+def test_greedy_speculation_with_the_assistant_equals_target_only(dtype, batch, tmp_path):
+    """The engine hands the assistant its view of the target cache inside the jitted step; whatever it drafts, the
+    text is target-only's (bfloat16: a token's bits changing with its company would part the texts)."""
+    from jaxspec.checkpoints.gemma4_assistant import load_assistant
+    from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
+
+    make_gemma4(tmp_path / "target", **ALL_ON)
+    make_assistant(tmp_path / "assistant", ordered=True)
+    target = load_target(tmp_path / "target")
+    if dtype == "bfloat16":
+        target = in_dtype(target, jnp.bfloat16)
+    assistant = load_assistant(tmp_path / "assistant", target.config, dtype=getattr(jnp, dtype))
+    proposer, params = AssistantProposer.of(assistant, target.config, 3)
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=20)]
+    got = Generator(target, proposer=proposer, proposer_params=params, batch_size=batch).generate(
+        PROMPT_SET, max_new_tokens=20)
+    assert [c.token_ids for c in got] == want
+    assert all(c.stats["proposer"] == "gemma4-assistant" for c in got)
