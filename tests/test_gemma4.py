@@ -321,3 +321,42 @@ def test_greedy_speculation_with_the_assistant_equals_target_only(dtype, batch, 
         PROMPT_SET, max_new_tokens=20)
     assert [c.token_ids for c in got] == want
     assert all(c.stats["proposer"] == "gemma4-assistant" for c in got)
+
+
+@pytest.mark.slow  # ~60 s; CI: the engine test above (the CLI only loads and wires it)
+def test_generate_with_an_assistant_draft_equals_no_draft(tmp_path, capsys):
+    """jaxspec.generate --draft DIR recognizes a Gemma 4 assistant by its config.json, checks it against the target
+    before loading, and gives the target's own text; a Llama target is refused in one line."""
+    from hf_tiny import write_char_tokenizer
+
+    from jaxspec import generate
+
+    make_gemma4(tmp_path / "target", **dict(ALL_ON, vocab_size=97, vocab_size_per_layer_input=97))
+    write_char_tokenizer(tmp_path / "target")
+    with torch.no_grad():
+        import transformers
+
+        cfg = transformers.Gemma4AssistantConfig(
+            text_config=transformers.Gemma4TextConfig(**dict(ASSISTANT, vocab_size=97)), backbone_hidden_size=64)
+        transformers.Gemma4AssistantForCausalLM(cfg).save_pretrained(tmp_path / "assistant")
+    common = ["--target", str(tmp_path / "target"), "--raw", "--json", "--prompt", "hello hello", "--max-new-tokens",
+              "16"]
+    runs = {}
+    for name, extra in (("none", ["--no-draft"]), ("assistant", ["--draft", str(tmp_path / "assistant")])):
+        capsys.readouterr()
+        assert generate.main([*common, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["assistant"]["token_ids"] == runs["none"]["token_ids"]
+    assert runs["assistant"]["stats"]["proposer"] == "gemma4-assistant"
+    from hf_tiny import make_tiny
+
+    make_tiny("smollm2_tied", tmp_path / "llama")
+    write_char_tokenizer(tmp_path / "llama")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        generate.main(["--target", str(tmp_path / "llama"), "--raw", "--prompt", "hi", "--draft",
+                       str(tmp_path / "assistant")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: a Gemma 4 assistant drafts for Gemma 4 targets only (it reads the target's keys and values); the "
+        "target is llama"]

@@ -630,9 +630,11 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
 
     chains = [(k, None) for k in (args.chain_lengths or [3, 5])] if head is not None else []
     from jaxspec.models.dflash import DFlashDrafter
+    from jaxspec.models.gemma4_assistant import Gemma4Assistant
 
-    # a DFlash drafter and a draft model draft chains
-    drafts_trees = head is not None and not isinstance(head, DFlashDrafter) and not is_draft_model(head)
+    # a DFlash drafter, a Gemma 4 assistant and a draft model draft chains
+    drafts_trees = (head is not None and not isinstance(head, (DFlashDrafter, Gemma4Assistant))
+                    and not is_draft_model(head))
     trees = [] if not drafts_trees or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:

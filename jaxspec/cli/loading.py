@@ -74,6 +74,11 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     from jaxspec.checkpoints.dflash import is_dflash
 
     raw = read_head_config(draft)
+    from jaxspec.checkpoints.gemma4_assistant import assistant_config_from_hf, check_assistant_fits, is_gemma4_assistant
+
+    if is_gemma4_assistant(raw):  # reads the target's cache and final hidden state, no features
+        check_assistant_fits(assistant_config_from_hf(raw), load_target_config(target_dir))
+        return None
     if is_dflash(raw):
         from jaxspec.checkpoints.dflash import check_drafter_fits, dflash_config_from_hf
 
@@ -84,6 +89,16 @@ def head_aux_layer_ids(draft: str | None, target_dir: Path):
     head = head_config_from_hf(raw)[1]
     validate_head(head, load_target_config(target_dir), head_record(raw)[0])
     return head.aux_layer_ids
+
+
+def is_assistant_draft(draft: str | None) -> bool:
+    """Whether --draft names a Gemma 4 assistant (Gemma4AssistantForCausalLM)."""
+    if draft is None:
+        return False
+    from jaxspec.checkpoints.gemma4_assistant import is_gemma4_assistant
+    from jaxspec.checkpoints.heads import read_head_config
+
+    return is_gemma4_assistant(read_head_config(draft))
 
 
 def is_dflash_draft(draft: str | None) -> bool:
@@ -118,8 +133,12 @@ def check_mesh_fits(mesh, config, draft: str | None, batch_sizes: list[int], bat
 
         from jaxspec.checkpoints.dflash import dflash_config_from_hf, is_dflash
 
+        from jaxspec.checkpoints.gemma4_assistant import assistant_config_from_hf, is_gemma4_assistant
+
         raw = read_head_config(draft)
-        if is_dflash(raw):
+        if is_gemma4_assistant(raw):
+            configs["assistant"] = assistant_config_from_hf(raw).text
+        elif is_dflash(raw):
             configs["drafter"] = dflash_config_from_hf(raw, config)
         else:
             configs["draft head"] = head_config_from_hf(raw)[1]
@@ -236,8 +255,13 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
 
 
 def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool):
-    """What a --draft directory holds, loaded for this target: a DFlash block drafter (z-lab's layout; checked to
-    read features the target returns) or an EAGLE-3 head."""
+    """What a --draft directory holds, loaded for this target: a Gemma 4 assistant, a DFlash block drafter (z-lab's
+    layout; checked to read features the target returns) or an EAGLE-3 head."""
+    if is_assistant_draft(draft):
+        from jaxspec.checkpoints.gemma4_assistant import load_assistant
+        from jaxspec.engine.generation import default_dtype
+
+        return load_assistant(draft, target.config, dtype=dtype or default_dtype())
     if not is_dflash_draft(draft):
         return load_head_for(draft, target, dtype, allow_pickle)
     from jaxspec.checkpoints.dflash import check_drafter_fits, load_dflash
@@ -256,8 +280,12 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
     chosen per batch as for a head (`AutoSpeculativeGenerator`), from the acceptance the drafter's config records
     (a jaxspec export's; a draft model has none: its first batch measures it) and this machine's step costs."""
     from jaxspec.models.dflash import DFlashDrafter
+    from jaxspec.models.gemma4_assistant import Gemma4Assistant
     from jaxspec.models.llama import LlamaModel
 
+    if isinstance(drafter, Gemma4Assistant):
+        return assistant_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
+                                   kernels=kernels, forced_accept_prob=forced_accept_prob)
     if not isinstance(drafter, (DFlashDrafter, LlamaModel)):
         return speculative_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
                                      kernels=kernels, forced_accept_prob=forced_accept_prob, store=store)
@@ -283,6 +311,30 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
         return AutoSpeculativeGenerator(model, drafter, prior=prior, batch_size=batch_size, mesh=mesh,
                                         kernels=kernels, store=store)
     proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
+    return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
+                     kernels=kernels)
+
+
+ASSISTANT_DEFAULT_DRAFTS = 4  # `auto` with a Gemma 4 assistant, unless its generation_config.json says otherwise
+
+
+def assistant_generator(model, assistant, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
+                        kernels: str | None = None, forced_accept_prob: float | None = None):
+    """Chains of a Gemma 4 assistant. `auto` does not price it yet: it runs the chain its generation_config.json
+    names (`num_assistant_tokens`, as transformers' assisted generation does), else ASSISTANT_DEFAULT_DRAFTS."""
+    from jaxspec.engine.generation import Generator
+    from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
+    from jaxspec.files import read_json
+
+    if tree is not None:
+        raise JaxspecError("a Gemma 4 assistant drafts one chain per step; drop --tree")
+    if forced_accept_prob is not None:
+        raise JaxspecError("--accept-prob forces an EAGLE-3 head's acceptance; drop it for a Gemma 4 assistant")
+    if num_draft == AUTO:
+        config = Path(draft) / "generation_config.json"
+        named = read_json(config, "the assistant's generation_config.json") if config.is_file() else {}
+        num_draft = int(named.get("num_assistant_tokens") or ASSISTANT_DEFAULT_DRAFTS)
+    proposer, params = AssistantProposer.of(assistant, model.config, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)
 
