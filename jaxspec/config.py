@@ -419,13 +419,18 @@ def _gemma4_rope(raw: dict[str, Any], kind: str) -> tuple[float, float, float]:
     defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
-    params = (raw.get("rope_parameters") or defaults).get(kind) or defaults[kind]
+    given = raw.get("rope_parameters")
+    if given and not isinstance(given.get(kind), dict):
+        raise JaxspecError(f"config.json: Gemma 4 rope_parameters has no {kind!r} entry (one per layer type)")
+    params = given[kind] if given else defaults[kind]
     rope_type = params.get("rope_type", "default")
     if rope_type not in ("default", "proportional"):
         raise JaxspecError(f"config.json: Gemma 4 {kind} rope_type {rope_type!r} is not supported (default, "
                            "proportional)")
-    partial = float(params.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0
-    return float(params.get("rope_theta", 10_000.0)), partial, float(params.get("factor", 1.0))
+    if rope_type == "default":  # transformers' default RoPE reads neither a partial factor nor a scaling factor
+        return float(params.get("rope_theta", 10_000.0)), 1.0, 1.0
+    return (float(params.get("rope_theta", 10_000.0)), float(params.get("partial_rotary_factor", 1.0)),
+            float(params.get("factor", 1.0)))
 
 
 def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads: int) -> Gemma4Layout:
@@ -446,17 +451,35 @@ def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_head
         raise JaxspecError(f"config.json: layer_types must name sliding_attention or full_attention for each of the "
                            f"{num_layers} layers, got {types}")
     types[-1] = "full_attention"  # as transformers forces it
-    full_head_dim, full_kv = hf_int(raw, "global_head_dim", 512), kv_heads
-    if raw.get("attention_k_eq_v", False) and raw.get("num_global_key_value_heads") is not None:
-        full_kv = hf_int(raw, "num_global_key_value_heads")
-    per_layer = raw.get("per_layer_config") or {}
-    for layer, override in per_layer.items():
-        if types[int(layer)] == "full_attention":
-            full_head_dim = hf_int(override, "head_dim", full_head_dim)
-            full_kv = hf_int(override, "num_key_value_heads", full_kv)
-        elif override:
-            raise JaxspecError(f"config.json: per_layer_config overrides sliding layer {layer}; jaxspec reads "
-                               "overrides of full-attention layers only")
+    if "per_layer_config" in raw:  # transformers >= 5.2x writes the overrides, and only those that differ
+        overrides = raw.get("per_layer_config") or {}
+        if not isinstance(overrides, dict) or not all(str(k).lstrip("-").isdigit() and 0 <= int(k) < num_layers
+                                                       for k in overrides):
+            raise JaxspecError(f"config.json: per_layer_config must map layer indices 0..{num_layers - 1} to "
+                               f"overrides, got {overrides!r}")
+        overrides = {int(k): v or {} for k, v in overrides.items()}
+        if any(overrides.get(i) for i, kind in enumerate(types) if kind == "sliding_attention"):
+            raise JaxspecError("config.json: per_layer_config overrides a sliding layer; jaxspec reads overrides of "
+                               "full-attention layers only")
+        full = {(hf_int(overrides.get(i, {}), "head_dim", head_dim),
+                 hf_int(overrides.get(i, {}), "num_key_value_heads", kv_heads))
+                for i, kind in enumerate(types) if kind == "full_attention"}
+        if len(full) != 1:
+            raise JaxspecError(f"config.json: per_layer_config gives full-attention layers different shapes {full}")
+        ((full_head_dim, full_kv),) = full
+    else:  # the global_head_dim / num_global_key_value_heads of earlier transformers releases
+        full_head_dim, full_kv = hf_int(raw, "global_head_dim", 512), kv_heads
+        if raw.get("attention_k_eq_v", False) and raw.get("num_global_key_value_heads") is not None:
+            full_kv = hf_int(raw, "num_global_key_value_heads")
+    num_heads = hf_int(raw, "num_attention_heads")
+    window = hf_int(raw, "sliding_window", 512)
+    for name, value in (("full layers' head_dim", full_head_dim), ("full layers' KV heads", full_kv),
+                        ("sliding_window", window)):
+        if value < 1:
+            raise JaxspecError(f"config.json: Gemma 4 {name} must be at least 1, got {value}")
+    if num_heads % full_kv:
+        raise JaxspecError(f"config.json: {num_heads} query heads are not a multiple of the full layers' {full_kv} "
+                           "KV heads")
     shared = hf_int(raw, "num_kv_shared_layers", 0)
     first_shared = num_layers - shared
     if not 0 <= shared < num_layers:
@@ -472,14 +495,16 @@ def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_head
         source.append(producers[-1])
     width = hf_int(raw, "intermediate_size")
     double = bool(raw.get("use_double_wide_mlp", False))
-    per_layer_dim = hf_int(raw, "hidden_size_per_layer_input", 0) or 0
+    per_layer_dim = hf_int(raw, "hidden_size_per_layer_input", 256)  # transformers' defaults (E2B's)
+    if per_layer_dim < 0:
+        raise JaxspecError(f"config.json: hidden_size_per_layer_input must be >= 0, got {per_layer_dim}")
     cap = raw.get("final_logit_softcapping")
     return Gemma4Layout(
-        layer_types=tuple(types), sliding_window=hf_int(raw, "sliding_window", 512), full_head_dim=full_head_dim,
+        layer_types=tuple(types), sliding_window=window, full_head_dim=full_head_dim,
         full_kv_heads=full_kv, k_eq_v=bool(raw.get("attention_k_eq_v", False)), kv_source=tuple(source),
         mlp_widths=tuple(width * (2 if double and i >= first_shared else 1) for i in range(num_layers)),
         per_layer_dim=per_layer_dim,
-        per_layer_vocab=hf_int(raw, "vocab_size_per_layer_input", 0) if per_layer_dim else 0,
+        per_layer_vocab=hf_int(raw, "vocab_size_per_layer_input", 262_144) if per_layer_dim else 0,
         final_logit_softcapping=None if cap is None else float(cap),
         sliding_rope=_gemma4_rope(raw, "sliding_attention"), full_rope=_gemma4_rope(raw, "full_attention"),
     )
@@ -544,7 +569,7 @@ def _gemma4_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
     whole (sliding layers attend within their window exactly, models/gemma4.py)."""
     hidden, num_heads = hf_int(raw, "hidden_size"), hf_int(raw, "num_attention_heads")
     num_layers = hf_int(raw, "num_hidden_layers")
-    kv_heads = hf_int(raw, "num_key_value_heads", num_heads) or num_heads
+    kv_heads = hf_int(raw, "num_key_value_heads", 4)  # transformers' Gemma 4 defaults
     head_dim = hf_int(raw, "head_dim", 256)
     if raw.get("attention_bias"):
         raise JaxspecError("config.json: Gemma 4 attention_bias is not supported (the published models have none)")

@@ -104,6 +104,7 @@ def test_timed_costs_are_measured_once_per_cache_bucket():
     assert costs.max_draft == 4 and costs.decode > 0
 
 
+@pytest.mark.slow  # ~48 s; CI: every auto run calibrates its batches (the README command in tests/test_smollm2.py)
 def test_each_batch_calibrates_the_timed_costs_with_its_own_step_time():
     gen = _auto(AcceptanceProfile((0.2, 0.05, 0.01, 0.0), 100), DEAR_VERIFY)  # target-only
     out = gen.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)

@@ -225,6 +225,8 @@ def test_bfloat16_greedy_equals_target_only():
     assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2.0  # blocks are accepted in bfloat16 too
 
 
+@pytest.mark.slow  # ~52 s (CI time); CI: auto's pricing for heads and draft models (test_auto_generator, the
+# draft-model CLI test's first batch); a DFlash drafter's price is one timed propose call, as P-EAGLE's (slow too)
 def test_auto_prices_one_drafter_forward_per_step_and_keeps_the_targets_text(reference):
     """`--num-speculative-tokens auto` with a DFlash drafter: a chain of K costs one drafter forward and a verify of
     K + 1 tokens (not K head steps), which changes the choice; whatever it chooses, the text is the target's."""

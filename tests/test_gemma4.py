@@ -179,13 +179,23 @@ def as_multimodal(text_dir, out_dir):
 
 
 def test_config_layout_and_refusals():
-    raw = dict(ALL_ON, model_type="gemma4_text", per_layer_config=None)
+    raw = dict(ALL_ON, model_type="gemma4_text")  # global_head_dim / num_global_key_value_heads (earlier releases)
     cfg = target_config_from_hf(raw)
     g = cfg.gemma4
     assert g.kv_source == (0, 1, 2, 3, 3, 2) and g.cache_layers == (0, 1, 2, 3)
     assert (g.full_head_dim, g.full_kv_heads, cfg.head_dim, cfg.num_kv_heads) == (32, 1, 16, 2)
     assert g.mlp_widths == (96,) * 4 + (192,) * 2
     assert g.full_rope == (1e6, 0.25, 1.0) and g.sliding_rope == (1e4, 1.0, 1.0)
+    from transformers import Gemma4TextConfig
+
+    # as transformers >= 5.2x writes it: per_layer_config holds only the overrides that differ (none here)
+    written = Gemma4TextConfig(**dict(ALL_ON, global_head_dim=16, num_global_key_value_heads=2)).to_dict()
+    assert written["per_layer_config"] == {} and "global_head_dim" not in written
+    layout = target_config_from_hf(written).gemma4
+    assert (layout.full_head_dim, layout.full_kv_heads) == (16, 2)
+    written = Gemma4TextConfig(**ALL_ON).to_dict()
+    assert (target_config_from_hf(written).gemma4.full_head_dim, target_config_from_hf(written).gemma4.full_kv_heads) \
+        == (32, 1)
     from jaxspec.models.quantize import quantize_target
 
     with pytest.raises(JaxspecError, match="quantization of Gemma 4"):
@@ -193,7 +203,11 @@ def test_config_layout_and_refusals():
     for bad, message in ((dict(enable_moe_block=True), "mixture-of-experts"),
                          (dict(use_bidirectional_attention="all"), "bidirectional"),
                          (dict(hidden_activation="relu"), "hidden_activation"),
-                         (dict(num_kv_shared_layers=6), "num_kv_shared_layers")):
+                         (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),
+                         (dict(per_layer_config={"9": {"head_dim": 8}}), "per_layer_config must map"),
+                         (dict(num_global_key_value_heads=3), "not a multiple of the full layers' 3 KV heads"),
+                         (dict(sliding_window=0), "sliding_window must be at least 1"),
+                         (dict(rope_parameters={"sliding_attention": {}}), "no 'full_attention'")):
         with pytest.raises(JaxspecError, match=message):
             target_config_from_hf({**raw, **bad})
 
@@ -316,9 +330,9 @@ def test_greedy_speculation_with_the_assistant_equals_target_only(dtype, batch, 
         target = in_dtype(target, jnp.bfloat16)
     assistant = load_assistant(tmp_path / "assistant", target.config, dtype=getattr(jnp, dtype))
     proposer, params = AssistantProposer.of(assistant, target.config, 3)
-    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=20)]
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=12)]
     got = Generator(target, proposer=proposer, proposer_params=params, batch_size=batch).generate(
-        PROMPT_SET, max_new_tokens=20)
+        PROMPT_SET, max_new_tokens=12)  # prompts of 4 to 33 tokens: sliding layers (window 8) run past it
     assert [c.token_ids for c in got] == want
     assert all(c.stats["proposer"] == "gemma4-assistant" for c in got)
 
@@ -360,3 +374,68 @@ def test_generate_with_an_assistant_draft_equals_no_draft(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: a Gemma 4 assistant drafts for Gemma 4 targets only (it reads the target's keys and values); the "
         "target is llama"]
+
+
+def tiny_assistant_pair(tmp_path, vocab: int, logit_scale: float = 1.0):
+    """(target, assistant) loaded in float32: ALL_ON's target and a tied-head assistant at `vocab` tokens, the
+    target's LM head scaled by logit_scale (sharper distributions for sampling tests)."""
+    from jaxspec.checkpoints.gemma4_assistant import load_assistant
+
+    hf = make_gemma4(tmp_path / "target", **dict(ALL_ON, vocab_size=vocab, vocab_size_per_layer_input=vocab,
+                                                   final_logit_softcapping=None))
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(logit_scale)  # tied: the LM head too
+    hf.save_pretrained(tmp_path / "target")
+    import transformers
+
+    torch.manual_seed(5)
+    cfg = transformers.Gemma4AssistantConfig(
+        text_config=transformers.Gemma4TextConfig(**dict(ASSISTANT, vocab_size=vocab)), backbone_hidden_size=64)
+    transformers.Gemma4AssistantForCausalLM(cfg).save_pretrained(tmp_path / "assistant")
+    target = load_target(tmp_path / "target")
+    return target, load_assistant(tmp_path / "assistant", target.config)
+
+
+@pytest.mark.slow  # ~2 min: 20 000 two-token draws
+def test_sampling_with_the_assistant_is_lossless(tmp_path):
+    """The assistant's argmax drafts verified by the walk that needs no draft probabilities: the first two tokens
+    follow the target's own joint distribution (chi-square), computed directly from the target."""
+    import jax
+
+    from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
+    from jaxspec.sampling import SamplingConfig, filtered_logits
+    from test_spec_sampling import chi_square_p
+
+    vocab, n_draws, prompt = 16, 20000, [3, 7, 1, 12]
+    target, assistant = tiny_assistant_pair(tmp_path, vocab, logit_scale=1.5)
+    target.numerics = None  # the sampling algorithm, not bits: plain numerics keep 20 000 draws fast
+    sampling = SamplingConfig(1.0)
+    seqs = jnp.asarray([prompt + [x1] for x1 in range(vocab)], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5), seqs.shape)
+    probs = jax.nn.softmax(filtered_logits(target(seqs, positions, target.init_cache(vocab, 5)).logits, sampling))
+    p1, p2 = np.asarray(probs[0, 3], np.float64), np.asarray(probs[:, 4], np.float64)
+    proposer, params = AssistantProposer.of(assistant, target.config, 2)
+    got = Generator(target, proposer=proposer, proposer_params=params, batch_size=n_draws // 4).generate(
+        [prompt] * n_draws, max_new_tokens=2, sampling=sampling, seed=11)
+    counts = np.zeros((vocab, vocab))
+    for c in got:
+        counts[c.token_ids[0], c.token_ids[1]] += 1
+    assert chi_square_p(counts, p1[:, None] * p2) > 0.01
+    first = np.mean([c.stats["acceptance_per_position"][0] for c in got])
+    assert 0.0 < first < 1.0  # both branches (a draft accepted, the residual draw) ran
+
+
+@pytest.mark.slow  # ~60 s
+def test_the_assistant_on_a_mesh_gives_one_devices_tokens(tmp_path):
+    """data=2, model=2: the target cache's heads split over the model axis, the assistant reading it there; bfloat16
+    greedy text equals the one-device target-only text."""
+    from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
+
+    target, assistant = tiny_assistant_pair(tmp_path, 128)
+    target, assistant = in_dtype(target, jnp.bfloat16), in_dtype(assistant, jnp.bfloat16)
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=20)]
+    proposer, params = AssistantProposer.of(assistant, target.config, 3)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4, mesh=mesh).generate(
+        PROMPT_SET, max_new_tokens=20)
+    assert [c.token_ids for c in got] == want

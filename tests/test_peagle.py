@@ -77,7 +77,8 @@ def test_greedy_equals_target_only():
         assert c.stats["proposer"] == "peagle" and c.stats["draft_calls"] == c.stats["verify_calls"] + 1
 
 
-@pytest.mark.slow  # ~25 s; CI: auto's pricing of parallel drafts through a DFlash drafter (test_dflash's CLI auto run)
+@pytest.mark.slow  # ~25 s; pricing a one-forward draft runs under -m slow only (DFlash's test too), auto's
+# machinery in CI (test_auto_generator)
 def test_auto_prices_a_chain_as_one_head_forward():
     """`--num-speculative-tokens auto` with a P-EAGLE head: a chain of any K costs one timed head forward (the
     longest chain's, `StepCosts.block_draft`) and its verify; every choice gives the target's text."""

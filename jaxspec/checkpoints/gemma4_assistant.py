@@ -28,6 +28,9 @@ def assistant_config_from_hf(raw: dict[str, Any]) -> AssistantConfig:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise JaxspecError("assistant config.json: a gemma4_assistant config without a text_config object")
+    if raw.get("tie_word_embeddings", True) is False:
+        raise JaxspecError("assistant config.json: tie_word_embeddings is false; jaxspec reads assistants whose LM "
+                           "head is their embedding table (Google's are)")
     with hf_fields("assistant config.json"):
         if hf_int(text, "hidden_size_per_layer_input", 0) or text.get("enable_moe_block") or text.get(
                 "use_double_wide_mlp"):
@@ -66,7 +69,7 @@ def check_assistant_fits(cfg: AssistantConfig, target: TargetConfig) -> None:
         problems.append(f"{cfg.num_centroids} centroids do not divide the vocabulary {cfg.text.vocab_size}")
     if problems:
         raise JaxspecError("the Gemma 4 assistant does not fit the target: " + "; ".join(problems))
-    target_cache_layers(target)  # both layer types have a producing layer (config.py checked the target's layout)
+    target_cache_layers(target)  # both layer types have a layer computing keys and values (else one line)
 
 
 def _checkpoint_key(path: tuple) -> tuple[str, bool]:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.config import TargetConfig, gemma4_inv_freq
+from jaxspec.errors import JaxspecError
 from jaxspec.models.gemma4 import Gemma4MLP, Norm
 from jaxspec.models.layers import NEG_INF, apply_rope, group_queries, rope_cos_sin, ungroup_queries
 from jaxspec.models.llama import Linear
@@ -46,8 +47,13 @@ def target_cache_layers(target: TargetConfig) -> dict[str, int]:
     """Layer type → the index, in the target's cache, of the target layer whose keys and values the assistant's
     layers of that type read: the last layer of that type that computes them (transformers' `store` layers)."""
     layers = target.gemma4.cache_layers
-    return {kind: max(n for n, i in enumerate(layers) if target.gemma4.layer_types[i] == kind)
-            for kind in ("sliding_attention", "full_attention")}
+    out = {}
+    for kind in ("sliding_attention", "full_attention"):
+        producers = [n for n, i in enumerate(layers) if target.gemma4.layer_types[i] == kind]
+        if not producers:
+            raise JaxspecError(f"the target has no {kind} layer whose keys and values a Gemma 4 assistant could read")
+        out[kind] = producers[-1]
+    return out
 
 
 class AssistantAttention(nnx.Module):

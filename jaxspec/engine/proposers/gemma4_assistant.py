@@ -7,8 +7,9 @@ the root, i.e. the last prompt position after the prefill, then the last accepte
 A step starts from concat(target.embed(root), target.norm(state)) at the root's position m (the committed length)
 and feeds each draft back with the assistant's projected state, as transformers' Gemma4AssistantCandidateGenerator
 does; every step keeps position m and attends to the target's committed keys [0, m) (the root is not in the target
-cache yet: its embedding is the input). transformers slices the target's keys to the sequence length instead, which
-after a rejection includes the rejected draft's slot at the root's position; here that slot is not read.
+cache yet: its embedding is the input). transformers hands the assistant the keys its verify forward returned
+instead, which after a rejection include the rejected drafts' (at the root's position and, for sliding layers whose
+cache is a window, past it); here only committed keys are read. Drafts differ there, the output never does.
 
 Drafts are the assistant's argmax: deterministic, so sampling verifies them with the walk that needs no draft
 probabilities (lossless for a one-hot q, as for DFlash)."""
