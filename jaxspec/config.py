@@ -574,14 +574,19 @@ def _gemma4_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
     if raw.get("attention_bias"):
         raise JaxspecError("config.json: Gemma 4 attention_bias is not supported (the published models have none)")
     max_pos = hf_int(raw, "max_position_embeddings", 131072)
+    layout = _gemma4_from_hf(raw, num_layers, head_dim, kv_heads)
+    vocab = hf_int(raw, "vocab_size")
+    if layout.per_layer_dim and layout.per_layer_vocab < vocab:
+        raise JaxspecError(f"config.json: vocab_size_per_layer_input={layout.per_layer_vocab} is smaller than the "
+                           f"vocabulary ({vocab}); every token needs a per-layer input row")
     return TargetConfig(
-        vocab_size=hf_int(raw, "vocab_size"), hidden_size=hidden, intermediate_size=hf_int(raw, "intermediate_size"),
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hf_int(raw, "intermediate_size"),
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=True, model_type="gemma4_text",
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")), aux_layer_ids=aux_layer_ids, context_length=max_pos,
-        gemma4=_gemma4_from_hf(raw, num_layers, head_dim, kv_heads),
+        gemma4=layout,
     )
 
 

@@ -207,6 +207,7 @@ def test_config_layout_and_refusals():
                          (dict(per_layer_config={"9": {"head_dim": 8}}), "per_layer_config must map"),
                          (dict(num_global_key_value_heads=3), "not a multiple of the full layers' 3 KV heads"),
                          (dict(sliding_window=0), "sliding_window must be at least 1"),
+                         (dict(vocab_size_per_layer_input=64), "vocab_size_per_layer_input=64 is smaller"),
                          (dict(rope_parameters={"sliding_attention": {}}), "no 'full_attention'")):
         with pytest.raises(JaxspecError, match=message):
             target_config_from_hf({**raw, **bad})

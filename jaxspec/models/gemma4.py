@@ -38,17 +38,14 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rope_cos_sin
-from jaxspec.models.llama import Linear, TargetOutput
+from jaxspec.models.llama import Linear, TargetOutput, head_logits
 from jaxspec.models.numerics import (
     Numerics,
-    contract,
     default_numerics,
     exact_mul,
-    halving_sum,
     held_dtype,
-    materialized_sums,
+    invariant_mean_square,
     normal_weight,
-    tiled_matmul,
 )
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
@@ -58,10 +55,7 @@ def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, invariant
     """Gemma4RMSNorm: x · (mean(x²) + eps)^-½ in float32, times the weight in float32 (None: no weight, the value
     norm), then rounded to x's dtype. invariant: the mean by halving sum, products rounded before any add."""
     xf = x.astype(jnp.float32)
-    if invariant:
-        ms = exact_mul(halving_sum(exact_mul(xf, xf), materialize=materialized_sums())[..., None], 1.0 / x.shape[-1])
-    else:
-        ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    ms = invariant_mean_square(xf) if invariant else jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(ms + eps)
     if weight is not None:
         y = exact_mul(y, weight.astype(jnp.float32)) if invariant else y * weight.astype(jnp.float32)
@@ -141,8 +135,7 @@ class Gemma4Attention(nnx.Module):
                 num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels, scale=1.0, window=self.window,
             )
         else:
-            k_win = kvc.read_window(k_cache, lengths, t).astype(k_cache.dtype)
-            v_win = kvc.read_window(v_cache, lengths, t).astype(v_cache.dtype)
+            k_win, v_win = kvc.read_window(k_cache, lengths, t), kvc.read_window(v_cache, lengths, t)
             k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
             out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask, scale=1.0, window=self.window,
                                    positions=positions)
@@ -253,8 +246,7 @@ class Gemma4Model(nnx.Module):
         cfg, p = self.config, self.config.gemma4.per_layer_dim
         inv = numerics is not None
         lead = tokens.shape
-        ids = jnp.where(tokens < cfg.gemma4.per_layer_vocab, tokens, 0)  # transformers' table covers the vocabulary
-        rows = jnp.take(self.embed_tokens_per_layer[...], ids, axis=0).astype(self.dtype)
+        rows = jnp.take(self.embed_tokens_per_layer[...], tokens, axis=0).astype(self.dtype)  # covers the vocabulary
         token_part = exact_mul(rows, jnp.asarray(p**0.5, self.dtype)).reshape(*lead, cfg.num_layers, p)
         # scalar factors in float32, rounded once to the dtype (as torch multiplies a 16-bit tensor by a float)
         proj = self.per_layer_model_projection(x, numerics).astype(jnp.float32)
@@ -269,14 +261,7 @@ class Gemma4Model(nnx.Module):
 
     def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
-        if self.lm_head is None:
-            table = self.embed_tokens[...]  # [V, H]
-            if numerics is not None:
-                logits = tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
-            else:
-                logits = contract(normed, table, ((normed.ndim - 1,), (1,)))
-        else:
-            logits = self.lm_head(normed, numerics)
+        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics)  # [..., V] in the dtype
         cap = self.config.gemma4.final_logit_softcapping
         if cap is not None:  # in the model dtype, as transformers caps them
             logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)

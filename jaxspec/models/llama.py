@@ -255,6 +255,18 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x, numerics is not None), numerics)
 
 
+def head_logits(table: jax.Array, lm_head: Linear | None, normed: jax.Array,
+                numerics: Numerics | None = None) -> jax.Array:
+    """normed [..., H] through the LM head, or the tied embedding table [V, H] without one → logits [..., V] in
+    normed's dtype. numerics: the target's row tiles, the table contracted in its stored layout (`tiled_matmul`'s
+    w_out_in); None: one plain dot."""
+    if lm_head is not None:
+        return lm_head(normed, numerics)
+    if numerics is not None:
+        return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
+    return contract(normed, table, ((normed.ndim - 1,), (1,)))
+
+
 class TargetOutput(NamedTuple):
     logits: jax.Array  # [B, T or n, vocab] float32
     aux: jax.Array | None  # [B, T, n_aux * hidden] in the model dtype, or None
@@ -339,12 +351,7 @@ class LlamaModel(nnx.Module):
         """The LM head alone (the tied embedding table when there is none) on states already normed [..., H] →
         float32 logits [..., V]: what a drafter that shares the target's head (DFlash) reads after its own norm.
         numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed)."""
-        if self.lm_head is None:
-            if numerics is not None:
-                table = self.embed_tokens[...]  # [V, H]
-                return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True).astype(jnp.float32)
-            return contract(normed, self.embed_tokens[...], ((normed.ndim - 1,), (1,))).astype(jnp.float32)
-        return self.lm_head(normed, numerics).astype(jnp.float32)
+        return head_logits(self.embed_tokens[...], self.lm_head, normed, numerics).astype(jnp.float32)
 
     def __call__(
         self,

@@ -291,10 +291,15 @@ def materialized_sums(backend: str | None = None) -> bool:
     return (backend or jax.default_backend()) == "gpu"
 
 
+def invariant_mean_square(xf: jax.Array) -> jax.Array:
+    """mean(xf²) over the last axis of a float32 array [..., H] → [..., 1], by halving sum: the RMSNorms' statistic
+    (Llama's and Gemma 4's) in batch-invariant numerics. A multiply by 1/H, not a division (XLA rewrites divisions
+    case by case); products rounded before adds."""
+    return exact_mul(halving_sum(exact_mul(xf, xf), materialize=materialized_sums())[..., None], 1.0 / xf.shape[-1])
+
+
 def invariant_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as Hugging Face computes it (float32, cast back, scale), with the mean of squares by halving."""
     xf = x.astype(jnp.float32)
-    # a multiply by 1/H, not a division (XLA rewrites divisions case by case); products rounded before adds
-    ms = exact_mul(halving_sum(exact_mul(xf, xf), materialize=materialized_sums())[..., None], 1.0 / x.shape[-1])
-    xf = xf * jax.lax.rsqrt(ms + eps)
+    xf = xf * jax.lax.rsqrt(invariant_mean_square(xf) + eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
