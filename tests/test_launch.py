@@ -129,13 +129,13 @@ def test_bad_override(setup, capsys):
     assert exc.value.code == 2 and "is not key=value" in capsys.readouterr().err
 
 
-def test_a_head_trains_against_the_quantized_target(setup, tmp_path):
+@pytest.mark.slow  # ~36 s: two short runs; CI: the data checks below (quantized targets: tests/test_quantize.py)
+def test_a_head_trains_against_the_quantized_target(setup):
     """`target.quantize: int8`: the teacher is the target with int8 weights (its first loss is not the float
-    target's, for the same head and batch), the exported head records that verifier, a resume against the float
-    target is refused, and so are cached features of another target."""
+    target's, for the same head and batch), the exported head records that verifier, and a resume against the float
+    target is refused."""
     from jaxspec.errors import JaxspecError
     from train.config import load_config
-    from train.data import FEATURES_META, check_features_quantization, check_heldout_quantization
     from train.launch import run
 
     run(load_config(config(setup, "float-teacher", 1)))
@@ -147,6 +147,14 @@ def test_a_head_trains_against_the_quantized_target(setup, tmp_path):
     with pytest.raises(JaxspecError, match="trained against the target quantized to int8, and the config asks for "
                                            "it as stored"):
         run(load_config(config(setup, "int8-teacher", 3)))
+
+
+def test_data_of_another_quantization_is_refused(setup, tmp_path):
+    """Cached features of the target as stored do not train a head for its int8 form, and held-out data written by
+    the target as stored does not score the int8 one."""
+    from jaxspec.errors import JaxspecError
+    from train.data import FEATURES_META, check_features_quantization, check_heldout_quantization
+
     (tmp_path / FEATURES_META).write_text(json.dumps({"quantize": None}))
     with pytest.raises(JaxspecError, match="come from the target as stored, and target.quantize asks for it "
                                            "quantized to int8"):

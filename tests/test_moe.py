@@ -165,15 +165,15 @@ def test_bfloat16_greedy_speculation_equals_target_only(method, batch):
 def test_experts_split_over_the_mesh_give_one_devices_tokens(proposer):
     """data=2, model=4: each device holds 2 of the 8 experts of every sparse layer and runs their tiles; prompt
     lookup (CI: no head to fit), a chain of 4 and a tree with a fitted head, in bfloat16, give the one-device
-    target-only tokens."""
+    target-only tokens. Batch 8 holds all five prompts and three empty rows: one prefill and one step compile."""
     from jaxspec.engine.proposers.ngram import NgramProposer
 
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
     if proposer == "ngram":
-        gen = Generator(bf16_moe(), proposer=NgramProposer(4, 2, 3), batch_size=4, mesh=mesh)
+        gen = Generator(bf16_moe(), proposer=NgramProposer(4, 2, 3), batch_size=8, mesh=mesh)
     else:
         tree = TreeConfig(10, 4, 3) if proposer == "tree" else None
-        gen = SpeculativeGenerator(bf16_moe(), moe_head(), num_draft=4, tree=tree, batch_size=4, mesh=mesh)
+        gen = SpeculativeGenerator(bf16_moe(), moe_head(), num_draft=4, tree=tree, batch_size=8, mesh=mesh)
     got = gen.generate(PROMPTS + [PROMPTS[1] * 3], max_new_tokens=32)
     assert [c.token_ids for c in got] == bf16_reference()
     assert sum(c.stats["accepted_per_position"][0] for c in got) > 0  # drafts were accepted
