@@ -18,10 +18,12 @@ from jaxspec.files import read_json
 MAX_DRAFT_DEPTH = 32
 
 # Hugging Face `model_type` → what differs from plain Llama.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma4_text",
-                         "gemma4")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+                         "gemma3_text", "gemma3", "gemma4_text", "gemma4")
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-GEMMA4_MODEL_TYPES = ("gemma4_text", "gemma4")  # gemma4: the multimodal checkpoint, whose text_config is read
+# Gemma text decoders (models/gemma.py) and the multimodal checkpoints whose text_config is read
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
+GEMMA_MULTIMODAL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -65,13 +67,19 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Gemma4Layout:
-    """What a Gemma 4 text decoder (models/gemma4.py; transformers' Gemma4TextModel) has beside the fields it shares
-    with Llama. TargetConfig's head_dim and num_kv_heads are its sliding layers'; full-attention layers have their
-    own (`full_head_dim`, `full_kv_heads`: Gemma 4's global_head_dim and num_global_key_value_heads).
+class GemmaLayout:
+    """What a Gemma text decoder (models/gemma.py; transformers' Gemma2Model, Gemma3TextModel, Gemma4TextModel) has
+    beside the fields it shares with Llama. TargetConfig's head_dim and num_kv_heads are its sliding layers'; Gemma
+    4's full-attention layers have their own (`full_head_dim`, `full_kv_heads`: its global_head_dim and
+    num_global_key_value_heads); Gemma 2 and 3 give both layer types the same.
 
-    KV sharing: the last `num_kv_shared_layers` layers compute no keys or values; each attends to those of the last
-    earlier layer of its own type (`kv_source`), so only the other layers have a cache (`cache_layers`)."""
+    KV sharing (Gemma 4): the last `num_kv_shared_layers` layers compute no keys or values; each attends to those of
+    the last earlier layer of its own type (`kv_source`), so only the other layers have a cache (`cache_layers`).
+
+    The generations differ by configuration only (the defaults are Gemma 4's): Gemma 2 and 3 store their norms'
+    weights as w and apply 1 + w (`norm_offset`), scale the scores by query_pre_attn_scalar^-1/2 (`query_scale`;
+    Gemma 4 norms q and k and scales by 1), have no value norm and no layer scalar; Gemma 2 has no q/k norms and
+    soft-caps the attention scores (`attn_softcapping`)."""
 
     layer_types: tuple[str, ...]  # "sliding_attention" or "full_attention" per layer
     sliding_window: int  # a sliding layer's query at p sees keys at positions p - window < q <= p
@@ -85,6 +93,12 @@ class Gemma4Layout:
     final_logit_softcapping: float | None = None
     sliding_rope: tuple[float, float, float] = (10000.0, 1.0, 1.0)  # (theta, partial_rotary_factor, factor)
     full_rope: tuple[float, float, float] = (1000000.0, 0.25, 1.0)  # proportional RoPE (theta, partial, factor)
+    norm_offset: bool = False  # RMSNorm weights applied as 1 + w (Gemma 2 and 3)
+    qk_norm: bool = True  # per-head RMSNorms on q and k (Gemma 3 and 4)
+    v_norm: bool = True  # an unweighted RMSNorm on v (Gemma 4)
+    layer_scalar: bool = True  # a learned scalar multiplying each layer's output (Gemma 4)
+    query_scale: float = 1.0  # the scores' scale (Gemma 2 and 3: query_pre_attn_scalar^-1/2)
+    attn_softcapping: float | None = None  # scores capped by c·tanh(s/c) (Gemma 2)
 
     def sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding_attention"
@@ -123,7 +137,7 @@ class TargetConfig:
     # Usable context; smaller than max_position_embeddings when the model uses sliding-window attention.
     context_length: int | None = None
     moe: MoeConfig | None = None  # the sparse MLP layers of a mixture-of-experts target; None: dense
-    gemma4: Gemma4Layout | None = None  # a Gemma 4 text decoder's layout (models/gemma4.py); None: Llama's
+    gemma: GemmaLayout | None = None  # a Gemma 4 text decoder's layout (models/gemma.py); None: Llama's
 
     def __post_init__(self) -> None:
         check_sizes(self, "config.json")
@@ -412,45 +426,106 @@ def _moe_from_hf(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeCo
                      shared_intermediate_size=shared)
 
 
-def _gemma4_rope(raw: dict[str, Any], kind: str) -> tuple[float, float, float]:
-    """(theta, partial_rotary_factor, factor) of one Gemma 4 layer type's `rope_parameters` entry: `default` RoPE
-    rotates every dimension pair, `proportional` the first partial_rotary_factor of them (the rest get frequency 0),
-    both with the exponents over the whole head_dim (transformers' _compute_proportional_rope_parameters)."""
-    defaults = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                   "rope_theta": 1_000_000.0}}
+GEMMA_NAMES = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3", "gemma4_text": "Gemma 4"}
+GEMMA_ROPE_TYPES = {"gemma2": ("default", "linear"), "gemma3_text": ("default", "linear"),
+                    "gemma4_text": ("default", "proportional")}
+
+
+def _gemma_rope_params(raw: dict[str, Any], kind: str, model_type: str) -> dict[str, Any]:
+    """One layer type's RoPE entry as transformers reads it: Gemma 3 and 4 write one `rope_parameters` entry per layer
+    type, Gemma 2 one for both; configs from before transformers 5 give rope_theta (Gemma 3: the full layers', with
+    rope_scaling, and rope_local_base_freq for sliding layers)."""
     given = raw.get("rope_parameters")
-    if given and not isinstance(given.get(kind), dict):
-        raise JaxspecError(f"config.json: Gemma 4 rope_parameters has no {kind!r} entry (one per layer type)")
-    params = given[kind] if given else defaults[kind]
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ("default", "proportional"):
-        raise JaxspecError(f"config.json: Gemma 4 {kind} rope_type {rope_type!r} is not supported (default, "
-                           "proportional)")
+    if model_type == "gemma2":
+        if isinstance(given, dict):
+            return given
+        return {"rope_theta": raw.get("rope_theta", 10_000.0), **(raw.get("rope_scaling") or {})}
+    if given:
+        if not isinstance(given.get(kind), dict):
+            raise JaxspecError(f"config.json: {GEMMA_NAMES[model_type]} rope_parameters has no {kind!r} entry (one per "
+                               "layer type)")
+        return given[kind]
+    if model_type == "gemma3_text":
+        if kind == "sliding_attention":
+            return {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+        return {"rope_theta": raw.get("rope_theta", 1_000_000.0), **(raw.get("rope_scaling") or {})}
+    return {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1_000_000.0}}[kind]
+
+
+def _gemma_rope(raw: dict[str, Any], kind: str, model_type: str) -> tuple[float, float, float]:
+    """(theta, partial_rotary_factor, factor) of one layer type's RoPE: `default` rotates every dimension pair,
+    `linear` (Gemma 3's full layers) divides the frequencies by factor, and Gemma 4's `proportional` rotates the first
+    partial_rotary_factor of the pairs (the rest get frequency 0), all with the exponents over the whole head_dim
+    (transformers' _compute_proportional_rope_parameters)."""
+    params = _gemma_rope_params(raw, kind, model_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in GEMMA_ROPE_TYPES[model_type]:
+        raise JaxspecError(f"config.json: {GEMMA_NAMES[model_type]} {kind} rope_type {rope_type!r} is not supported "
+                           f"({', '.join(GEMMA_ROPE_TYPES[model_type])})")
+    theta = float(params.get("rope_theta", 10_000.0))
     if rope_type == "default":  # transformers' default RoPE reads neither a partial factor nor a scaling factor
-        return float(params.get("rope_theta", 10_000.0)), 1.0, 1.0
-    return (float(params.get("rope_theta", 10_000.0)), float(params.get("partial_rotary_factor", 1.0)),
-            float(params.get("factor", 1.0)))
+        return theta, 1.0, 1.0
+    if rope_type == "linear":
+        return theta, 1.0, float(params.get("factor", 1.0))
+    return theta, float(params.get("partial_rotary_factor", 1.0)), float(params.get("factor", 1.0))
 
 
-def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads: int) -> Gemma4Layout:
-    """A Gemma 4 text config's layout, as transformers' Gemma4TextConfig builds it: layer types (5 sliding : 1 full
-    by default, the last layer full), full layers' head_dim and KV heads (`per_layer_config` as transformers >= 5.2x
-    writes it, or `global_head_dim` / `num_global_key_value_heads`), and which layers share keys and values."""
-    if raw.get("enable_moe_block"):
-        raise JaxspecError("config.json: Gemma 4 mixture-of-experts layers (enable_moe_block) are not supported yet; "
-                           "the dense Gemma 4 models (E2B, E4B, 31B) are")
-    if raw.get("use_bidirectional_attention") is not None:
-        raise JaxspecError("config.json: use_bidirectional_attention is set; jaxspec runs causal Gemma 4 decoders")
-    act = raw.get("hidden_activation", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise JaxspecError(f"config.json: Gemma 4 hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    types = list(raw.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+def _gemma_layer_types(raw: dict[str, Any], num_layers: int, model_type: str) -> list[str]:
+    """Sliding and full layers as transformers builds them when the config lists none: Gemma 2 alternates (sliding
+    first), Gemma 3 has a full layer every sliding_window_pattern (6), Gemma 4 every 6th and always as its last."""
+    pattern = 2 if model_type == "gemma2" else hf_int(raw, "sliding_window_pattern", 6)
+    if pattern < 1:
+        raise JaxspecError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
+    types = list(raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                             for i in range(num_layers)])
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise JaxspecError(f"config.json: layer_types must name sliding_attention or full_attention for each of the "
                            f"{num_layers} layers, got {types}")
-    types[-1] = "full_attention"  # as transformers forces it
+    if model_type == "gemma4_text":
+        types[-1] = "full_attention"  # as transformers forces it
+    return types
+
+
+def _gemma_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads: int,
+                   model_type: str) -> GemmaLayout:
+    """A Gemma text config's layout, as transformers' Gemma2Config / Gemma3TextConfig / Gemma4TextConfig build it:
+    layer types, the scores' scale and soft cap, RoPE per layer type; for Gemma 4 also the full layers' head_dim and
+    KV heads (`per_layer_config` as transformers >= 5.2x writes it, or `global_head_dim` /
+    `num_global_key_value_heads`), which layers share keys and values, and per-layer inputs."""
+    name = GEMMA_NAMES[model_type]
+    if raw.get("enable_moe_block"):
+        raise JaxspecError("config.json: Gemma 4 mixture-of-experts layers (enable_moe_block) are not supported yet; "
+                           "the dense Gemma 4 models (E2B, E4B, 31B) are")
+    bidirectional = raw.get("use_bidirectional_attention")  # Gemma 2/3: a bool; Gemma 4: None, "vision" or "all"
+    if (bidirectional is not None) if model_type == "gemma4_text" else bool(bidirectional):
+        raise JaxspecError(f"config.json: use_bidirectional_attention is set; jaxspec runs causal {name} decoders")
+    act = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise JaxspecError(f"config.json: {name} hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    types = _gemma_layer_types(raw, num_layers, model_type)
+    num_heads = hf_int(raw, "num_attention_heads")
+    window = hf_int(raw, "sliding_window", {"gemma2": 4096, "gemma3_text": 4096}.get(model_type, 512))
+    if window < 1:
+        raise JaxspecError(f"config.json: {name} sliding_window must be at least 1, got {window}")
+    width = hf_int(raw, "intermediate_size")
+    cap = raw.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+    rope = dict(sliding_rope=_gemma_rope(raw, "sliding_attention", model_type),
+                full_rope=_gemma_rope(raw, "full_attention", model_type))
+    if model_type != "gemma4_text":
+        attn_cap = raw.get("attn_logit_softcapping", 50.0 if model_type == "gemma2" else None)
+        scalar = float(raw.get("query_pre_attn_scalar", 256))
+        if scalar <= 0 or (attn_cap is not None and float(attn_cap) <= 0):
+            raise JaxspecError(f"config.json: {name} query_pre_attn_scalar and attn_logit_softcapping must be "
+                               f"positive, got {scalar} and {attn_cap}")
+        return GemmaLayout(
+            layer_types=tuple(types), sliding_window=window, full_head_dim=head_dim, full_kv_heads=kv_heads,
+            kv_source=tuple(range(num_layers)), mlp_widths=(width,) * num_layers,
+            final_logit_softcapping=None if cap is None else float(cap), **rope, norm_offset=True,
+            qk_norm=model_type == "gemma3_text", v_norm=False, layer_scalar=False, query_scale=scalar**-0.5,
+            attn_softcapping=None if attn_cap is None else float(attn_cap),
+        )
     if "per_layer_config" in raw:  # transformers >= 5.2x writes the overrides, and only those that differ
         overrides = raw.get("per_layer_config") or {}
         if not isinstance(overrides, dict) or not all(str(k).lstrip("-").isdigit() and 0 <= int(k) < num_layers
@@ -471,12 +546,9 @@ def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_head
         full_head_dim, full_kv = hf_int(raw, "global_head_dim", 512), kv_heads
         if raw.get("attention_k_eq_v", False) and raw.get("num_global_key_value_heads") is not None:
             full_kv = hf_int(raw, "num_global_key_value_heads")
-    num_heads = hf_int(raw, "num_attention_heads")
-    window = hf_int(raw, "sliding_window", 512)
-    for name, value in (("full layers' head_dim", full_head_dim), ("full layers' KV heads", full_kv),
-                        ("sliding_window", window)):
+    for what, value in (("full layers' head_dim", full_head_dim), ("full layers' KV heads", full_kv)):
         if value < 1:
-            raise JaxspecError(f"config.json: Gemma 4 {name} must be at least 1, got {value}")
+            raise JaxspecError(f"config.json: Gemma 4 {what} must be at least 1, got {value}")
     if num_heads % full_kv:
         raise JaxspecError(f"config.json: {num_heads} query heads are not a multiple of the full layers' {full_kv} "
                            "KV heads")
@@ -493,30 +565,28 @@ def _gemma4_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_head
         if not producers:
             raise JaxspecError(f"config.json: shared layer {i} ({kind}) has no earlier {kind} layer to share with")
         source.append(producers[-1])
-    width = hf_int(raw, "intermediate_size")
     double = bool(raw.get("use_double_wide_mlp", False))
     per_layer_dim = hf_int(raw, "hidden_size_per_layer_input", 256)  # transformers' defaults (E2B's)
     if per_layer_dim < 0:
         raise JaxspecError(f"config.json: hidden_size_per_layer_input must be >= 0, got {per_layer_dim}")
-    cap = raw.get("final_logit_softcapping")
-    return Gemma4Layout(
+    return GemmaLayout(
         layer_types=tuple(types), sliding_window=window, full_head_dim=full_head_dim,
         full_kv_heads=full_kv, k_eq_v=bool(raw.get("attention_k_eq_v", False)), kv_source=tuple(source),
         mlp_widths=tuple(width * (2 if double and i >= first_shared else 1) for i in range(num_layers)),
         per_layer_dim=per_layer_dim,
         per_layer_vocab=hf_int(raw, "vocab_size_per_layer_input", 262_144) if per_layer_dim else 0,
-        final_logit_softcapping=None if cap is None else float(cap),
-        sliding_rope=_gemma4_rope(raw, "sliding_attention"), full_rope=_gemma4_rope(raw, "full_attention"),
+        final_logit_softcapping=None if cap is None else float(cap), **rope,
     )
 
 
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
     """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
-    if raw.get("model_type") == "gemma4":  # the multimodal checkpoint: its text decoder's config
+    multimodal = raw.get("model_type")
+    if multimodal in GEMMA_MULTIMODAL_TYPES:  # Gemma 3 and 4's multimodal checkpoints: their text decoder's config
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise JaxspecError("config.json: a gemma4 config without a text_config object")
-        raw = {**text, "model_type": "gemma4_text",
+            raise JaxspecError(f"config.json: a {multimodal} config without a text_config object")
+        raw = {**text, "model_type": GEMMA_MULTIMODAL_TYPES[multimodal],
                "tie_word_embeddings": text.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))}
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
@@ -526,8 +596,8 @@ def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     with hf_fields("config.json"):
-        if model_type in GEMMA4_MODEL_TYPES:
-            return _gemma4_target_config(raw, aux_layer_ids)
+        if model_type in GEMMA_MODEL_TYPES:
+            return _gemma_target_config(raw, aux_layer_ids, model_type)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise JaxspecError(f"hidden_act={act!r} is not supported (Llama-family models use silu)")
@@ -564,17 +634,20 @@ def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
         )
 
 
-def _gemma4_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None) -> TargetConfig:
-    """A Gemma 4 text decoder: q/k norms, no attention biases, tied embeddings by default; the context is the model's
-    whole (sliding layers attend within their window exactly, models/gemma4.py)."""
+def _gemma_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None, model_type: str) -> TargetConfig:
+    """A Gemma 2, 3 or 4 text decoder: no attention biases, tied embeddings by default; the context is the model's
+    whole (sliding layers attend within their window exactly, models/gemma.py)."""
     hidden, num_heads = hf_int(raw, "hidden_size"), hf_int(raw, "num_attention_heads")
     num_layers = hf_int(raw, "num_hidden_layers")
-    kv_heads = hf_int(raw, "num_key_value_heads", 4)  # transformers' Gemma 4 defaults
+    kv_heads = hf_int(raw, "num_key_value_heads", 4)  # transformers' Gemma defaults
     head_dim = hf_int(raw, "head_dim", 256)
     if raw.get("attention_bias"):
-        raise JaxspecError("config.json: Gemma 4 attention_bias is not supported (the published models have none)")
-    max_pos = hf_int(raw, "max_position_embeddings", 131072)
-    layout = _gemma4_from_hf(raw, num_layers, head_dim, kv_heads)
+        raise JaxspecError(f"config.json: {GEMMA_NAMES[model_type]} attention_bias is not supported (the published "
+                           "models have none)")
+    if kv_heads < 1 or num_heads % kv_heads:
+        raise JaxspecError(f"config.json: {num_heads} query heads are not a multiple of {kv_heads} KV heads")
+    max_pos = hf_int(raw, "max_position_embeddings", {"gemma2": 8192}.get(model_type, 131072))
+    layout = _gemma_from_hf(raw, num_layers, head_dim, kv_heads, model_type)
     vocab = hf_int(raw, "vocab_size")
     if layout.per_layer_dim and layout.per_layer_vocab < vocab:
         raise JaxspecError(f"config.json: vocab_size_per_layer_input={layout.per_layer_vocab} is smaller than the "
@@ -583,15 +656,15 @@ def _gemma4_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | 
         vocab_size=vocab, hidden_size=hidden, intermediate_size=hf_int(raw, "intermediate_size"),
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=True, model_type="gemma4_text",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=layout.qk_norm, model_type=model_type,
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")), aux_layer_ids=aux_layer_ids, context_length=max_pos,
-        gemma4=layout,
+        gemma=layout,
     )
 
 
-def gemma4_inv_freq(head_dim: int, rope: tuple[float, float, float]):
-    """Gemma 4's inverse frequencies [head_dim/2], float32, as transformers computes them: the first
+def gemma_inv_freq(head_dim: int, rope: tuple[float, float, float]):
+    """A Gemma layer type's inverse frequencies [head_dim/2], float32, as transformers computes them: the first
     int(partial · head_dim / 2) pairs rotate with base^(-2i/head_dim), the others not at all, all divided by factor."""
     import numpy as np
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.config import Gemma4Layout, MoeConfig, RopeConfig, TargetConfig
+from jaxspec.config import GemmaLayout, MoeConfig, RopeConfig, TargetConfig
 
 SHAPES: dict[str, dict] = {
     "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -26,23 +26,23 @@ SHAPES: dict[str, dict] = {
     "gemma4-31b": dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_layers=60, num_heads=32,
                        num_kv_heads=16, head_dim=256, tie_word_embeddings=True, qk_norm=True,
                        model_type="gemma4_text", rms_norm_eps=1e-6,
-                       gemma4=dict(sliding_window=1024, full_head_dim=512, full_kv_heads=4, k_eq_v=True,
+                       gemma=dict(sliding_window=1024, full_head_dim=512, full_kv_heads=4, k_eq_v=True,
                                    final_logit_softcapping=30.0)),
 }
 
 
-def gemma4_layout(num_layers: int, intermediate_size: int, **fields) -> Gemma4Layout:
+def gemma_layout(num_layers: int, intermediate_size: int, **fields) -> GemmaLayout:
     """Gemma 4's layout for `num_layers` layers of the default pattern (every sixth layer full, the last full), no
     KV sharing: what a shape with fewer layers compiles (compiled_cost measures whole periods of six)."""
     types = tuple("sliding_attention" if (i + 1) % 6 and i < num_layers - 1 else "full_attention"
                   for i in range(num_layers))
-    return Gemma4Layout(layer_types=types, kv_source=tuple(range(num_layers)),
+    return GemmaLayout(layer_types=types, kv_source=tuple(range(num_layers)),
                         mlp_widths=(intermediate_size,) * num_layers, **fields)
 
 
 def layer_period(cfg: TargetConfig) -> int:
     """Layers that repeat as one unit: Gemma 4's six (five sliding, one full), one layer otherwise."""
-    return 6 if cfg.gemma4 is not None else 1
+    return 6 if cfg.gemma is not None else 1
 
 
 def reference_config(name: str, **overrides) -> TargetConfig:
@@ -55,6 +55,6 @@ def reference_config(name: str, **overrides) -> TargetConfig:
     if moe is not None and "moe" not in overrides:
         layers = tuple(i for i in moe.layers if i < fields["num_layers"])
         fields["moe"] = dataclasses.replace(moe, layers=layers)
-    if isinstance(fields.get("gemma4"), dict):
-        fields["gemma4"] = gemma4_layout(fields["num_layers"], fields["intermediate_size"], **fields["gemma4"])
+    if isinstance(fields.get("gemma"), dict):
+        fields["gemma"] = gemma_layout(fields["num_layers"], fields["intermediate_size"], **fields["gemma"])
     return TargetConfig(**fields)

@@ -119,7 +119,7 @@ def check_fits(mesh: jax.sharding.Mesh, configs: dict, batch_size: int, batch_fl
     if batch_size % d:
         raise JaxspecError(f"{batch_flag} {batch_size} is not a multiple of the mesh's data axis ({d})")
     for name, cfg in configs.items():
-        layout = getattr(cfg, "gemma4", None)  # Gemma 4's full layers have KV heads of their own
+        layout = getattr(cfg, "gemma", None)  # Gemma 4's full layers have KV heads of their own
         if layout is not None and not model_axis_fits(cfg.num_heads, layout.full_kv_heads, m):
             raise JaxspecError(f"the {name}'s full-attention layers have {cfg.num_heads} query and "
                                f"{layout.full_kv_heads} KV heads, which the mesh's model axis ({m}) does not fit")

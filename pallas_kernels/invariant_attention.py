@@ -16,11 +16,12 @@ The canonical operations, per (sequence, KV head, query token):
 A block with nothing visible leaves (m, l, a) exactly unchanged, so the number of blocks past p (the cache
 capacity) does not matter either.
 
-Two static arguments serve Gemma 4: `scale` (None: D^-½; Gemma 4 norms q and k and scales by 1.0) and `window` (a
-sliding layer's query at p sees keys at p - window < position ≤ p). Both are part of the visible mask and the
-canonical operations, the same in every path. A fold that starts on blocks with nothing visible ends with exactly
-the partial of the first visible block (m = -1e30, l = a = 0 merge into it as e^-∞ = 0 and e^0 = 1), so the kernels
-start their loop at the first block the window reaches (`_first_visible_block`; the TPU variant copies nothing
+Three static arguments serve Gemma: `scale` (None: D^-½; Gemma 4 norms q and k and scales by 1.0, Gemma 2/3 use
+query_pre_attn_scalar^-½), `window` (a sliding layer's query at p sees keys at p - window < position ≤ p) and
+`softcap` (Gemma 2: the scores are softcap·tanh(s·scale / softcap), and the exponent's scale is then 1; `Scores`).
+They are part of the visible mask and the canonical operations, the same in every path. A fold that starts on
+blocks with nothing visible ends with exactly the partial of the first visible block (m = -1e30, l = a = 0 merge
+into it as e^-∞ = 0 and e^0 = 1), so the kernels start their loop at the first block the window reaches (`_first_visible_block`; the TPU variant copies nothing
 before it) and give the reference's bits, which folds every block.
 
 The query rows of those dots are zero-padded to QUERY_ROWS (16; G rounded up to a power of two where that is
@@ -91,6 +92,7 @@ exp and division need not round as XLA:TPU's do (the kernel against itself is wh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -108,7 +110,33 @@ from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu
 NEG_INF = -1e30
 
 
-def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = False, materialize: bool = False):
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """How a dot product s = q·k becomes a score (a static argument: hashable): s·scale, or, with `softcap` (Gemma
+    2), softcap·tanh(s·scale / softcap). Uncapped, the scale is applied after the max is subtracted (no product
+    meets an add: `exp_scale`); capped, the capped value is the score and the exponent's scale is 1."""
+
+    scale: float
+    softcap: float | None = None
+
+    @staticmethod
+    def of(head_dim: int, scale: float | None = None, softcap: float | None = None) -> Scores:
+        """The public arguments: scale None is D^-½."""
+        return Scores(head_dim**-0.5 if scale is None else float(scale), None if softcap is None else float(softcap))
+
+    @property
+    def exp_scale(self) -> float:
+        return self.scale if self.softcap is None else 1.0
+
+    def cap(self, s: jax.Array) -> jax.Array:
+        """The scores as the max and the exponent see them: unchanged uncapped; capped, each product rounded."""
+        if self.softcap is None:
+            return s
+        return exact_mul(jnp.tanh(exact_mul(s, self.scale / self.softcap)), self.softcap)
+
+
+def block_partial(q, k, v, visible, scores: Scores, *, fence=fenced, per_row: bool = False,
+                  materialize: bool = False):
     """One key block's softmax partial, the canonical operations shared by the reference and the kernel.
 
     q [..., G, D]; k, v [..., Bk, D]; visible [..., Bk], or [..., G, Bk] with per_row (each query row its own; the
@@ -121,7 +149,7 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     if q.shape[-2] == 1:  # one query row (MHA): XLA:CPU compiles [1, D] x [D, Bk] as a matrix-vector product, which
         # sums in another order than any dot of two or more rows (the kernel's have 16); a zero row gives the same bits
         # (per_row never meets one row: the reference's dots have query_tile_rows >= 16)
-        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scale, fence=fence,
+        m, l, a = block_partial(jnp.concatenate([q, jnp.zeros_like(q)], axis=-2), k, v, visible, scores, fence=fence,
                                 materialize=materialize)
         return m[..., :1], l[..., :1], a[..., :1, :]
     # The barriers (`fenced`) keep XLA's algebraic simplifier from folding broadcast operands (keys shared by every
@@ -133,10 +161,10 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     s = fence(functools.partial(jnp.einsum, "...gd,...cd->...gc", preferred_element_type=jnp.float32),
               q.astype(wide), k.astype(wide))
     vis = visible if per_row else visible[..., None, :]  # [..., G or 1, Bk]
-    s = jnp.where(vis, s, NEG_INF)
+    s = jnp.where(vis, scores.cap(s), NEG_INF)
     m = halving_max(s, materialize=materialize)  # of the unscaled scores: the scale comes after the subtraction,
     # so no product meets an add
-    p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scale)), 0.0)
+    p = jnp.where(vis, jnp.exp(exact_mul(s - m[..., None], scores.exp_scale)), 0.0)
     l = halving_sum(p, materialize=materialize)
     a = fence(
         functools.partial(jnp.einsum, "...gc,...cd->...gd", preferred_element_type=jnp.float32),
@@ -145,12 +173,12 @@ def block_partial(q, k, v, visible, scale, *, fence=fenced, per_row: bool = Fals
     return m, l, a
 
 
-def merge(state, partial, scale):
+def merge(state, partial, scores: Scores):
     """Fold the next block's partial into the running (m, l, a): an elementwise left fold, the same in every path."""
     m_run, l_run, a_run = state
     m, l, a = partial
     m_new = jnp.maximum(m_run, m)
-    old, new = jnp.exp(exact_mul(m_run - m_new, scale)), jnp.exp(exact_mul(m - m_new, scale))
+    old, new = jnp.exp(exact_mul(m_run - m_new, scores.exp_scale)), jnp.exp(exact_mul(m - m_new, scores.exp_scale))
     return (
         m_new,
         exact_mul(l_run, old) + exact_mul(l, new),
@@ -182,12 +210,13 @@ def invariant_attention_reference(
     num_blocks: int | None = None,  # static bound on the blocks any query can see (prefills: ceil(T / Bk))
     scale: float | None = None,  # the scores' scale; None: D^-½ (Gemma 4 norms q and k instead: 1.0)
     window: int | None = None,  # sliding window: a query at p sees keys at p - window < position <= p
+    softcap: float | None = None,  # scores capped at softcap·tanh(s·scale / softcap) (Gemma 2)
 ) -> jax.Array:
     """→ [B, T, Hq, D] in q's dtype. More than QUERY_CHUNK tokens go QUERY_CHUNK at a time (a loop): each token's
     operations are the same, and memory stays O(QUERY_CHUNK · S) instead of O(T · S) for a long prefill."""
     t = q.shape[1]
     attend = functools.partial(_attend_tokens, key_block=key_block, num_blocks=num_blocks,
-                               scale=q.shape[-1]**-0.5 if scale is None else scale, window=window)
+                               scores=Scores.of(q.shape[-1], scale, softcap), window=window)
     if t <= QUERY_CHUNK:
         return attend(q, k_cache, v_cache, lengths, positions, ancestors)
     chunks = -(-t // QUERY_CHUNK)
@@ -205,7 +234,7 @@ def invariant_attention_reference(
 
 
 def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None,
-                   scale: float, window: int | None):
+                   scores: Scores, window: int | None):
     """invariant_attention_reference on one group of query tokens.
 
     Each KV head's T·G query rows are packed into R rows, whole tiles of `query_tile_rows(G)` (16 on most models:
@@ -236,7 +265,7 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
     visible = in_window(slots[None, None], row_pos[:, :, None, None], window)  # [B, R, N, Bk]; padding: nothing
     visible = visible.transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, R, Bk]
     m, l, a = block_partial(
-        jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scale, per_row=True,
+        jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scores, per_row=True,
         materialize=jax.default_backend() == "gpu",
     )  # m, l [B, H, N, R]; a [B, H, N, R, D]
 
@@ -245,10 +274,10 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
 
     m, l, a = per_token(m), per_token(l), per_token(a)
     if ancestors is not None:
-        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scale, window)
+        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scores, window)
     state = (m[:, :, 0], l[:, :, 0], a[:, :, 0])
     for n in range(1, nb):  # fold the blocks in position order
-        state = merge(state, (m[:, :, n], l[:, :, n], a[:, :, n]), scale)
+        state = merge(state, (m[:, :, n], l[:, :, n], a[:, :, n]), scores)
     out = finish(state)  # [B, H, T, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 
@@ -293,7 +322,7 @@ def tree_tail_keys(k_cache, v_cache, lengths, positions, ancestors, bk, window: 
     return gather(k_cache), gather(v_cache), visible, n0
 
 
-def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scale, window):
+def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk, scores, window):
     """Replace the partials [B, H, N, T, G, ...] of the two tail blocks by ones over each node's own keys
     (tree_tail_keys); qg [B, H, T, G, D]."""
     b, hkv, t, g, d = qg.shape
@@ -301,7 +330,7 @@ def _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, partials, bk
     m, l, a = partials
     nb = m.shape[2]
     tm, tl, ta = block_partial(
-        jnp.broadcast_to(qg[:, :, :, None], (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scale,
+        jnp.broadcast_to(qg[:, :, :, None], (b, hkv, t, 2, g, d)), k_tail, v_tail, visible[:, None], scores,
         materialize=jax.default_backend() == "gpu",
     )  # m, l [B, H, T, 2, G]; a [B, H, T, 2, G, D]
     which = jnp.arange(nb)[None, :] - n0[:, None]  # [B, N]: 0 / 1 at the tail blocks
@@ -337,7 +366,7 @@ def _rows(n, size: int):
     return pl.ds(start if isinstance(start, int) or size == 1 else pl.multiple_of(start, size), size)
 
 
-def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: float, window: int | None,
+def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scores: Scores, window: int | None,
               fence: bool):
     """→ partial(n): block n's (m, l, a) for one query token's padded rows (Triton kernels), by `block_partial`.
     Block n is read from the cache `key_block` rows at a time, or, for a tree's tail blocks (n0 and n0 + 1),
@@ -360,7 +389,7 @@ def _partials(pos, q_ref, k_ref, v_ref, tail_refs, *, key_block: int, scale: flo
     def partial(n):
         k, v = load(n)
         visible = in_window(n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0), pos, window)
-        return canonical(q, k, v, visible, scale)
+        return canonical(q, k, v, visible, scores)
 
     return partial
 
@@ -377,7 +406,7 @@ def _unpack_refs(refs, tree: bool, outputs: int):
     return q_ref, k_ref, v_ref, tail, outs
 
 
-def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, window: int | None, tree: bool,
+def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scores: Scores, window: int | None, tree: bool,
             fence: bool):
     """One (sequence, query token, KV head): its query rows (the G heads, zero-padded) against the key blocks in
     position order, one block live at a time, with the same per-block operations and fold as the reference. Blocks
@@ -385,16 +414,16 @@ def _kernel(pos_ref, *refs, key_block: int, num_blocks: int, scale: float, windo
     Tree tails (blocks n0 and n0 + 1, per token) come pre-gathered; the other blocks are read from the cache."""
     q_ref, k_ref, v_ref, tail, (o_ref,) = _unpack_refs(refs, tree, 1)
     pos = pos_ref[...]
-    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, window=window,
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scores=scores, window=window,
                         fence=fence)
     end = _visible_blocks(pos, key_block, num_blocks)
     start = _first_visible_block(pos, key_block, window, end)
-    state = jax.lax.fori_loop(start + 1, end, lambda n, st: merge(st, partial(n), scale), partial(start))
+    state = jax.lax.fori_loop(start + 1, end, lambda n, st: merge(st, partial(n), scores), partial(start))
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
 def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per_split: int, kept: int,
-                     scale: float, window: int | None, tree: bool, fence: bool):
+                     scores: Scores, window: int | None, tree: bool, fence: bool):
     """Split form, phase 1: one (query token, KV head, sequence, split) computes the partials (m, l, a) of its
     contiguous range of blocks [c·P, (c + 1)·P), those the query can see, each exactly as `_kernel` computes it, and
     stores block n's first `kept` rows at rows n·kept .. of the token's buffers (masked stores: the padding rows past
@@ -403,7 +432,7 @@ def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per
     q_ref, k_ref, v_ref, tail, (m_ref, l_ref, a_ref) = _unpack_refs(refs, tree, 3)
     pos = pos_ref[...]
     rows = q_ref.shape[0]
-    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scale=scale, window=window,
+    partial = _partials(pos, q_ref, k_ref, v_ref, tail, key_block=key_block, scores=scores, window=window,
                         fence=fence)
     end = _visible_blocks(pos, key_block, num_blocks)
     first = jnp.maximum(pl.program_id(3) * blocks_per_split, _first_visible_block(pos, key_block, window, end))
@@ -425,7 +454,7 @@ def _kernel_partials(pos_ref, *refs, key_block: int, num_blocks: int, blocks_per
     jax.lax.fori_loop(first, stop, block, jnp.int32(0))
 
 
-def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blocks: int, scale: float,
+def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blocks: int, scores: Scores,
                  window: int | None, unroll: int):
     """Split form, phase 2: one (query token, KV head, sequence) folds the stored partials of blocks 0 .. end - 1
     left to right with `merge`, as `_kernel` folds them, then `finish`. Elementwise on the kept rows [G', D]: each
@@ -443,17 +472,17 @@ def _kernel_fold(pos_ref, m_ref, l_ref, a_ref, o_ref, *, key_block: int, num_blo
         first = start + 1 + i * unroll
         parts = [load(first + u) for u in range(unroll)]
         for part in parts:
-            state = merge(state, part, scale)
+            state = merge(state, part, scores)
         return state
 
     start = _first_visible_block(pos, key_block, window, end)  # phase 1 stored blocks start .. end - 1 only
     groups = jax.lax.div(end - 1 - start, unroll)
     state = jax.lax.fori_loop(0, groups, group, load(start))
-    state = jax.lax.fori_loop(start + 1 + groups * unroll, end, lambda n, st: merge(st, load(n), scale), state)
+    state = jax.lax.fori_loop(start + 1 + groups * unroll, end, lambda n, st: merge(st, load(n), scores), state)
     o_ref[...] = finish(state).astype(o_ref.dtype)
 
 
-def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num_blocks: int, scale: float,
+def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num_blocks: int, scores: Scores,
                 window: int | None, tree: bool, fence: bool):
     """Mosaic TPU: `_kernel`'s operations for one (query token, KV head, sequence), with the scalars (positions,
     tree tails' first blocks n0) in SMEM (scalar prefetch) and the cache left in HBM: each [Bk, D] key and value
@@ -468,12 +497,12 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
     q = q_ref[...]  # [R, D]
     fence_fn = fenced if fence else _unfenced
 
-    def canonical(q, k, v, visible, scale):
+    def canonical(q, k, v, visible, scores):
         # Mosaic takes no fp32 contract precision (jax_default_matmul_precision="highest") for 16-bit operands,
         # whose products are exact in float32 at any precision: their dots say "default"
         precision = "default" if k.dtype.itemsize < 4 else None
         with jax.default_matmul_precision(precision):
-            return block_partial(q, k, v, visible, scale, fence=fence_fn)
+            return block_partial(q, k, v, visible, scores, fence=fence_fn)
 
     def copies(n, slot):
         rows = pl.ds(pl.multiple_of(n * key_block, key_block), key_block)
@@ -487,12 +516,12 @@ def _kernel_tpu(pos_ref, n0_ref, q_ref, k_hbm, v_hbm, *refs, key_block: int, num
             shared = (n < n0) | (n > n0 + 1)  # as in `_kernel`
             k, v = jax.lax.cond(shared, lambda: (k, v), lambda: (kt_ref[n - n0], vt_ref[n - n0]))
         visible = in_window(n * key_block + jax.lax.broadcasted_iota(jnp.int32, (key_block,), 0), pos, window)
-        return canonical(q, k, v, visible, scale)
+        return canonical(q, k, v, visible, scores)
 
     def step(n, state):
         slot = jax.lax.rem(n, 2)
         prefetch_next_then_wait(copies, n, slot, n + 1 < end)
-        return merge(state, partial(n, slot), scale)
+        return merge(state, partial(n, slot), scores)
 
     end = _visible_blocks(pos, key_block, num_blocks)
     start = _first_visible_block(pos, key_block, window, end)
@@ -540,12 +569,12 @@ def split_blocks(programs: int, num_blocks: int, split: bool | int | None = None
     raise ValueError(f"split must be None, a bool or a positive number of blocks, got {split!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "scale", "window", "interpret", "backend",
-                                             "split"))
+@functools.partial(jax.jit, static_argnames=("key_block", "num_blocks", "scale", "window", "softcap", "interpret",
+                                             "backend", "split"))
 def invariant_attention(
     q, k_cache, v_cache, lengths, positions, ancestors=None, *, key_block: int = 64, num_blocks: int | None = None,
-    scale: float | None = None, window: int | None = None, interpret: bool | pltpu.InterpretParams = False,
-    backend: str | None = None, split: bool | int | None = None,
+    scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    interpret: bool | pltpu.InterpretParams = False, backend: str | None = None, split: bool | int | None = None,
 ) -> jax.Array:
     """The Pallas kernel; same signature and bits as `invariant_attention_reference` (see the module docstring for
     its grid, blocks and lowering). `backend` picks the variant: "tpu" the Mosaic TPU one, anything else ("cuda",
@@ -571,7 +600,7 @@ def invariant_attention(
         if split not in (None, False):
             raise ValueError("the TPU variant has no split form (split=None or False)")
         return _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, key_block=bk, num_blocks=nb,
-                         scale=d**-0.5 if scale is None else scale, window=window,
+                         scores=Scores.of(d, scale, softcap), window=window,
                          interpret=interpret)[:, :, :, :g].reshape(b, t, hq, d)
     interpret = bool(interpret)
     # grid (token, KV head, sequence[, split]): the first axis is CUDA's x, whose blocks start first, so the tokens
@@ -587,7 +616,7 @@ def invariant_attention(
         in_specs += [tail, tail]
         operands[1:1] = [n0.astype(jnp.int32)]
         operands += [k_tail, v_tail]
-    opts = {"key_block": bk, "num_blocks": nb, "scale": d**-0.5 if scale is None else scale, "window": window}
+    opts = {"key_block": bk, "num_blocks": nb, "scores": Scores.of(d, scale, softcap), "window": window}
     params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     per = split_blocks(t * hkv * b, nb, split)
     if not per:
@@ -634,7 +663,7 @@ def invariant_attention(
 
 
 def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int,
-              scale: float, window: int | None, interpret: bool | pltpu.InterpretParams):
+              scores: Scores, window: int | None, interpret: bool | pltpu.InterpretParams):
     """The Mosaic TPU call on the padded queries qg [B, T, H, R, D] → [B, T, H, R, D]: positions and n0 as
     scalar-prefetch operands, the caches in HBM (`pl.ANY`, copied block by block), queries, outputs and tree tails
     as VMEM blocks whose last two dimensions are whole ([R, D], [Bk, D]), as Mosaic's (8, 128) tiling asks."""
@@ -651,7 +680,7 @@ def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block:
     else:
         n0 = jnp.zeros((b,), jnp.int32)
     kernel = functools.partial(
-        _kernel_tpu, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window, tree=tree,
+        _kernel_tpu, key_block=key_block, num_blocks=num_blocks, scores=scores, window=window, tree=tree,
         fence=bool(interpret)
     )
     return pl.pallas_call(
@@ -672,17 +701,17 @@ def _call_tpu(qg, k_cache, v_cache, lengths, positions, ancestors, *, key_block:
 
 
 def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks, impl: str,
-                     scale: float | None = None, window: int | None = None):
+                     scale: float | None = None, window: int | None = None, softcap: float | None = None):
     """Dispatch for the target's attention by implementation (`pallas_kernels.dispatch`): "reference" (jax.numpy,
     every backend), "pallas" (compiled kernel) or "interpret" (the kernel in Pallas interpret mode: CPU). Under a (data, model) mesh the
     kernel runs per shard in `jax.shard_map` (rows over data, KV heads over model: no collective)."""
     if impl == "reference":
         return invariant_attention_reference(
             q, k_cache, v_cache, lengths, positions, ancestors, key_block=key_block, num_blocks=num_blocks,
-            scale=scale, window=window,
+            scale=scale, window=window, softcap=softcap,
         )
     fn = functools.partial(
-        invariant_attention, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window,
+        invariant_attention, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window, softcap=softcap,
         interpret=impl == "interpret",
     )
     if not on_mesh():

@@ -156,3 +156,37 @@ def train_head_on_own_text(target_dir: Path, out: Path, prompts: list[list[int]]
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
     run(load_config(out / "run.yaml"))
     return out / "run", seqs
+
+
+def as_multimodal(text_dir: Path, out_dir: Path, model_type: str, prefix: str, extra: dict) -> Path:
+    """A multimodal-layout copy of a text checkpoint (Gemma3/Gemma4ForConditionalGeneration): config.json's
+    text_config, the decoder's `model.*` tensors under `prefix`, the tied LM head dropped, and `extra` tensors (towers
+    the loader must ignore) beside them."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(Path(text_dir) / "model.safetensors")
+    renamed = {k.replace("model.", prefix, 1): v for k, v in tensors.items() if k != "lm_head.weight"}
+    renamed.update({k: np.zeros(shape, np.float32) for k, shape in extra.items()})
+    out_dir.mkdir()
+    save_file(renamed, out_dir / "model.safetensors")
+    text_config = json.loads((Path(text_dir) / "config.json").read_text())
+    arch = {"gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration"}[model_type]
+    (out_dir / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch],
+                                                     "text_config": text_config, "vision_config": {}}))
+    return out_dir
+
+
+def assert_greedy_text_equals_transformers(model, hf, max_new_tokens: int = 32) -> None:
+    """Greedy generation of a jaxspec target (its default numerics) equals transformers' generate on two prompts
+    of 5 and 11 tokens, batched together in jaxspec and one at a time in transformers."""
+    from jaxspec.engine.generation import Generator
+
+    prompts = [[5, 17, 3, 9, 60], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4]]
+    got = Generator(model, batch_size=2).generate(prompts, max_new_tokens=max_new_tokens)
+    for prompt, completion in zip(prompts, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        assert completion.token_ids == want[0, len(prompt):].tolist()

@@ -1,4 +1,4 @@
-"""Gemma 4 targets (jaxspec/models/gemma4.py): tiny random Gemma 4 text decoders built with transformers' own
+"""Gemma 4 targets (jaxspec/models/gemma.py): tiny random Gemma 4 text decoders built with transformers' own
 config class and weight names load by name (and from the multimodal checkpoint's layout), give transformers' logits
 and features and its greedy text (past the sliding window), and greedy speculation (EAGLE-3 chain and tree, n-gram;
 batch 1 and 4; one device and the CPU mesh) equals target-only in bfloat16. The sliding window in the invariant
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from hf_tiny import as_multimodal, assert_greedy_text_equals_transformers
 from spec_fixtures import PROMPTS, in_dtype
 
 from jaxspec import sharding
@@ -24,7 +24,7 @@ from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.tree import TreeConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.models.gemma4 import Gemma4Model
+from jaxspec.models.gemma import GemmaModel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -70,7 +70,7 @@ def make_gemma4(out_dir, seed: int = 0, **config):
 def test_logits_features_and_greedy_text_equal_transformers(config, tmp_path):
     hf = make_gemma4(tmp_path, **config)
     model = load_target(tmp_path, aux_layer_ids=(1, 3, 5))
-    assert isinstance(model, Gemma4Model)
+    assert isinstance(model, GemmaModel)
     forward = nnx.jit(lambda m, ids, positions: m(ids, positions, m.init_cache(2, 24), empty_cache=True,
                                                   return_aux=True))
     ids = np.random.RandomState(0).randint(0, 128, (2, 20))
@@ -86,16 +86,14 @@ def test_logits_features_and_greedy_text_equal_transformers(config, tmp_path):
         features = np.concatenate([ref.hidden_states[i].numpy() for i in (1, 3, 5)], axis=-1)
         np.testing.assert_allclose(np.asarray(out.aux), features, atol=1e-4 * np.abs(features).max())
     if config is ALL_ON:  # the same decoder in the multimodal checkpoint's layout: the same logits
-        multimodal = as_multimodal(tmp_path, tmp_path / "multimodal")
+        # the decoder under model.language_model., a vision tower beside it (to be ignored), and a k/v weight a
+        # KV-shared layer does not use (ignored, as transformers ignores them)
+        multimodal = as_multimodal(tmp_path, tmp_path / "multimodal", "gemma4", "model.language_model.", {
+            "model.vision_tower.encoder.weight": (4, 4),
+            "model.language_model.layers.5.self_attn.k_proj.weight": (32, 64)})
         mm_out = forward(load_target(multimodal, aux_layer_ids=(1, 3, 5)), jnp.asarray(ids), positions)
         np.testing.assert_array_equal(np.asarray(mm_out.logits), np.asarray(out.logits))
-    model = load_target(tmp_path)  # invariant numerics, the default
-    prompts = [[5, 17, 3, 9, 60], [44, 2, 61, 8, 19, 23, 7, 1, 90, 12, 4]]
-    got = Generator(model, batch_size=2).generate(prompts, max_new_tokens=32)
-    for prompt, completion in zip(prompts, got):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
-        assert completion.token_ids == want[0, len(prompt):].tolist()
+    assert_greedy_text_equals_transformers(load_target(tmp_path), hf)  # invariant numerics, the default
 
 
 @functools.cache
@@ -162,26 +160,10 @@ def test_a_mesh_gives_one_devices_tokens(bf16_gemma, bf16_reference):  # familie
     assert sum(c.stats["rejections"]["all_accepted"] + c.stats["rejections"]["miss"] for c in got) > 0
 
 
-def as_multimodal(text_dir, out_dir):
-    """A Gemma4ForConditionalGeneration-layout copy of a text checkpoint: config.json's text_config, the decoder under
-    model.language_model., a vision tower beside it (to be ignored), and a k/v weight a KV-shared layer does not use
-    (ignored, as transformers ignores them)."""
-    tensors = load_file(text_dir / "model.safetensors")
-    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items() if k != "lm_head.weight"}
-    renamed["model.vision_tower.encoder.weight"] = np.zeros((4, 4), np.float32)
-    renamed["model.language_model.layers.5.self_attn.k_proj.weight"] = np.zeros((32, 64), np.float32)
-    out_dir.mkdir()
-    save_file(renamed, out_dir / "model.safetensors")
-    text_config = json.loads((text_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps({"model_type": "gemma4", "architectures": [
-        "Gemma4ForConditionalGeneration"], "text_config": text_config, "vision_config": {}}))
-    return out_dir
-
-
 def test_config_layout_and_refusals():
     raw = dict(ALL_ON, model_type="gemma4_text")  # global_head_dim / num_global_key_value_heads (earlier releases)
     cfg = target_config_from_hf(raw)
-    g = cfg.gemma4
+    g = cfg.gemma
     assert g.kv_source == (0, 1, 2, 3, 3, 2) and g.cache_layers == (0, 1, 2, 3)
     assert (g.full_head_dim, g.full_kv_heads, cfg.head_dim, cfg.num_kv_heads) == (32, 1, 16, 2)
     assert g.mlp_widths == (96,) * 4 + (192,) * 2
@@ -191,15 +173,15 @@ def test_config_layout_and_refusals():
     # as transformers >= 5.2x writes it: per_layer_config holds only the overrides that differ (none here)
     written = Gemma4TextConfig(**dict(ALL_ON, global_head_dim=16, num_global_key_value_heads=2)).to_dict()
     assert written["per_layer_config"] == {} and "global_head_dim" not in written
-    layout = target_config_from_hf(written).gemma4
+    layout = target_config_from_hf(written).gemma
     assert (layout.full_head_dim, layout.full_kv_heads) == (16, 2)
     written = Gemma4TextConfig(**ALL_ON).to_dict()
-    assert (target_config_from_hf(written).gemma4.full_head_dim, target_config_from_hf(written).gemma4.full_kv_heads) \
+    assert (target_config_from_hf(written).gemma.full_head_dim, target_config_from_hf(written).gemma.full_kv_heads) \
         == (32, 1)
     from jaxspec.models.quantize import quantize_target
 
-    with pytest.raises(JaxspecError, match="quantization of Gemma 4"):
-        quantize_target(Gemma4Model(cfg, rngs=None), "int8")
+    with pytest.raises(JaxspecError, match="quantization of Gemma targets"):
+        quantize_target(GemmaModel(cfg, rngs=None), "int8")
     for bad, message in ((dict(enable_moe_block=True), "mixture-of-experts"),
                          (dict(use_bidirectional_attention="all"), "bidirectional"),
                          (dict(hidden_activation="relu"), "hidden_activation"),

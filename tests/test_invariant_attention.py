@@ -264,27 +264,32 @@ def test_rows_are_independent(kind, dtype, t, hq):
             np.testing.assert_array_equal(bits(out[at]), bits(got_alone[0]), err_msg=f"{name}: row at {at}")
 
 
-# Sliding windows (Gemma 4's sliding layers) with the scores unscaled (scale 1.0: Gemma 4 norms q and k instead):
-# windows shorter than a block, a block, and across blocks, so that whole blocks and parts of blocks fall out.
+# Sliding windows (Gemma's sliding layers) with the scores unscaled (scale 1.0: Gemma 4 norms q and k instead):
+# windows shorter than a block, a block, and across blocks, so that whole blocks and parts of blocks fall out; and
+# Gemma 2's soft-capped scores (a cap of 2 at scale 1/2: most scores saturate), with and without a window.
 WINDOWED = [
-    pytest.param("chain", "float32", 4, 6, 6, 2, 16, 256, (1, 64, 65, 250), None, 8, id="chain6-window8"),
-    pytest.param("tree", "bfloat16", 4, 16, 8, 2, 16, 256, (62, 64, 130, 200), 7, 100, id="tree16-window100",
+    pytest.param("chain", "float32", 4, 6, 6, 2, 16, 256, (1, 64, 65, 250), None, 8, 1.0, None, id="chain6-window8"),
+    pytest.param("chain", "bfloat16", 4, 6, 6, 2, 16, 256, (1, 64, 65, 250), None, 8, 0.5, 2.0,
+                 id="chain6-window8-softcap"),
+    pytest.param("tree", "bfloat16", 4, 16, 8, 2, 16, 256, (62, 64, 130, 200), 7, 100, 1.0, None,
+                 id="tree16-window100", marks=pytest.mark.slow),
+    pytest.param("tree", "float32", 4, 16, 8, 2, 16, 256, (62, 64, 130, 200), 7, None, 0.5, 2.0,
+                 id="tree16-softcap", marks=pytest.mark.slow),
+    pytest.param("chain", "bfloat16", 1, 1, 8, 2, 32, 4160, (4095,), None, 64, 1.0, None, id="decode4k-window64",
                  marks=pytest.mark.slow),
-    pytest.param("chain", "bfloat16", 1, 1, 8, 2, 32, 4160, (4095,), None, 64, id="decode4k-window64",
-                 marks=pytest.mark.slow),
-    pytest.param("prefill", "float32", 1, 100, 4, 2, 16, 200, (0,), None, 30, id="prefill100-window30",
+    pytest.param("prefill", "float32", 1, 100, 4, 2, 16, 200, (0,), None, 30, 1.0, None, id="prefill100-window30",
                  marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("kind,dtype,b,t,hq,hkv,d,s,lengths,max_depth,window", WINDOWED)
+@pytest.mark.parametrize("kind,dtype,b,t,hq,hkv,d,s,lengths,max_depth,window,scale,softcap", WINDOWED)
 def test_a_sliding_window_kernel_equals_reference_and_masks_by_position(kind, dtype, b, t, hq, hkv, d, s, lengths,
-                                                                         max_depth, window):
+                                                                         max_depth, window, scale, softcap):
     """The kernel (one-pass, and the split form on long caches; its Triton and TPU variants) gives the reference's
-    bits under a window, starting from the first block the window reaches, and both are softmax(q·k) over the keys at
-    positions p - window < position <= p (a direct float32 computation)."""
+    bits under a window and a soft cap, starting from the first block the window reaches, and both are
+    softmax(cap(q·k·scale)) over the keys at positions p - window < position <= p (a direct float32 computation)."""
     args, num_blocks = make_inputs(f"window-{kind}-{window}", kind, dtype, b, t, hq, hkv, d, s, lengths, max_depth)
-    opts = {"key_block": KEY_BLOCK, "num_blocks": num_blocks, "scale": 1.0, "window": window}
+    opts = {"key_block": KEY_BLOCK, "num_blocks": num_blocks, "scale": scale, "window": window, "softcap": softcap}
     windowed = jax.jit(invariant_attention_reference, static_argnames=tuple(opts))
     want = windowed(*args, **opts)
     for split in (False, True) if s > 1024 else (None,):
@@ -308,9 +313,13 @@ def test_a_sliding_window_kernel_equals_reference_and_masks_by_position(kind, dt
                 depth = p - int(lens[i])
                 slots = np.concatenate([np.arange(int(lens[i])), int(lens[i]) + ancestors[i, j, :depth + 1]])
             key_pos = np.arange(len(slots))  # slots in position order: slot list index = position
-            slots = slots[key_pos > p - window].astype(int)
+            if window is not None:
+                slots = slots[key_pos > p - window]
+            slots = slots.astype(int)
             for h in range(hq):
-                scores = k_cache[i, h // g, slots] @ q[i, j, h]
+                scores = (k_cache[i, h // g, slots] @ q[i, j, h]) * scale
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
                 probs = np.exp(scores - scores.max())
                 direct = (probs / probs.sum()) @ v_cache[i, h // g, slots]
                 tol = 2e-2 if dtype == "bfloat16" else 1e-5

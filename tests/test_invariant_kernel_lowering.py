@@ -365,23 +365,25 @@ def check_equals_reference(case, **kernel_opts):
 
 
 # Gemma 4 31B's attention: sliding layers (32 query / 16 KV heads of 256, a window of 1024) and full layers (32 / 4
-# heads of 512), both with unscaled scores
-GEMMA4_LAYERS = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, None)}
+# heads of 512), both with unscaled scores; Gemma 2 27B's sliding layers (32 / 16 heads of 128, a window of 4096,
+# scores scaled by 144^-1/2 and capped at 50)
+GEMMA_LAYERS = {"gemma4-sliding": (32, 16, 256, 1024, 1.0, None), "gemma4-full": (32, 4, 512, None, 1.0, None),
+                "gemma2-sliding": (32, 16, 128, 4096, 144**-0.5, 50.0)}
 
 
-@pytest.mark.parametrize("layer", list(GEMMA4_LAYERS))
+@pytest.mark.parametrize("layer", list(GEMMA_LAYERS))
 @pytest.mark.parametrize("b,t,s", [(1, 1, 8192), (8, 6, 4096)])
-def test_gemma4_attention_lowers_for_cuda_and_tpu(layer, b, t, s):
-    """The window and scale are static arguments: the kernel lowers with them for CUDA (its one-pass and split
-    forms) and for TPUs, at Gemma 4's head sizes (the full layers' 512-wide heads too)."""
-    hq, hkv, d, window = GEMMA4_LAYERS[layer]
+def test_gemma_attention_lowers_for_cuda_and_tpu(layer, b, t, s):
+    """The window, scale and soft cap are static arguments: the kernel lowers with them for CUDA (its one-pass and
+    split forms) and for TPUs, at Gemma's head sizes (Gemma 4's full layers' 512-wide heads too)."""
+    hq, hkv, d, window, scale, softcap = GEMMA_LAYERS[layer]
     args = [jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, hkv, s, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, hkv, s, d), jnp.bfloat16), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((b, t), jnp.int32)]
 
     def fn(backend, split=None):
         return lambda q, k, v, lengths, positions: invariant_attention(
-            q, k, v, lengths, positions, backend=backend, split=split, scale=1.0, window=window)
+            q, k, v, lengths, positions, backend=backend, split=split, scale=scale, window=window, softcap=softcap)
 
     for split in (False, True):
         text = export_for_cuda(fn(None, split), args)

@@ -540,7 +540,7 @@ def kv_bytes(case: CostCase, cfg) -> int:
     """Keys and values a step must read at least: the committed tokens' and its own, every layer, every row; a
     sliding-window layer (Gemma 4) only those of its window before the step's first token."""
     seen = case.length + case.tokens
-    g = cfg.gemma4
+    g = cfg.gemma
     if g is None:
         return case.batch * seen * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bfloat16
     total = 0

@@ -48,7 +48,7 @@ def assistant_config_from_hf(raw: dict[str, Any]) -> AssistantConfig:
 def check_assistant_fits(cfg: AssistantConfig, target: TargetConfig) -> None:
     """One line for each way the assistant cannot read this target: not a Gemma 4 target, another hidden size or
     vocabulary, or its sliding / full layers' head sizes and KV heads unlike the target's layers it reads."""
-    if target.gemma4 is None:
+    if target.model_type != "gemma4_text":
         raise JaxspecError("a Gemma 4 assistant drafts for Gemma 4 targets only (it reads the target's keys and "
                            f"values); the target is {target.model_type}")
     problems = []
@@ -56,7 +56,7 @@ def check_assistant_fits(cfg: AssistantConfig, target: TargetConfig) -> None:
         problems.append(f"backbone_hidden_size {cfg.backbone_hidden_size} vs the target's {target.hidden_size}")
     if cfg.text.vocab_size != target.vocab_size:
         problems.append(f"vocabulary {cfg.text.vocab_size} vs the target's {target.vocab_size}")
-    a, g = cfg.text.gemma4, target.gemma4
+    a, g = cfg.text.gemma, target.gemma
     if cfg.text.head_dim != target.head_dim or a.full_head_dim != g.full_head_dim:
         problems.append(f"head sizes {cfg.text.head_dim}/{a.full_head_dim} vs the target's "
                         f"{target.head_dim}/{g.full_head_dim}")

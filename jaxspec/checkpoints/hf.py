@@ -137,34 +137,44 @@ def expert_sources(params: dict[str, tuple[nnx.Variable, bool]], model_type: str
     return out
 
 
-GEMMA4_TEXT_PREFIX = "model.language_model."  # Gemma4ForConditionalGeneration's text decoder
+# Where a multimodal Gemma checkpoint keeps its text decoder: Gemma 4's and transformers >= 4.52's Gemma 3
+# (`model.language_model.`), and Gemma 3 as Google published it (`language_model.model.`)
+GEMMA_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+GEMMA_TOWERS = ("vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio.")
+
+
+def _gemma_text_prefix(index: dict[str, Path]) -> str | None:
+    return next((p for p in GEMMA_TEXT_PREFIXES if p + "embed_tokens.weight" in index), None)
 
 
 def checkpoint_names(params: dict[str, tuple[nnx.Variable, bool]], index: dict[str, Path],
                      cfg: TargetConfig) -> dict[str, tuple[nnx.Variable, bool]]:
-    """`model_params` under the names this checkpoint uses: a multimodal Gemma 4 checkpoint keeps its text decoder
-    under `model.language_model.` (its LM head is the tied table)."""
-    if cfg.gemma4 is None or GEMMA4_TEXT_PREFIX + "embed_tokens.weight" not in index:
+    """`model_params` under the names this checkpoint uses: a multimodal Gemma checkpoint keeps its text decoder
+    under one of GEMMA_TEXT_PREFIXES (its LM head is the tied table)."""
+    prefix = _gemma_text_prefix(index) if cfg.gemma is not None else None
+    if prefix is None:
         return params
-    return {GEMMA4_TEXT_PREFIX + k.removeprefix("model.") if k.startswith("model.") else k: v
-            for k, v in params.items()}
+    return {prefix + k.removeprefix("model.") if k.startswith("model.") else k: v for k, v in params.items()}
 
 
 def _ignorable(key: str, cfg: TargetConfig) -> bool:
-    """A tensor the checkpoint may hold that this target does not use: exporters' buffers; a tied LM head; for Gemma
-    4, the vision and audio towers of a multimodal checkpoint and the key/value weights of KV-shared layers (which
-    transformers ignores too)."""
+    """A tensor the checkpoint may hold that this target does not use: exporters' buffers; a tied LM head; for Gemma,
+    the vision and audio towers of a multimodal checkpoint and Gemma 4's key/value weights of KV-shared layers
+    (which transformers ignores too)."""
     if key.endswith(_IGNORABLE_SUFFIXES) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
         return True
-    if cfg.gemma4 is None:
+    if cfg.gemma is None:
         return False
-    if key.startswith("model.") and not key.startswith(("model.layers.", "model.norm.", "model.embed_tokens",
-                                                        "model.per_layer_", GEMMA4_TEXT_PREFIX)):
-        return True  # model.vision_tower, model.audio_tower, model.embed_vision, ...
-    parts = key.removeprefix(GEMMA4_TEXT_PREFIX).removeprefix("model.").split(".")
+    if key.startswith(GEMMA_TOWERS) or key.startswith("model.") and not key.startswith(
+            ("model.layers.", "model.norm.", "model.embed_tokens", "model.per_layer_", *GEMMA_TEXT_PREFIXES)):
+        return True  # model.vision_tower, model.audio_tower, model.embed_vision, vision_tower, ...
+    parts = key
+    for prefix in (*GEMMA_TEXT_PREFIXES, "model."):
+        parts = parts.removeprefix(prefix)
+    parts = parts.split(".")
     if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[2] == "self_attn":
         layer = int(parts[1])
-        return (layer < cfg.num_layers and cfg.gemma4.kv_source[layer] != layer
+        return (layer < cfg.num_layers and cfg.gemma.kv_source[layer] != layer
                 and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm"))
     return False
 

@@ -29,7 +29,8 @@ RECORD_KEY = "jaxspec"  # a head config's own key for what the published layouts
 # Hugging Face architecture of each supported model type (a verifier's `architectures`)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
 SPECULATORS_VERIFIER_KEYS = ("name_or_path", "architectures")  # what speculators' VerifierConfig defines
 
 

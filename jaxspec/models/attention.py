@@ -34,6 +34,7 @@ def masked_attention(
     scale: float | None = None,  # the scores' scale; None: D^-½
     window: int | None = None,  # sliding window (with positions): a query at p sees p - window < position <= p
     positions: jax.Array | None = None,  # [B, T] the queries' positions, which are the window entries' too (W = T)
+    softcap: float | None = None,  # scaled scores capped at softcap·tanh(s / softcap) (Gemma 2)
 ) -> jax.Array:
     """→ [B, T, Hq, D] in q's dtype, in plain jax.numpy (XLA partitions it like any other op on a mesh). Committed
     slot s holds position s; with a sliding window the W entries must be the new tokens themselves (`positions`)."""
@@ -56,6 +57,8 @@ def masked_attention(
         jnp.einsum("bkqd,bksd->bkqs", qg, k_cache.astype(jnp.float32)),
         jnp.einsum("bkqd,bksd->bkqs", qg, k_win.astype(jnp.float32)),
     ], axis=-1).reshape(b, hkv, g, t, -1) * (d**-0.5 if scale is None else scale)  # [B, Hkv, G, T, S + W]
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     scores = jnp.where(visible[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)

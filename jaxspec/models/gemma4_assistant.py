@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import TargetConfig, gemma4_inv_freq
+from jaxspec.config import TargetConfig, gemma_inv_freq
 from jaxspec.errors import JaxspecError
-from jaxspec.models.gemma4 import Gemma4MLP, Norm
+from jaxspec.models.gemma import GemmaMLP, Norm
 from jaxspec.models.layers import NEG_INF, apply_rope, group_queries, rope_cos_sin, ungroup_queries
 from jaxspec.models.llama import Linear
 from jaxspec.models.numerics import held_dtype, normal_weight
@@ -46,10 +46,10 @@ class AssistantConfig:
 def target_cache_layers(target: TargetConfig) -> dict[str, int]:
     """Layer type → the index, in the target's cache, of the target layer whose keys and values the assistant's
     layers of that type read: the last layer of that type that computes them (transformers' `store` layers)."""
-    layers = target.gemma4.cache_layers
+    layers = target.gemma.cache_layers
     out = {}
     for kind in ("sliding_attention", "full_attention"):
-        producers = [n for n, i in enumerate(layers) if target.gemma4.layer_types[i] == kind]
+        producers = [n for n, i in enumerate(layers) if target.gemma.layer_types[i] == kind]
         if not producers:
             raise JaxspecError(f"the target has no {kind} layer whose keys and values a Gemma 4 assistant could read")
         out[kind] = producers[-1]
@@ -60,7 +60,7 @@ class AssistantAttention(nnx.Module):
     """Queries only: q_proj, q_norm, o_proj; keys and values come from the target's cache."""
 
     def __init__(self, text: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
-        g = text.gemma4
+        g = text.gemma
         self.sliding = g.sliding(layer)
         self.head_dim = text.head_dim if self.sliding else g.full_head_dim
         self.num_heads = text.num_heads
@@ -94,7 +94,7 @@ class AssistantLayer(nnx.Module):
     def __init__(self, text: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
         h, eps = text.hidden_size, text.rms_norm_eps
         self.self_attn = AssistantAttention(text, layer, dtype=dtype, rngs=rngs)
-        self.mlp = Gemma4MLP(h, text.gemma4.mlp_widths[layer], dtype=dtype, rngs=rngs)
+        self.mlp = GemmaMLP(h, text.gemma.mlp_widths[layer], dtype=dtype, rngs=rngs)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, Norm(h, eps, dtype=dtype))
@@ -156,9 +156,9 @@ class Gemma4Assistant(nnx.Module):
         layer type → the target's [B, Hkv·r, S, D] keys / values; committed [B]. → (logits [B, T, V] float32, the
         next state [B, T, Hb])."""
         text = self.config.text
-        g = text.gemma4
+        g = text.gemma
         x = self.pre_projection(inputs.astype(self.dtype))
-        rope = {kind: rope_cos_sin(positions, jnp.asarray(gemma4_inv_freq(d, freqs)))
+        rope = {kind: rope_cos_sin(positions, jnp.asarray(gemma_inv_freq(d, freqs)))
                 for kind, d, freqs in (("sliding_attention", text.head_dim, g.sliding_rope),
                                        ("full_attention", g.full_head_dim, g.full_rope))}
         for i, layer in enumerate(self.layers):

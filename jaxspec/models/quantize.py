@@ -85,8 +85,8 @@ def quantize_target(model, mode: str):
     on the model (`LlamaModel.hold_fused_qkv`) are dropped, since they were made from the float kernels."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
-    if model.config.gemma4 is not None:
-        raise JaxspecError(f"{mode} quantization of Gemma 4 targets is not supported yet; run the target unquantized "
+    if model.config.gemma is not None:
+        raise JaxspecError(f"{mode} quantization of Gemma targets is not supported yet; run the target unquantized "
                            "(drop --quantize)")
     if model.config.moe is not None:
         raise JaxspecError(f"{mode} quantization of mixture-of-experts targets is not supported yet (their experts "

@@ -1,9 +1,11 @@
-"""The Gemma 4 text decoder in Flax NNX (transformers' Gemma4TextModel / Gemma4ForCausalLM, and the language model
-of Gemma4ForConditionalGeneration), with the target interface of models/llama.py: an explicit KV cache, EAGLE-3
-features, and the batch-invariant numerics of numerics.py, so that speculation stays bit-exact.
+"""Gemma text decoders in Flax NNX: Gemma 4 (transformers' Gemma4TextModel / Gemma4ForCausalLM, and the language
+model of Gemma4ForConditionalGeneration), and by configuration alone Gemma 3 (Gemma3ForCausalLM, the language model of
+Gemma3ForConditionalGeneration) and Gemma 2 (Gemma2ForCausalLM), with the target interface of models/llama.py: an
+explicit KV cache, EAGLE-3 features, and the batch-invariant numerics of numerics.py, so that speculation stays
+bit-exact.
 
 What Gemma 4 adds to a Llama decoder, each followed from transformers' code:
-- two layer types (`config.gemma4.layer_types`): sliding layers attend to the last `sliding_window` positions, with
+- two layer types (`config.gemma.layer_types`): sliding layers attend to the last `sliding_window` positions, with
   their own head_dim, KV heads and RoPE (default, theta 10k); full layers see the whole context with a wider head
   (global_head_dim) and proportional RoPE (only the first quarter of the pairs rotate). The window is a static
   argument of the invariant attention (kernel and reference), so a sliding layer's keys are masked by position in
@@ -13,13 +15,18 @@ What Gemma 4 adds to a Llama decoder, each followed from transformers' code:
 - four norms per layer (before and after attention and MLP), a learned `layer_scalar` multiplying its output;
 - full layers with `attention_k_eq_v`: the values are the key projection's output (normed as values, not keys);
 - KV sharing: the last `num_kv_shared_layers` layers project no keys or values and attend to those of the last
-  earlier layer of their type (`Gemma4Layout.kv_source`), read from that layer's cache after this forward wrote
-  it; only the other layers have a cache entry (`Gemma4Layout.cache_layers`);
+  earlier layer of their type (`GemmaLayout.kv_source`), read from that layer's cache after this forward wrote
+  it; only the other layers have a cache entry (`GemmaLayout.cache_layers`);
 - per-layer inputs (PLE): a second embedding table of L·P columns and a projection of the token embedding, normed
   and summed, give each layer a P-wide input that gates a residual branch after its MLP;
 - the embedding scaled by sqrt(H) (rounded to the weights' dtype first, as transformers does), the GELU (tanh) MLP,
   double-width MLPs on shared layers (`use_double_wide_mlp`), and tanh soft-capping of the logits.
 Not supported (one-line errors in config.py): the mixture-of-experts block (26B-A4B) and bidirectional attention.
+
+Gemma 3 and 2 are the same decoder with less (`GemmaLayout`'s flags): one head size and RoPE scheme per layer type
+(Gemma 3's full layers: linear scaling), norms applied as 1 + w, scores scaled by query_pre_attn_scalar^-½, no value
+norm, layer scalar, KV sharing or per-layer inputs; Gemma 2 also has no q/k norms and caps the attention scores at
+c·tanh(s/c), a static argument of the invariant attention like the window.
 
 Invariant numerics: every matmul runs on the target's row tiles (`Linear` with numerics), every sum over features is
 a halving sum, and every product that meets an add is rounded first (`exact_mul`), as in llama.py.
@@ -33,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import TargetConfig, gemma4_inv_freq
+from jaxspec.config import TargetConfig, gemma_inv_freq
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.attention import masked_attention
@@ -51,14 +58,17 @@ from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
 
 
-def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, invariant: bool = False) -> jax.Array:
+def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, invariant: bool = False,
+                   offset: bool = False) -> jax.Array:
     """Gemma4RMSNorm: x · (mean(x²) + eps)^-½ in float32, times the weight in float32 (None: no weight, the value
-    norm), then rounded to x's dtype. invariant: the mean by halving sum, products rounded before any add."""
+    norm; offset: 1 + weight, Gemma 2/3's RMSNorm), then rounded to x's dtype. invariant: the mean by halving sum,
+    products rounded before any add."""
     xf = x.astype(jnp.float32)
     ms = invariant_mean_square(xf) if invariant else jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(ms + eps)
     if weight is not None:
-        y = exact_mul(y, weight.astype(jnp.float32)) if invariant else y * weight.astype(jnp.float32)
+        w = 1.0 + weight.astype(jnp.float32) if offset else weight.astype(jnp.float32)
+        y = exact_mul(y, w) if invariant else y * w
     elif invariant:
         y = exact_mul(y, 1.0)  # rounded here: whatever adds to it next sees these bits in every program
     return y.astype(x.dtype)
@@ -79,21 +89,30 @@ def _mul(a: jax.Array, b, invariant: bool) -> jax.Array:
     return exact_mul(a, b) if invariant else a * b
 
 
+def _norm(norm: Norm | None, x: jax.Array, invariant: bool) -> jax.Array:
+    """A norm the layer may not have (Gemma 2's q/k, Gemma 2/3's v): absent, x unchanged."""
+    return x if norm is None else norm(x, invariant)
+
+
 class Norm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, scaled: bool = True):
-        self.weight = nnx.data(nnx.Param(jnp.ones((dim,), held_dtype(dtype))) if scaled else None)
+    """A Gemma RMSNorm; offset (Gemma 2/3): the stored weight w is applied as 1 + w, so it starts at zero."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, scaled: bool = True, offset: bool = False):
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.data(nnx.Param(init((dim,), held_dtype(dtype))) if scaled else None)
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:
-        return gemma_rms_norm(x, None if self.weight is None else self.weight[...], self.eps, invariant)
+        return gemma_rms_norm(x, None if self.weight is None else self.weight[...], self.eps, invariant, self.offset)
 
 
-class Gemma4Attention(nnx.Module):
+class GemmaAttention(nnx.Module):
     """One layer's attention. A KV-shared layer holds only q_proj, q_norm and o_proj; a full layer with
-    attention_k_eq_v has no v_proj."""
+    attention_k_eq_v has no v_proj; Gemma 2 has no q/k norms and Gemma 2/3 no value norm."""
 
     def __init__(self, cfg: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
-        g = cfg.gemma4
+        g = cfg.gemma
         h = cfg.hidden_size
         self.sliding = g.sliding(layer)
         self.head_dim = cfg.head_dim if self.sliding else g.full_head_dim
@@ -101,16 +120,17 @@ class Gemma4Attention(nnx.Module):
         self.num_heads = cfg.num_heads
         self.window = g.sliding_window if self.sliding else None
         self.shared = g.kv_source[layer] != layer
-        d = self.head_dim
+        self.scale, self.softcap = g.query_scale, g.attn_softcapping
+        d, eps, off = self.head_dim, cfg.rms_norm_eps, g.norm_offset
         self.q_proj = Linear(h, cfg.num_heads * d, bias=False, dtype=dtype, rngs=rngs)
-        self.q_norm = Norm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = nnx.data(Norm(d, eps, dtype=dtype, offset=off) if g.qk_norm else None)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs)
         own_kv = not self.shared
         self.k_proj = nnx.data(Linear(h, self.kv_heads * d, bias=False, dtype=dtype, rngs=rngs) if own_kv else None)
         has_v = own_kv and not (g.k_eq_v and not self.sliding)
         self.v_proj = nnx.data(Linear(h, self.kv_heads * d, bias=False, dtype=dtype, rngs=rngs) if has_v else None)
-        self.k_norm = nnx.data(Norm(d, cfg.rms_norm_eps, dtype=dtype) if own_kv else None)
-        self.v_norm = nnx.data(Norm(d, cfg.rms_norm_eps, dtype=dtype, scaled=False) if own_kv else None)
+        self.k_norm = nnx.data(Norm(d, eps, dtype=dtype, offset=off) if own_kv and g.qk_norm else None)
+        self.v_norm = nnx.data(Norm(d, eps, dtype=dtype, scaled=False) if own_kv and g.v_norm else None)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, *, empty_cache, numerics, positions, ancestors):
         """x [B, T, H]; cos/sin [B, T, D] of this layer type; k/v_cache [B, Hkv·r, S, D]: this layer's own, or the
@@ -119,12 +139,12 @@ class Gemma4Attention(nnx.Module):
         inv = numerics is not None
         d = self.head_dim
         q = self.q_proj(x, numerics).reshape(b, t, self.num_heads, d)
-        q = apply_rope(self.q_norm(q, inv), cos, sin, inv)  # [B, T, Hq, D]
+        q = apply_rope(_norm(self.q_norm, q, inv), cos, sin, inv)  # [B, T, Hq, D]
         if not self.shared:
             k = self.k_proj(x, numerics).reshape(b, t, self.kv_heads, d)
             v = k if self.v_proj is None else self.v_proj(x, numerics).reshape(b, t, self.kv_heads, d)
-            k = apply_rope(self.k_norm(k, inv), cos, sin, inv)
-            v = self.v_norm(v, inv)
+            k = apply_rope(_norm(self.k_norm, k, inv), cos, sin, inv)
+            v = _norm(self.v_norm, v, inv)
             k, v = kvc.repeat_heads(k, k_cache.shape[1]), kvc.repeat_heads(v, v_cache.shape[1])
             k_cache = kvc.write_block(k_cache, k, lengths)
             v_cache = kvc.write_block(v_cache, v, lengths)
@@ -132,17 +152,18 @@ class Gemma4Attention(nnx.Module):
             bk = numerics.key_block
             out = invariant_attend(
                 q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
-                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels, scale=1.0, window=self.window,
+                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels, scale=self.scale,
+                window=self.window, softcap=self.softcap,
             )
         else:
             k_win, v_win = kvc.read_window(k_cache, lengths, t), kvc.read_window(v_cache, lengths, t)
             k_pre, v_pre = (k_cache[:, :, :0], v_cache[:, :, :0]) if empty_cache else (k_cache, v_cache)
-            out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask, scale=1.0, window=self.window,
-                                   positions=positions)
+            out = masked_attention(q, k_pre, v_pre, lengths, k_win, v_win, mask, scale=self.scale,
+                                   window=self.window, positions=positions, softcap=self.softcap)
         return self.o_proj(out.reshape(b, t, self.num_heads * d), numerics), k_cache, v_cache
 
 
-class Gemma4MLP(nnx.Module):
+class GemmaMLP(nnx.Module):
     def __init__(self, h: int, width: int, *, dtype, rngs: nnx.Rngs | None):
         self.gate_proj = Linear(h, width, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, width, bias=False, dtype=dtype, rngs=rngs)
@@ -154,15 +175,15 @@ class Gemma4MLP(nnx.Module):
         return self.down_proj(gated, numerics)
 
 
-class Gemma4DecoderLayer(nnx.Module):
+class GemmaDecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
-        g, h, eps = cfg.gemma4, cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma4Attention(cfg, layer, dtype=dtype, rngs=rngs)
-        self.mlp = Gemma4MLP(h, g.mlp_widths[layer], dtype=dtype, rngs=rngs)
+        g, h, eps = cfg.gemma, cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = GemmaAttention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.mlp = GemmaMLP(h, g.mlp_widths[layer], dtype=dtype, rngs=rngs)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
-            setattr(self, name, Norm(h, eps, dtype=dtype))
-        self.layer_scalar = nnx.Param(jnp.ones((1,), held_dtype(dtype)))
+            setattr(self, name, Norm(h, eps, dtype=dtype, offset=g.norm_offset))
+        self.layer_scalar = nnx.data(nnx.Param(jnp.ones((1,), held_dtype(dtype))) if g.layer_scalar else None)
         p = g.per_layer_dim
         self.per_layer_input_gate = nnx.data(Linear(h, p, bias=False, dtype=dtype, rngs=rngs) if p else None)
         self.per_layer_projection = nnx.data(Linear(p, h, bias=False, dtype=dtype, rngs=rngs) if p else None)
@@ -180,30 +201,32 @@ class Gemma4DecoderLayer(nnx.Module):
             gate = gelu_tanh(self.per_layer_input_gate(x, numerics), inv)
             branch = self.per_layer_projection(_mul(gate, per_layer_input, inv), numerics)
             x = x + self.post_per_layer_input_norm(branch, inv)
-        return _mul(x, self.layer_scalar[...].astype(x.dtype), inv), k_cache, v_cache
+        if self.layer_scalar is not None:
+            x = _mul(x, self.layer_scalar[...].astype(x.dtype), inv)
+        return x, k_cache, v_cache
 
 
-class Gemma4Model(nnx.Module):
+class GemmaModel(nnx.Module):
     """Token ids → logits and EAGLE-3 features through an explicit KV cache, with LlamaModel's interface (engine,
     proposers, CLIs). Attribute names follow transformers' module tree (`model.layers.{i}.self_attn.q_proj`, ...)
     so that checkpoints load by name (checkpoints/hf.py).
 
-    The cache holds one entry per layer that computes keys and values (`Gemma4Layout.cache_layers`), each of its
+    The cache holds one entry per layer that computes keys and values (`GemmaLayout.cache_layers`), each of its
     layer type's shape: sliding layers [B, Hkv, S, D], full layers [B, Hkv_full, S, D_full], at the full capacity
     (a sliding layer's keys are masked by position, not evicted)."""
 
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None,
                  numerics: Numerics | None | str = "default"):
-        if cfg.gemma4 is None:
-            raise ValueError("Gemma4Model needs a Gemma 4 config (TargetConfig.gemma4)")
-        g = cfg.gemma4
+        if cfg.gemma is None:
+            raise ValueError("GemmaModel needs a Gemma config (TargetConfig.gemma)")
+        g = cfg.gemma
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.quantization: str | None = None
         self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
-        self.layers = nnx.List([Gemma4DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
-        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([GemmaDecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=g.norm_offset)
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else
                                 Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
         p = g.per_layer_dim
@@ -216,17 +239,17 @@ class Gemma4Model(nnx.Module):
     def invariant_numerics(self, kernels: str | None = None) -> Numerics:
         return default_numerics(kernels=kernels)
 
-    def hold_fused_qkv(self) -> Gemma4Model:
-        """LlamaModel's side-by-side q/k/v kernels: Gemma 4 projects q, k and v by separate dots (shared layers have
+    def hold_fused_qkv(self) -> GemmaModel:
+        """LlamaModel's side-by-side q/k/v kernels: Gemma projects q, k and v by separate dots (shared layers have
         no k or v), so there is nothing to hold."""
         return self
 
-    def without_held_qkv(self) -> Gemma4Model:
+    def without_held_qkv(self) -> GemmaModel:
         return self
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache: one entry per layer that computes keys and values, of its layer type's shape."""
-        cfg, g = self.config, self.config.gemma4
+        cfg, g = self.config, self.config.gemma
         ks, vs = [], []
         for i in g.cache_layers:
             attn = self.layers[i].self_attn
@@ -243,7 +266,7 @@ class Gemma4Model(nnx.Module):
 
     def per_layer_inputs(self, tokens: jax.Array, x: jax.Array, numerics: Numerics | None) -> jax.Array:
         """PLE: (norm(proj(embedding) · H^-½) + table[tokens] · sqrt(P)) · 2^-½ → [B, T, L, P]."""
-        cfg, p = self.config, self.config.gemma4.per_layer_dim
+        cfg, p = self.config, self.config.gemma.per_layer_dim
         inv = numerics is not None
         lead = tokens.shape
         rows = jnp.take(self.embed_tokens_per_layer[...], tokens, axis=0).astype(self.dtype)  # covers the vocabulary
@@ -262,7 +285,7 @@ class Gemma4Model(nnx.Module):
     def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
         logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics)  # [..., V] in the dtype
-        cap = self.config.gemma4.final_logit_softcapping
+        cap = self.config.gemma.final_logit_softcapping
         if cap is not None:  # in the model dtype, as transformers caps them
             logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)
         return logits.astype(jnp.float32)
@@ -281,10 +304,10 @@ class Gemma4Model(nnx.Module):
         empty_cache: bool = False,
         write_offset: int | jax.Array = 0,
     ) -> TargetOutput:
-        cfg, g = self.config, self.config.gemma4
+        cfg, g = self.config, self.config.gemma
         b, t = tokens.shape
         if not (isinstance(write_offset, int) and write_offset == 0):
-            raise JaxspecError("a Gemma 4 model writes its keys at the committed length only (no write_offset: it is "
+            raise JaxspecError("a Gemma model writes its keys at the committed length only (no write_offset: it is "
                                "not a draft model yet)")
         if self.numerics is not None and ancestors is None and block_mask is not None:
             ancestors = kvc.ancestors_from_mask(block_mask, min(t, self.numerics.key_block))
@@ -293,7 +316,7 @@ class Gemma4Model(nnx.Module):
         inv = self.numerics is not None
         numerics = self.numerics.for_prefill() if inv and empty_cache else self.numerics
         rope = {  # cos/sin [B, T, D] per layer type, each of its own head size and frequencies
-            kind: rope_cos_sin(positions, jnp.asarray(gemma4_inv_freq(d, freqs)), inv)
+            kind: rope_cos_sin(positions, jnp.asarray(gemma_inv_freq(d, freqs)), inv)
             for kind, d, freqs in (("sliding_attention", cfg.head_dim, g.sliding_rope),
                                    ("full_attention", g.full_head_dim, g.full_rope))
         }
