@@ -47,7 +47,9 @@ class MoeConfig:
     The three families differ only in how the weights are made and added (transformers' code, followed exactly):
     Qwen3-MoE and Qwen2-MoE take the softmax over all experts, keep the top k and renormalize them when
     `norm_topk_prob`, then round them to the model dtype (`round_weights`); Mixtral always renormalizes and keeps
-    them in float32. Qwen2-MoE adds a dense shared expert gated by sigmoid(x · w) (`shared_intermediate_size`)."""
+    them in float32. Qwen2-MoE adds a dense shared expert gated by sigmoid(x · w) (`shared_intermediate_size`).
+    Gemma 4's (26B-A4B: models/gemma.py) renormalizes in float32 and scales each weight by its expert's learned
+    scale; its experts are tanh-GELU gated MLPs beside each layer's dense MLP."""
 
     num_experts: int
     top_k: int
@@ -495,9 +497,6 @@ def _gemma_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads
     KV heads (`per_layer_config` as transformers >= 5.2x writes it, or `global_head_dim` /
     `num_global_key_value_heads`), which layers share keys and values, and per-layer inputs."""
     name = GEMMA_NAMES[model_type]
-    if raw.get("enable_moe_block"):
-        raise JaxspecError("config.json: Gemma 4 mixture-of-experts layers (enable_moe_block) are not supported yet; "
-                           "the dense Gemma 4 models (E2B, E4B, 31B) are")
     bidirectional = raw.get("use_bidirectional_attention")  # Gemma 2/3: a bool; Gemma 4: None, "vision" or "all"
     if (bidirectional is not None) if model_type == "gemma4_text" else bool(bidirectional):
         raise JaxspecError(f"config.json: use_bidirectional_attention is set; jaxspec runs causal {name} decoders")
@@ -652,6 +651,11 @@ def _gemma_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | N
     if layout.per_layer_dim and layout.per_layer_vocab < vocab:
         raise JaxspecError(f"config.json: vocab_size_per_layer_input={layout.per_layer_vocab} is smaller than the "
                            f"vocabulary ({vocab}); every token needs a per-layer input row")
+    moe = None
+    if model_type == "gemma4_text" and raw.get("enable_moe_block"):  # 26B-A4B: experts beside every dense MLP
+        moe = MoeConfig(num_experts=hf_int(raw, "num_experts"), top_k=hf_int(raw, "top_k_experts"),
+                        intermediate_size=hf_int(raw, "moe_intermediate_size"), layers=tuple(range(num_layers)),
+                        norm_topk_prob=True, round_weights=False)
     return TargetConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=hf_int(raw, "intermediate_size"),
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -659,7 +663,7 @@ def _gemma_target_config(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | N
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=layout.qk_norm, model_type=model_type,
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         eos_token_ids=_as_id_tuple(raw.get("eos_token_id")), aux_layer_ids=aux_layer_ids, context_length=max_pos,
-        gemma=layout,
+        moe=moe, gemma=layout,
     )
 
 

@@ -1,7 +1,8 @@
 """Gemma 4 targets (jaxspec/models/gemma.py): tiny random Gemma 4 text decoders built with transformers' own
 config class and weight names load by name (and from the multimodal checkpoint's layout), give transformers' logits
-and features and its greedy text (past the sliding window), and greedy speculation (EAGLE-3 chain and tree, n-gram;
-batch 1 and 4; one device and the CPU mesh) equals target-only in bfloat16. The sliding window in the invariant
+and features and its greedy text (past the sliding window; 26B-A4B's mixture-of-experts block too), and greedy
+speculation (EAGLE-3 chain and tree, n-gram; batch 1 and 4; one device and the CPU mesh, experts split over it)
+equals target-only in bfloat16. The sliding window in the invariant
 attention itself (kernel and reference) is tested in tests/test_invariant_attention.py."""
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ ALL_ON = dict(
     vocab_size_per_layer_input=128, num_kv_shared_layers=2, attention_k_eq_v=True, num_global_key_value_heads=1,
     final_logit_softcapping=30.0, use_double_wide_mlp=True,
 )
+# ... with 26B-A4B's mixture-of-experts block beside every dense MLP (4 experts, 2 per token)
+MOE = dict(ALL_ON, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
 # ... and off: no sharing, no per-layer inputs, separate values, the default 5:1 layer pattern, no capping.
 ALL_OFF = dict(ALL_ON, num_hidden_layers=7, layer_types=None, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
                attention_k_eq_v=False, num_global_key_value_heads=None, final_logit_softcapping=None,
@@ -66,7 +69,8 @@ def make_gemma4(out_dir, seed: int = 0, **config):
     return hf
 
 
-@pytest.mark.parametrize("config", [ALL_ON, pytest.param(ALL_OFF, marks=pytest.mark.slow)], ids=["all-on", "all-off"])
+@pytest.mark.parametrize("config", [ALL_ON, MOE, pytest.param(ALL_OFF, marks=pytest.mark.slow)],
+                         ids=["all-on", "moe", "all-off"])
 def test_logits_features_and_greedy_text_equal_transformers(config, tmp_path):
     hf = make_gemma4(tmp_path, **config)
     model = load_target(tmp_path, aux_layer_ids=(1, 3, 5))
@@ -160,6 +164,23 @@ def test_a_mesh_gives_one_devices_tokens(bf16_gemma, bf16_reference):  # familie
     assert sum(c.stats["rejections"]["all_accepted"] + c.stats["rejections"]["miss"] for c in got) > 0
 
 
+def test_a_moe_targets_experts_split_over_the_mesh_give_one_devices_tokens(tmp_path):
+    """26B-A4B's block in bfloat16: prompt lookup at batch 4 on a data=2 x model=2 mesh, each device holding 2 of
+    every layer's 4 experts and running their tiles, gives target-only's tokens one row at a time on one device."""
+    from jaxspec.engine.proposers.ngram import NgramProposer
+
+    make_gemma4(tmp_path, seed=3, **MOE)
+    target = in_dtype(load_target(tmp_path), jnp.bfloat16)
+    want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=24)]
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    gen = Generator(target, proposer=NgramProposer(4, 2, 3), batch_size=4, mesh=mesh)
+    got = gen.generate(PROMPT_SET, max_new_tokens=24)
+    assert [c.token_ids for c in got] == want
+    assert sum(c.stats["rejections"]["all_accepted"] + c.stats["rejections"]["miss"] for c in got) > 0
+    experts = gen.params["layers"][0]["experts"]
+    assert {s.data.shape for s in experts["gate_proj"][...].addressable_shards} == {(2, 64, 24)}
+
+
 def test_config_layout_and_refusals():
     raw = dict(ALL_ON, model_type="gemma4_text")  # global_head_dim / num_global_key_value_heads (earlier releases)
     cfg = target_config_from_hf(raw)
@@ -182,7 +203,11 @@ def test_config_layout_and_refusals():
 
     with pytest.raises(JaxspecError, match="quantization of Gemma targets"):
         quantize_target(GemmaModel(cfg, rngs=None), "int8")
-    for bad, message in ((dict(enable_moe_block=True), "mixture-of-experts"),
+    moe = target_config_from_hf(dict(MOE, model_type="gemma4_text")).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.layers) == (4, 2, 24, tuple(range(6)))
+    assert moe.norm_topk_prob and not moe.round_weights
+    for bad, message in ((dict(MOE, num_experts=None), "lacks the field 'num_experts'"),
+                         (dict(MOE, top_k_experts=5), "exceeds the 4 experts"),
                          (dict(use_bidirectional_attention="all"), "bidirectional"),
                          (dict(hidden_activation="relu"), "hidden_activation"),
                          (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),

@@ -99,7 +99,8 @@ def hf_key(path: tuple) -> tuple[str, bool]:
     prefix = ".".join(parts[:-1]) if parts[0] == "lm_head" else "model." + ".".join(parts[:-1])
     if parts[-1] == "kernel":
         return prefix + ".weight", True
-    if parts[-1] == "scale":  # an 8-bit kernel's per-channel scale, as compressed-tensors names it
+    if parts[-1] == "scale" and parts[-2] != "router":  # an 8-bit kernel's per-channel scale, as compressed-tensors
+        # names it (Gemma 4's router.scale is a weight of its own)
         return prefix + ".weight_scale", False
     return f"{prefix}.{parts[-1]}", False
 
@@ -139,6 +140,21 @@ def expert_sources(params: dict[str, tuple[nnx.Variable, bool]], model_type: str
 
 # Where a multimodal Gemma checkpoint keeps its text decoder: Gemma 4's and transformers >= 4.52's Gemma 3
 # (`model.language_model.`), and Gemma 3 as Google published it (`language_model.model.`)
+def gemma_fused_experts(params: dict[str, tuple[nnx.Variable, bool]], cfg: TargetConfig) -> dict[str, tuple]:
+    """Gemma 4's stacked experts → (the checkpoint tensor, its rows or None): transformers stores a layer's experts
+    fused, gate and up as the two halves of `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I],
+    each expert [out, in]."""
+    if cfg.gemma is None or cfg.moe is None:
+        return {}
+    width, out = cfg.moe.intermediate_size, {}
+    for key in params:
+        prefix, _, name = key.rpartition(".")
+        if prefix.endswith(".experts") and name in EXPERT_PROJECTIONS:
+            rows = {"gate_proj": slice(0, width), "up_proj": slice(width, 2 * width)}.get(name)
+            out[key] = (key if rows is None else prefix + ".gate_up_proj", rows)
+    return out
+
+
 GEMMA_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 GEMMA_TOWERS = ("vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio.")
 
@@ -224,8 +240,9 @@ def load_target(
     # --quantize: kernel key → its scale's key, both set from the float weight as it is read
     made = {k.removesuffix("_scale"): k for k in params if k.endswith(".weight_scale")} if quantize else {}
     read = [k for k in params if k not in made.values()]
-    stacked = expert_sources(params, cfg.model_type)  # experts: one tensor per expert in the checkpoint
-    stored = [name for k in read for name in stacked.get(k, [k])]
+    fused = gemma_fused_experts(params, cfg)  # Gemma 4's experts: a layer's in two tensors
+    stacked = {k: v for k, v in expert_sources(params, cfg.model_type).items() if k not in fused}  # one per expert
+    stored = [name for k in read for name in ([fused[k][0]] if k in fused else stacked.get(k, [k]))]
     _check_keys(dict.fromkeys(stored), index, model_dir, cfg)
     np_dtype = numpy_dtype(dtype)
     views: dict[Path, dict[str, np.ndarray]] = {}
@@ -242,6 +259,16 @@ def load_target(
 
     def prepared(key: str) -> jax.Array | tuple[jax.Array, jax.Array]:
         param, transposed = params[key]
+        if key in fused:  # [E, in, out] from the rows of one [E, out, in] tensor
+            name, rows = fused[key]
+            view = view_of(name)
+            view = view if rows is None else view[:, rows]
+            if view.ndim != 3 or view.shape[0] != param.shape[0]:
+                raise JaxspecError(f"tensor {name!r} has shape {tuple(view_of(name).shape)}; config.json asks for "
+                                   f"{param.shape[0]} experts")
+            one = jax.ShapeDtypeStruct(param.shape[1:], param.dtype)
+            return jnp.stack([prepare(view[j], one, True, np_dtype, f"tensor {name!r}", "config.json")
+                              for j in range(param.shape[0])])
         if key in stacked:  # [E, in, out] from E tensors [out, in]
             one = jax.ShapeDtypeStruct(param.shape[1:], param.dtype)
             return jnp.stack([prepare(view_of(name), one, True, np_dtype, f"tensor {name!r}", "config.json")

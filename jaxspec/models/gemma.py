@@ -20,8 +20,10 @@ What Gemma 4 adds to a Llama decoder, each followed from transformers' code:
 - per-layer inputs (PLE): a second embedding table of L·P columns and a projection of the token embedding, normed
   and summed, give each layer a P-wide input that gates a residual branch after its MLP;
 - the embedding scaled by sqrt(H) (rounded to the weights' dtype first, as transformers does), the GELU (tanh) MLP,
-  double-width MLPs on shared layers (`use_double_wide_mlp`), and tanh soft-capping of the logits.
-Not supported (one-line errors in config.py): the mixture-of-experts block (26B-A4B) and bidirectional attention.
+  double-width MLPs on shared layers (`use_double_wide_mlp`), and tanh soft-capping of the logits;
+- the mixture-of-experts block (26B-A4B, `GemmaDecoderLayer.experts_block`): beside each layer's dense MLP, experts
+  chosen by a router that reads the residual stream, their normed sum added to the normed MLP output.
+Not supported (one-line errors in config.py): bidirectional attention.
 
 Gemma 3 and 2 are the same decoder with less (`GemmaLayout`'s flags): one head size and RoPE scheme per layer type
 (Gemma 3's full layers: linear scaling), norms applied as 1 + w, scores scaled by query_pre_attn_scalar^-½, no value
@@ -34,6 +36,7 @@ a halving sum, and every product that meets an add is rounded first (`exact_mul`
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -43,9 +46,10 @@ from flax import nnx
 from jaxspec.config import TargetConfig, gemma_inv_freq
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
+from jaxspec.models import moe as moe_ops
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rope_cos_sin
-from jaxspec.models.llama import Linear, TargetOutput, head_logits
+from jaxspec.models.llama import Experts, Linear, TargetOutput, head_logits
 from jaxspec.models.numerics import (
     Numerics,
     default_numerics,
@@ -175,6 +179,27 @@ class GemmaMLP(nnx.Module):
         return self.down_proj(gated, numerics)
 
 
+class GemmaRouter(nnx.Module):
+    """Gemma 4's router: the residual stream normed without a weight, times a learned `scale` and H^-½, projected to
+    one logit per expert; each chosen expert's weight is then scaled by its `per_expert_scale`."""
+
+    def __init__(self, h: int, num_experts: int, eps: float, *, dtype, rngs: nnx.Rngs | None):
+        self.norm = Norm(h, eps, dtype=dtype, scaled=False)
+        self.proj = Linear(h, num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.scale = nnx.Param(jnp.ones((h,), held_dtype(dtype)))
+        self.per_expert_scale = nnx.Param(jnp.ones((num_experts,), held_dtype(dtype)))
+
+    def __call__(self, x: jax.Array, moe, numerics: Numerics | None) -> tuple[jax.Array, jax.Array]:
+        """x [N, H] → (experts [N, k] int32 ascending, weights [N, k] float32), as transformers' Gemma4TextRouter:
+        the scaled input rounded to the dtype after each factor (the scalar in float32, as torch multiplies a
+        16-bit tensor by a float), a float32 softmax over all experts, the top k renormalized, times their scales."""
+        inv = numerics is not None
+        y = _mul(self.norm(x, inv), self.scale[...].astype(x.dtype), inv)
+        y = _mul(y.astype(jnp.float32), x.shape[-1] ** -0.5, inv).astype(x.dtype)
+        experts, weights = moe_ops.route(self.proj(y, numerics), moe, x.dtype, inv)
+        return experts, _mul(weights, self.per_expert_scale[...].astype(jnp.float32)[experts], inv)
+
+
 class GemmaDecoderLayer(nnx.Module):
     def __init__(self, cfg: TargetConfig, layer: int, *, dtype, rngs: nnx.Rngs | None):
         g, h, eps = cfg.gemma, cfg.hidden_size, cfg.rms_norm_eps
@@ -184,10 +209,34 @@ class GemmaDecoderLayer(nnx.Module):
                      "post_feedforward_layernorm"):
             setattr(self, name, Norm(h, eps, dtype=dtype, offset=g.norm_offset))
         self.layer_scalar = nnx.data(nnx.Param(jnp.ones((1,), held_dtype(dtype))) if g.layer_scalar else None)
+        # 26B-A4B's mixture-of-experts block beside the dense MLP (`experts_block`), named as transformers names it
+        self.moe = cfg.moe if cfg.moe is not None and layer in cfg.moe.layers else None
+        moe = self.moe
+        self.router = nnx.data(GemmaRouter(h, moe.num_experts, eps, dtype=dtype, rngs=rngs) if moe else None)
+        self.experts = nnx.data(Experts(moe.num_experts, h, moe.intermediate_size, dtype=dtype, rngs=rngs)
+                                if moe else None)
+        for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            setattr(self, name, nnx.data(Norm(h, eps, dtype=dtype) if moe else None))
         p = g.per_layer_dim
         self.per_layer_input_gate = nnx.data(Linear(h, p, bias=False, dtype=dtype, rngs=rngs) if p else None)
         self.per_layer_projection = nnx.data(Linear(p, h, bias=False, dtype=dtype, rngs=rngs) if p else None)
         self.post_per_layer_input_norm = nnx.data(Norm(h, eps, dtype=dtype) if p else None)
+
+    def experts_block(self, x: jax.Array, numerics: Numerics | None) -> jax.Array:
+        """Gemma 4 26B-A4B's mixture-of-experts block on x [B, T, H] (the residual stream after attention): the
+        router reads x, the experts (tanh-GELU gated MLPs, stacked as llama.Experts holds them) their own norm of
+        it, and the weighted sum is normed again (models/moe.py: the tiles, the order of the sum, expert
+        parallelism). transformers stores a layer's experts fused, gate_up_proj [E, 2I, H] and down_proj
+        [E, H, I]; checkpoints/hf.py splits and transposes them as it reads."""
+        inv = numerics is not None
+        lead, h = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, h)
+        experts, weights = self.router(flat, self.moe, numerics)
+        e = self.experts
+        outputs = moe_ops.expert_outputs(
+            self.pre_feedforward_layernorm_2(flat, inv), experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...],
+            None if numerics is None else numerics.row_tile, act=functools.partial(gelu_tanh, invariant=inv))
+        return self.post_feedforward_layernorm_2(moe_ops.combine(outputs, weights), inv).reshape(*lead, h)
 
     def __call__(self, x, per_layer_input, cos, sin, k_cache, v_cache, lengths, mask, *, empty_cache, numerics,
                  positions, ancestors):
@@ -196,7 +245,10 @@ class GemmaDecoderLayer(nnx.Module):
             self.input_layernorm(x, inv), cos, sin, k_cache, v_cache, lengths, mask, empty_cache=empty_cache,
             numerics=numerics, positions=positions, ancestors=ancestors)
         x = x + self.post_attention_layernorm(attn, inv)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x, inv), numerics), inv)
+        ff = self.mlp(self.pre_feedforward_layernorm(x, inv), numerics)
+        if self.moe is not None:  # 26B-A4B: the normed dense MLP plus the normed experts, both from x
+            ff = self.post_feedforward_layernorm_1(ff, inv) + self.experts_block(x, numerics)
+        x = x + self.post_feedforward_layernorm(ff, inv)
         if self.per_layer_input_gate is not None:
             gate = gelu_tanh(self.per_layer_input_gate(x, numerics), inv)
             branch = self.per_layer_projection(_mul(gate, per_layer_input, inv), numerics)

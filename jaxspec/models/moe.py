@@ -1,6 +1,6 @@
-"""The sparse MLP of a mixture-of-experts target (Mixtral, Qwen2-MoE, Qwen3-MoE) as pure functions of arrays: the
-router, the experts grouped by the tokens routed to them, and the weighted sum. The modules holding the weights are
-in llama.py (`SparseMoe`, `Experts`).
+"""The sparse MLP of a mixture-of-experts target (Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 4 26B-A4B) as pure functions
+of arrays: the router, the experts grouped by the tokens routed to them, and the weighted sum. The modules holding
+the weights are in llama.py (`SparseMoe`, `Experts`) and gemma.py (`GemmaMoe`).
 
 Why this is harder to keep exact than a dense MLP: which tokens an expert sees changes with the batch and with the
 verify block, so a grouped matmul that computes an expert's tokens as one dot of their count gives a token other
@@ -81,9 +81,10 @@ def combine(outputs: jax.Array, weights: jax.Array) -> jax.Array:
     return total
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, dot) -> jax.Array:
-    """One expert on rows x [R, H]: down(silu(x·gate) · (x·up)), each `dot(a, w)` in the model dtype."""
-    return dot(jax.nn.silu(dot(x, gate)) * dot(x, up), down)
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, dot, act=jax.nn.silu) -> jax.Array:
+    """One expert on rows x [R, H]: down(act(x·gate) · (x·up)), each `dot(a, w)` in the model dtype; act: SiLU
+    (SwiGLU: Mixtral, Qwen) or Gemma's tanh GELU."""
+    return dot(act(dot(x, gate)) * dot(x, up), down)
 
 
 def _tile_dot(a: jax.Array, w: jax.Array) -> jax.Array:
@@ -111,10 +112,11 @@ def grouped_experts(
     down: jax.Array,  # [E_local, I, H]
     row_tile: int,
     first: int | jax.Array = 0,  # the global id of gate[0] (expert parallelism)
+    act=jax.nn.silu,
 ) -> jax.Array:
     """Each slot's expert output [N, k, H] on fixed tiles (module docstring); slots routed to experts outside
     [first, first + E_local) give zeros. Slots are sorted by expert, each expert's run padded to whole tiles of
-    `row_tile` rows, and a loop runs the tiles in use, each one expert's SwiGLU on [row_tile, H] rows."""
+    `row_tile` rows, and a loop runs the tiles in use, each one expert's gated MLP on [row_tile, H] rows."""
     n, k = experts.shape
     num_local, h = gate.shape[0], x.shape[-1]
     slots = n * k
@@ -138,7 +140,7 @@ def grouped_experts(
     def body(i, out):  # out [rows, H]
         token = jax.lax.dynamic_slice_in_dim(slot_of_row, i * row_tile, row_tile) // k  # [row_tile]
         e = tile_expert[i]
-        y = swiglu(x[token], gate[e], up[e], down[e], _tile_dot)  # [row_tile, H]
+        y = gated_mlp(x[token], gate[e], up[e], down[e], _tile_dot, act)  # [row_tile, H]
         return jax.lax.dynamic_update_slice_in_dim(out, y, i * row_tile, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((rows + 1, h), x.dtype))  # row `rows` stays zero
@@ -146,7 +148,8 @@ def grouped_experts(
 
 
 def ragged_experts(
-    x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, first: int | jax.Array = 0
+    x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, first: int | jax.Array = 0,
+    act=jax.nn.silu,
 ) -> jax.Array:
     """`grouped_experts` with plain XLA numerics: each projection one `jax.lax.ragged_dot` over the slots sorted by
     expert (foreign slots last, past the groups: zeros)."""
@@ -155,18 +158,20 @@ def ragged_experts(
     xs = x[order // k]  # [S, H]
     wide = held_dtype(x.dtype)
     dot = lambda a, w: jax.lax.ragged_dot(a.astype(wide), w.astype(wide), sizes).astype(x.dtype)  # noqa: E731
-    ys = dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)  # [S, H]
+    ys = gated_mlp(xs, gate, up, down, dot, act)  # [S, H]
     return jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
 
 
 def expert_outputs(
-    x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, row_tile: int | None
+    x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, row_tile: int | None,
+    act=jax.nn.silu,
 ) -> jax.Array:
     """Every slot's expert output [N, k, H] for tokens x [N, H] and their experts [N, k]: on fixed tiles of
     `row_tile` rows (invariant numerics) or by ragged_dot (None). Under a mesh whose model axis divides the experts,
     expert-parallel (module docstring; rows split over the data axis); otherwise XLA partitions whatever split the
     weights have."""
-    fn = ragged_experts if row_tile is None else functools.partial(grouped_experts, row_tile=row_tile)
+    fn = functools.partial(ragged_experts, act=act) if row_tile is None else functools.partial(
+        grouped_experts, row_tile=row_tile, act=act)
     model = jax.sharding.get_abstract_mesh().shape[MODEL] if on_mesh() else 0
     if not model or gate.shape[0] % model:
         return fn(x, experts, gate, up, down)
