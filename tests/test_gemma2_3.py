@@ -6,6 +6,8 @@ invariant attention). The soft cap in the attention itself (kernel and reference
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,3 +128,41 @@ def test_configs_as_transformers_reads_them_and_refusals():
             target_config_from_hf({**legacy, **bad})
     with pytest.raises(JaxspecError, match="a gemma3 config without a text_config"):
         target_config_from_hf({"model_type": "gemma3"})
+
+
+GEMMA_CHAT_TEMPLATE = (  # Gemma 2/3's template, as their tokenizer_config.json carries it (system turns left out)
+    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def test_generate_applies_the_chat_template_and_stops_at_the_end_of_turn(tmp_path, capsys):
+    """`jaxspec.generate --prompt` on a Gemma 3 target: the prompt wrapped in Gemma's chat template, and the greedy
+    text transformers generates from the same ids, <end_of_turn> a stop token (by name, as for every target)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxspec import generate
+    from jaxspec.prompts import stop_token_ids
+
+    hf = make_gemma("gemma3", tmp_path)
+    chars = [chr(c) for c in range(32, 127)]
+    specials = ["<unk>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*chars, "\n", *specials])}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>",
+                                        bos_token="<bos>", additional_special_tokens=specials[3:])
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(tmp_path))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn in stop_token_ids(tokenizer, tmp_path)
+    assert generate.main(["--target", str(tmp_path), "--prompt", "Hi", "--json", "--max-new-tokens", "24"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns an encoding
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith("<start_of_turn>model\n")
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           eos_token_id=[tokenizer.eos_token_id, end_of_turn])[0, len(ids):].tolist()
+    assert record["token_ids"] == want

@@ -435,15 +435,15 @@ def test_sampling_with_the_assistant_is_lossless(tmp_path):
 
 @pytest.mark.slow  # ~60 s
 def test_the_assistant_on_a_mesh_gives_one_devices_tokens(tmp_path):
-    """data=2, model=2: the target cache's heads split over the model axis, the assistant reading it there; bfloat16
-    greedy text equals the one-device target-only text."""
+    """data=2, model=4 (the 8 CPU devices): the target cache's heads split over the model axis (its 2 and 1 KV heads
+    repeated to 4), the assistant reading it there; bfloat16 greedy text equals the one-device target-only text."""
     from jaxspec.engine.proposers.gemma4_assistant import AssistantProposer
 
     target, assistant = tiny_assistant_pair(tmp_path, 128)
     target, assistant = in_dtype(target, jnp.bfloat16), in_dtype(assistant, jnp.bfloat16)
     want = [c.token_ids for c in Generator(target, batch_size=1).generate(PROMPT_SET, max_new_tokens=20)]
     proposer, params = AssistantProposer.of(assistant, target.config, 3)
-    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=4))
     got = Generator(target, proposer=proposer, proposer_params=params, batch_size=4, mesh=mesh).generate(
         PROMPT_SET, max_new_tokens=20)
     assert [c.token_ids for c in got] == want
