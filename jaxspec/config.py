@@ -581,7 +581,7 @@ def _gemma_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
     """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
     multimodal = raw.get("model_type")
-    if multimodal in GEMMA_MULTIMODAL_TYPES:  # Gemma 3 and 4's multimodal checkpoints: their text decoder's config
+    if isinstance(multimodal, str) and multimodal in GEMMA_MULTIMODAL_TYPES:  # Gemma 3 and 4's multimodal checkpoints: their text decoder's config
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise JaxspecError(f"config.json: a {multimodal} config without a text_config object")

@@ -28,20 +28,29 @@ SHAPES: dict[str, dict] = {
                        model_type="gemma4_text", rms_norm_eps=1e-6,
                        gemma=dict(sliding_window=1024, full_head_dim=512, full_kv_heads=4, k_eq_v=True,
                                    final_logit_softcapping=30.0)),
+    # Gemma 3 27B (its config.json): 62 layers, 5 sliding (window 1024) to 1 full, 32 query / 16 KV heads of 128,
+    # scores scaled by 168^-1/2, q/k norms, full layers' RoPE at 1e6 scaled linearly by 8, tied 262k vocabulary
+    "gemma3-27b": dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_layers=62, num_heads=32,
+                       num_kv_heads=16, head_dim=128, tie_word_embeddings=True, qk_norm=True,
+                       model_type="gemma3_text", rms_norm_eps=1e-6,
+                       gemma=dict(last_full=False, sliding_window=1024, full_head_dim=128, full_kv_heads=16,
+                                  norm_offset=True, v_norm=False, layer_scalar=False, query_scale=168**-0.5,
+                                  sliding_rope=(10_000.0, 1.0, 1.0), full_rope=(1_000_000.0, 1.0, 8.0))),
 }
 
 
-def gemma_layout(num_layers: int, intermediate_size: int, **fields) -> GemmaLayout:
-    """Gemma 4's layout for `num_layers` layers of the default pattern (every sixth layer full, the last full), no
-    KV sharing: what a shape with fewer layers compiles (compiled_cost measures whole periods of six)."""
-    types = tuple("sliding_attention" if (i + 1) % 6 and i < num_layers - 1 else "full_attention"
+def gemma_layout(num_layers: int, intermediate_size: int, last_full: bool = True, **fields) -> GemmaLayout:
+    """A Gemma layout for `num_layers` layers of the default pattern (every sixth layer full; Gemma 4's last layer
+    full too: last_full), no KV sharing: what a shape with fewer layers compiles (compiled_cost measures whole periods
+    of six)."""
+    types = tuple("sliding_attention" if (i + 1) % 6 and (i < num_layers - 1 or not last_full) else "full_attention"
                   for i in range(num_layers))
     return GemmaLayout(layer_types=types, kv_source=tuple(range(num_layers)),
                         mlp_widths=(intermediate_size,) * num_layers, **fields)
 
 
 def layer_period(cfg: TargetConfig) -> int:
-    """Layers that repeat as one unit: Gemma 4's six (five sliding, one full), one layer otherwise."""
+    """Layers that repeat as one unit: Gemma's six (five sliding, one full), one layer otherwise."""
     return 6 if cfg.gemma is not None else 1
 
 

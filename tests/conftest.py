@@ -10,6 +10,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")  # hermetic tests; tests/test_compile_cache.py turns it on
 os.environ.setdefault("JAXSPEC_STEP_COSTS", "off")  # hermetic tests: every process times its own step costs
+# libtpu (deviceless TPU compiles) locks /tmp/libtpu_lockfile against a second process using a TPU: the pytest-xdist
+# workers and the CLI processes they start compile for TPUs side by side, and none of them holds a chip
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
