@@ -139,7 +139,7 @@ class TargetConfig:
     # Usable context; smaller than max_position_embeddings when the model uses sliding-window attention.
     context_length: int | None = None
     moe: MoeConfig | None = None  # the sparse MLP layers of a mixture-of-experts target; None: dense
-    gemma: GemmaLayout | None = None  # a Gemma 4 text decoder's layout (models/gemma.py); None: Llama's
+    gemma: GemmaLayout | None = None  # a Gemma 2/3/4 text decoder's layout (models/gemma.py); None: Llama's
 
     def __post_init__(self) -> None:
         check_sizes(self, "config.json")
@@ -581,7 +581,8 @@ def _gemma_from_hf(raw: dict[str, Any], num_layers: int, head_dim: int, kv_heads
 def target_config_from_hf(raw: dict[str, Any], aux_layer_ids: tuple[int, ...] | None = None) -> TargetConfig:
     """Parse a Hugging Face `config.json` dict; refuse what jaxspec cannot run exactly."""
     multimodal = raw.get("model_type")
-    if isinstance(multimodal, str) and multimodal in GEMMA_MULTIMODAL_TYPES:  # Gemma 3 and 4's multimodal checkpoints: their text decoder's config
+    # Gemma 3 and 4's multimodal checkpoints: their text decoder's config
+    if isinstance(multimodal, str) and multimodal in GEMMA_MULTIMODAL_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise JaxspecError(f"config.json: a {multimodal} config without a text_config object")

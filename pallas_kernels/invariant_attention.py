@@ -21,8 +21,9 @@ query_pre_attn_scalar^-½), `window` (a sliding layer's query at p sees keys at 
 `softcap` (Gemma 2: the scores are softcap·tanh(s·scale / softcap), and the exponent's scale is then 1; `Scores`).
 They are part of the visible mask and the canonical operations, the same in every path. A fold that starts on
 blocks with nothing visible ends with exactly the partial of the first visible block (m = -1e30, l = a = 0 merge
-into it as e^-∞ = 0 and e^0 = 1), so the kernels start their loop at the first block the window reaches (`_first_visible_block`; the TPU variant copies nothing
-before it) and give the reference's bits, which folds every block.
+into it as e^-∞ = 0 and e^0 = 1), so the kernels start their loop at the first block the window reaches
+(`_first_visible_block`; the TPU variant copies nothing before it) and give the reference's bits, which folds every
+block.
 
 The query rows of those dots are zero-padded to QUERY_ROWS (16; G rounded up to a power of two where that is
 more): the kernel pads each token's G rows, and every one of its dots is [16, D] x [D, Bk] and [16, Bk] x [Bk, D].

@@ -138,8 +138,6 @@ def expert_sources(params: dict[str, tuple[nnx.Variable, bool]], model_type: str
     return out
 
 
-# Where a multimodal Gemma checkpoint keeps its text decoder: Gemma 4's and transformers >= 4.52's Gemma 3
-# (`model.language_model.`), and Gemma 3 as Google published it (`language_model.model.`)
 def gemma_fused_experts(params: dict[str, tuple[nnx.Variable, bool]], cfg: TargetConfig) -> dict[str, tuple]:
     """Gemma 4's stacked experts → (the checkpoint tensor, its rows or None): transformers stores a layer's experts
     fused, gate and up as the two halves of `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I],
@@ -155,6 +153,8 @@ def gemma_fused_experts(params: dict[str, tuple[nnx.Variable, bool]], cfg: Targe
     return out
 
 
+# Where a multimodal Gemma checkpoint keeps its text decoder: Gemma 4's and transformers >= 4.52's Gemma 3
+# (`model.language_model.`), and Gemma 3 as Google published it (`language_model.model.`)
 GEMMA_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 GEMMA_TOWERS = ("vision_tower.", "multi_modal_projector.", "audio_tower.", "embed_vision.", "embed_audio.")
 
