@@ -46,12 +46,13 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(target):
-    """The server with the tiny target and a (random) EAGLE-3 head, chains of 3, 4 slots, in this process."""
+    """The server with the tiny target and a (random) EAGLE-3 head, chains of 3, 4 slots, in this process; prompts
+    over 16 tokens joining while others run are prefilled in chunks of 16."""
     from jaxspec.bench.serve_load import InProcessServer
 
     path, head = target
     with InProcessServer(["--target", str(path), "--draft", str(head), "--num-speculative-tokens", "3",
-                          "--slots", "4", "--max-model-len", "256"]) as running:
+                          "--slots", "4", "--max-model-len", "256", "--prefill-chunk", "16"]) as running:
         yield running.base, running.app, running.scheduler
 
 
@@ -163,7 +164,8 @@ def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
 def test_concurrent_clients_each_get_their_own_output(server, alone):
     base, _, scheduler = server
     text, tokenizer = alone
-    prompts = [("abc", 9), ("hello there", 4), ("x", 14), ("the quick fox", 6)]
+    prompts = [("abc", 9), ("hello there", 4), ("x", 14), ("the quick fox", 6),
+               ("a long prompt: it joins in chunks of 16 while the others run", 5)]
     want = {p: text(tokenizer(p).input_ids, n) for p, n in prompts}
     api = client(base)
 
@@ -171,13 +173,14 @@ def test_concurrent_clients_each_get_their_own_output(server, alone):
         p, n = prompts[i % len(prompts)]
         return p, api.completions.create(model="target", prompt=p, max_tokens=n).choices[0].text
 
-    before = scheduler.batcher.prefill_rows.copy()
+    before, chunks_before = scheduler.batcher.prefill_rows.copy(), scheduler.batcher.prefill_chunks
     with ThreadPoolExecutor(32) as pool:
         results = list(pool.map(ask, range(32)))
     assert all(got == want[p] for p, got in results)
     assert scheduler.stats.joins >= 32 and scheduler.running == 0
     joins = scheduler.batcher.prefill_rows - before  # rows per join prefill: the joining ones (tests/test_slots.py)
     assert sum(n * c for n, c in joins.items()) >= 32, joins
+    assert scheduler.batcher.prefill_chunks > chunks_before  # the long prompt joined running states in chunks
 
 
 def test_each_request_samples_with_its_own_settings_and_seed(server, alone):

@@ -1,8 +1,11 @@
 """Continuous batching (jaxspec/engine/slots.py): requests that join and leave slots between steps each get the
 output `Generator.generate` gives them alone, streamed as they go."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
-from spec_fixtures import PROMPTS, fitted_head, tiny_target
+from spec_fixtures import PROMPTS, fitted_head, in_dtype, random_head, tiny_target
 
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
@@ -116,6 +119,72 @@ def test_joins_prefill_only_the_joining_rows_and_each_request_gets_its_own_outpu
     run()
     assert [done[i].token_ids for i in range(len(requests))] == want
     assert batcher.prefill_rows == {4: 2, 1: 1}
+
+
+LONG = [int(x) for x in np.random.default_rng(0).integers(1, 100, 150)]  # five chunks of 32, the last short
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
+def test_a_prompt_in_chunks_gets_the_bits_of_its_whole_prefill(dtype):
+    """Chunked prefill (engine.core.prefill_chunk, then prefill with the partial): the target's cache over the
+    prompt, the first token and the head's features are the whole prompt's pass bit for bit, each chunk on the
+    prefill's tiles reading the ones before from the cache."""
+    gen = SpeculativeGenerator(in_dtype(tiny_target(), dtype), in_dtype(random_head(), dtype), num_draft=3)
+    n, capacity, chunk = len(LONG), 256, 32
+    prompt = jnp.asarray([LONG + [0] * (256 - 1 - n)], jnp.int32)[:, :160]  # the bucket (160: a whole chunk past)
+    args = (prompt, jnp.asarray([n], jnp.int32), jnp.asarray([8], jnp.int32), jnp.asarray([-1], jnp.int32),
+            jax.random.split(jax.random.key(0), 1), None, None)
+    whole = gen.prefill_program(args, capacity)(*gen.program_params, *args)
+    partial = None
+    for start in range(0, n - 1, chunk)[:-1]:  # 0, 32, 64, 96: the last chunk (128..149) is the prefill's
+        chunk_args = (prompt, partial, jnp.int32(start))
+        partial = gen.chunk_program(chunk_args, capacity, chunk)(*gen.program_params, *chunk_args)
+        assert int(partial.cache.lengths[0]) == start + chunk
+    last = (*args, partial, jnp.int32(128))
+    chunked = gen.prefill_program(last, capacity, chunk)(*gen.program_params, *last)
+    assert int(chunked.last_token[0]) == int(whole.last_token[0])
+    assert int(chunked.cache.lengths[0]) == n
+    for a, b in zip(whole.cache.k + whole.cache.v, chunked.cache.k + chunked.cache.v):
+        np.testing.assert_array_equal(np.asarray(a[:, :, :n], np.float32), np.asarray(b[:, :, :n], np.float32))
+    head_k = whole.proposer.head_cache.k + whole.proposer.head_cache.v
+    for a, b in zip(head_k, chunked.proposer.head_cache.k + chunked.proposer.head_cache.v):  # from the features
+        np.testing.assert_array_equal(np.asarray(a[:, :, :n], np.float32), np.asarray(b[:, :, :n], np.float32))
+
+
+@pytest.mark.slow  # CI: the server's concurrent clients join in chunks (tests/test_serve.py), and the bits above
+def test_a_long_prompt_joins_in_chunks_while_the_running_request_keeps_going():
+    """With prefill_chunk, a long prompt joining a running state runs a chunk before each step: the running
+    request gets tokens between its chunks, and both get the output they get alone (an EAGLE-3 head, whose state
+    the chunks' features build). A join into an idle state, or of a short prompt, prefills whole."""
+    model = tiny_target()
+
+    def make(rows, chunk_steps=None):
+        return SpeculativeGenerator(model, random_head(), num_draft=3, batch_size=rows, chunk_steps=chunk_steps)
+
+    requests = [(PROMPTS[1], 30), (LONG, 12), (PROMPTS[0], 6)]
+    want = [make(1).generate([p], max_new_tokens=k)[0].token_ids for p, k in requests]
+    batcher = SlotBatcher(make(2, chunk_steps=1), capacity=256, prefill_chunk=32)
+    batcher.join([(0, SlotRequest(tuple(requests[0][0]), requests[0][1]))])
+    batcher.step()
+    batcher.join([(1, SlotRequest(tuple(requests[1][0]), requests[1][1]))])
+    assert batcher.free_slots == [] and batcher.running == 2  # its slot is held while it joins
+    done, during = {}, 0
+    while batcher.running:
+        chunking = bool(batcher.pending)
+        for update in batcher.step():
+            during += len(update.new_tokens) if chunking and update.handle == 0 else 0
+            if update.completion is not None:
+                done[update.handle] = update.completion.token_ids
+    assert batcher.prefill_chunks == 4 and during >= 4  # a step after each of its chunks
+    batcher.join([(2, SlotRequest(tuple(requests[2][0]), requests[2][1]))])  # idle: whole
+    batcher.join([(3, SlotRequest(tuple(LONG), 4))])  # running, long: chunked, then cancelled while it joins
+    assert batcher.cancel(3) and not batcher.pending and len(batcher.free_slots) == 1
+    while batcher.running:
+        done |= {u.handle: u.completion.token_ids for u in batcher.step() if u.completion is not None}
+    assert [done[i] for i in range(3)] == want
+    assert batcher.prefill_chunks == 4 and batcher.prefill_rows == {2: 1, 1: 2}
+    with pytest.raises(JaxspecError, match="prefill chunk must be at least 1 token"):
+        SlotBatcher(make(2), capacity=64, prefill_chunk=0)
 
 
 def test_a_request_no_slot_can_hold_is_refused_in_one_line():

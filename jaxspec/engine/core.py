@@ -108,31 +108,43 @@ def prefill(
     keys: jax.Array,  # [B] PRNG keys
     processor_values: procs.ProcessorValues | None,
     sampling: RowSampling | None,
+    partial: PartialPrefill | None = None,
+    start: jax.Array | None = None,  # int32 scalar: where the prompt's last chunk starts (with `partial`)
     *,
     capacity: int,
+    chunk: int | None = None,
 ) -> GenState:
     """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
     wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
-    so another --max-new-tokens in the same bucket runs the same compiled prefill and step."""
+    so another --max-new-tokens in the same bucket runs the same compiled prefill and step.
+
+    With `partial` (chunked prefill: `prefill_chunk` ran the prompt's positions [0, start)), the target runs the
+    last `chunk` positions from `start` on, which hold every row's last prompt token, on the prefill's tiles; under
+    the batch-invariant numerics each position gets the bits the whole prompt's pass gives it."""
     target = nnx.merge(target_graphdef, target_params)
     b, t = prompt.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     last = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
-    out = target(
-        prompt, positions, kvc.constrain(target.init_cache(b, capacity)), logit_indices=last, empty_cache=True,
-        return_aux=proposer is not None and proposer.needs_aux,
-        return_hidden=proposer is not None and proposer.needs_hidden,
-    )
+    wanted = dict(return_aux=proposer is not None and proposer.needs_aux,
+                  return_hidden=proposer is not None and proposer.needs_hidden)
+    if partial is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        out = target(prompt, positions, kvc.constrain(target.init_cache(b, capacity)), logit_indices=last,
+                     empty_cache=True, **wanted)
+        cache, aux = kvc.advance(out.cache, prompt_lens), out.aux
+    else:
+        out = _chunk_pass(target, prompt, partial.cache, start, chunk, jnp.maximum(last - start, 0), **wanted)
+        cache = out.cache._replace(lengths=prompt_lens)
+        aux = None if out.aux is None else _chunk_features(partial.aux, out.aux, start)[:, :t]
     processors = procs.init_state(processor_values, prompt, prompt_lens)
     keys, sub = split_rows(keys, 2)
     first = sample(procs.process(out.logits, processors)[:, 0], sampling, sub, procs.min_p_of(processors))
     own = None
     if proposer is not None:
-        view = PrefillView(prompt, prompt_lens, first, out.aux, out.hidden)
+        view = PrefillView(prompt, prompt_lens, first, aux, out.hidden)
         own = proposer.init(proposer_params, target, view, capacity)
     depth = proposer.depth if proposer is not None else 0
     st = GenState(
-        cache=kvc.advance(out.cache, prompt_lens),
+        cache=cache,
         last_token=first,
         tokens=jnp.zeros((b, capacity), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),
@@ -148,6 +160,65 @@ def prefill(
         proposer=own,
     )
     return constrain_state(emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
+
+
+class PartialPrefill(NamedTuple):
+    """A long prompt part way through the target (chunked prefill): what `prefill_chunk` has run so far."""
+
+    cache: kvc.KVCache  # the target's, the prompt's positions [0, lengths) written (lengths the same for every row)
+    aux: jax.Array | None  # [B, Tc, F] those positions' EAGLE-3 features (proposers that read them), zeros past
+
+
+def chunked_width(prompt_width: int, chunk: int) -> int:
+    """The prompt's width rounded up to whole chunks (the chunks' windows never reach past it)."""
+    return -(-prompt_width // chunk) * chunk
+
+
+def prefill_chunk(
+    target_graphdef: nnx.GraphDef,
+    target_params: nnx.State,
+    proposer: Proposer | None,
+    proposer_params: Any,
+    prompt: jax.Array,  # [B, Tp] int32, right-padded (the whole prompt, as `prefill` takes it)
+    partial: PartialPrefill | None,  # None: the first chunk
+    start: jax.Array,  # int32 scalar, a multiple of `chunk`: the chunk's first position
+    *,
+    capacity: int,
+    chunk: int,
+) -> PartialPrefill:
+    """Prompt positions [start, start + chunk) through the target into its cache: one chunk of a chunked prefill,
+    so that a continuous batcher can run the batch's steps between a long prompt's chunks (`engine.slots`); the
+    last chunk is `prefill`'s (with `partial`). Every chunk runs on the prefill's tiles and reads the chunks before
+    it from the cache, as the whole prompt's pass does."""
+    del proposer_params
+    target = nnx.merge(target_graphdef, target_params)
+    b, _ = prompt.shape
+    cache = kvc.constrain(target.init_cache(b, capacity)) if partial is None else partial.cache
+    needs_aux = proposer is not None and proposer.needs_aux
+    out = _chunk_pass(target, prompt, cache, start, chunk, jnp.zeros((b, 1), jnp.int32), return_aux=needs_aux)
+    aux = None
+    if needs_aux:
+        buffer = partial.aux if partial is not None else jnp.zeros(
+            (b, chunked_width(prompt.shape[1], chunk), out.aux.shape[-1]), out.aux.dtype)
+        aux = _chunk_features(buffer, out.aux, start)
+    return PartialPrefill(kvc.constrain(kvc.advance(out.cache, chunk)), aux)
+
+
+def _chunk_pass(target, prompt: jax.Array, cache: kvc.KVCache, start: jax.Array, chunk: int,
+                logit_indices: jax.Array, **wanted):
+    """The target over prompt positions [start, start + chunk) of every row ([B, chunk], right-padded past the
+    prompt), written at those slots of `cache` (those past its capacity dropped); logits at `logit_indices`."""
+    b, t = prompt.shape
+    padded = jnp.pad(prompt, ((0, 0), (0, chunked_width(t, chunk) - t)))
+    tokens = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)  # [B, chunk]
+    positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+    cache = cache._replace(lengths=jnp.full((b,), start, jnp.int32))
+    return target(tokens, positions, cache, logit_indices=logit_indices, prompt_chunk=True, **wanted)
+
+
+def _chunk_features(buffer: jax.Array, features: jax.Array, start: jax.Array) -> jax.Array:
+    """buffer [B, Tc, F] with a chunk's features [B, chunk, F] at positions start on."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, features.astype(buffer.dtype), start, axis=1)
 
 
 def decode_step(target, st: GenState, eos_ids: jax.Array) -> GenState:

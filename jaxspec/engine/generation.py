@@ -70,7 +70,10 @@ def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
     return sum(c.num_generated - 1 for c in speculated if c.num_generated) / calls
 
 
-_prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity"))
+_prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "chunk"))
+_prefill_chunk = jax.jit(
+    engine.prefill_chunk, static_argnames=("target_graphdef", "proposer", "capacity", "chunk"), donate_argnums=(5,),
+)
 _steps = jax.jit(
     engine.steps,
     static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels"),
@@ -220,7 +223,7 @@ class Generator:
         def compile_program():
             if self.on_compile is not None:
                 cache = f", cache {static['capacity']}" if "capacity" in static else ""
-                rows = args[0].shape[0] if name == "prefill" else self.batch_size  # a prefill may be smaller
+                rows = args[0].shape[0] if name.startswith("prefill") else self.batch_size  # a prefill may be smaller
                 self.on_compile(f"compiling the {name} (batch {rows}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
@@ -296,11 +299,19 @@ class Generator:
         )
         return prefill, step
 
-    def prefill_program(self, prefill_args: tuple, capacity: int) -> Callable:
+    def prefill_program(self, prefill_args: tuple, capacity: int, chunk: int | None = None) -> Callable:
         """The prefill alone, compiled for these arguments' shapes (`programs`). Its batch may be smaller than
         `batch_size`: rows never interact under the batch-invariant numerics, so a continuous batcher prefills only
-        the rows that join (`engine.slots`) and copies them into the running state."""
-        return self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity)
+        the rows that join (`engine.slots`) and copies them into the running state. With `chunk`, the last chunk of
+        a chunked prefill, whose arguments end with the PartialPrefill and the chunk's start (`chunk_program`)."""
+        static = {} if chunk is None else {"chunk": chunk}
+        return self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity, **static)
+
+    def chunk_program(self, chunk_args: tuple, capacity: int, chunk: int) -> Callable:
+        """One chunk of a chunked prefill (`engine.core.prefill_chunk`), compiled for chunk_args = (prompt [B, Tp],
+        PartialPrefill or None for the first chunk, start): program(*program_params, *chunk_args) → PartialPrefill,
+        the partial prefill donated. Two programs per (rows, prompt bucket): the first chunk and any later one."""
+        return self._compiled_fn("prefill chunk", _prefill_chunk, *chunk_args, capacity=capacity, chunk=chunk)
 
     def batch_capacity(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> int:
         """Cache slots for one batch of prompts: its longest prompt, the new tokens and the verify block's slots,

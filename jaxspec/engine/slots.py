@@ -14,8 +14,13 @@ Why a prefill of the joining rows only: a lone request joining 16 slots once pre
 16 times the compute while every running row waited. Each (rows, prompt bucket) pair is one compiled prefill,
 compiled when a first join needs it (`warm_up` compiles the commonest).
 
-Costs: a join's prefill runs between two steps whole (no chunked prefill yet: a long prompt stalls the running rows
-for its own prefill), and holds its fresh state beside the running one until its rows are copied over.
+Chunked prefill (`prefill_chunk`): a prompt longer than a chunk that joins while other requests run would stall
+them for its whole prefill; instead its slot is held and its prompt runs a chunk before each `step`
+(`engine.core.prefill_chunk`), the last chunk being the prefill proper that puts it in its slot. Each chunk runs on
+the prefill's tiles and reads the chunks before it from the cache, so the request's cache, first token and
+drafter state are those of a whole prefill, bit for bit. A join into an idle state prefills whole: nobody waits.
+
+Costs: a join's prefill holds its fresh state beside the running one until its rows are copied over.
 
 Each request has its own sampling settings and seed (`SlotRequest`): they are per-row arrays of the state
 (`jaxspec.sampling`), so greedy and sampled requests share one compiled step, and a seeded request draws from its
@@ -36,7 +41,7 @@ import numpy as np
 
 from jaxspec import processors as procs
 from jaxspec import sharding
-from jaxspec.engine.core import GenState, constrain_state
+from jaxspec.engine.core import GenState, PartialPrefill, constrain_state
 from jaxspec.engine.generation import Completion, Generator, prompt_bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig, row_keys, row_sampling
@@ -78,11 +83,18 @@ class SlotBatcher:
     def __init__(
         self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (), seed: int = 0,
         max_tokens: int | None = None, grammar_shape: tuple[int, int] | None = None,
+        prefill_chunk: int | None = None,
     ):
         limit = generator.config.context_length + generator.extra_capacity
         if not generator.extra_capacity < capacity <= limit:
             raise JaxspecError(f"a slot's cache capacity must be in ({generator.extra_capacity}, {limit}], got "
                                f"{capacity}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise JaxspecError(f"the prefill chunk must be at least 1 token, got {prefill_chunk} (0 or none: whole "
+                               "prefills)")
+        self.prefill_chunk = prefill_chunk
+        self.pending: collections.deque[_PendingJoin] = collections.deque()  # chunked joins, the first advancing
+        self.prefill_chunks = 0  # chunks run by chunked joins (their last chunk, the prefill proper, not counted)
         self.generator = generator
         self.capacity = capacity
         # prompt + new tokens of one request: what the cache holds, or less (a server's --max-model-len)
@@ -104,7 +116,8 @@ class SlotBatcher:
 
     @property
     def free_slots(self) -> list[int]:
-        return [i for i, held in enumerate(self.held) if held is None]
+        reserved = {p.slot for p in self.pending}
+        return [i for i, held in enumerate(self.held) if held is None and i not in reserved]
 
     @property
     def running(self) -> int:
@@ -130,53 +143,75 @@ class SlotBatcher:
                                      "start the server with higher --max-grammar-states/--max-grammar-classes")
 
     def join(self, requests: Sequence[tuple[Hashable, SlotRequest]]) -> list[int]:
-        """Prefill `requests` (handle, request) into free slots, all in one prefill; returns their slots. Their
-        first tokens come with the next `collect`."""
+        """Prefill `requests` (handle, request) into free slots; returns their slots. Their first tokens come with
+        the next `collect`. The requests prefill together in one program, except, with `prefill_chunk`, a prompt
+        longer than a chunk joining while other requests run: it joins over the next steps, one chunk before each
+        (`step`), so that the running requests keep going."""
         free = self.free_slots
         if len(requests) > len(free):
             raise JaxspecError(f"{len(requests)} requests for {len(free)} free slots")
-        if not requests:
-            return []
         for _, request in requests:
             self.check(request)
-        gen, rows = self.generator, len(self.held)
         slots = free[: len(requests)]
-        # the first join builds the running state: every row, the requests at their slots; later ones prefill the
-        # joining rows alone, request j in row j, and scatter row j into its slot
-        n = rows if self.state is None else self.join_rows(len(requests))
-        at = slots if self.state is None else range(len(requests))
+        whole, chunked = [], []
+        for slot, held in zip(slots, requests):
+            long = self.prefill_chunk is not None and len(held[1].prompt) > self.prefill_chunk
+            (chunked if long and (self.pending or self.busy.any()) else whole).append((slot, held))
+        now = time.perf_counter()
+        for slot, (handle, request) in chunked:
+            args = self._prefill_args([request], self.join_rows(1), [0])
+            self.pending.append(_PendingJoin(handle, request, slot, args, joined_at=now))
+        if whole:
+            self._prefill_whole([s for s, _ in whole], [held for _, held in whole])
+        return slots
+
+    def _prefill_args(self, requests: Sequence[SlotRequest], n: int, at: Sequence[int]) -> tuple:
+        """The prefill's arguments for `requests` in rows `at` of n (the others padding rows)."""
         # below the capacity: every state array then has the shapes the running one has (an n-gram history is
         # max(capacity, T + 1) wide); `check` keeps every prompt shorter than the capacity
-        t = min(prompt_bucket(max(len(r.prompt) for _, r in requests)), self.capacity - 1)
+        t = min(prompt_bucket(max(len(r.prompt) for r in requests)), self.capacity - 1)
         prompt = np.zeros((n, t), np.int32)
         lens, max_new = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
         processors = [procs.LogitProcessors()] * n
         settings = [SamplingConfig()] * n
         keys = [row_keys(0, [0])[0]] * n
-        for row, (_, request) in zip(at, requests):
+        for row, request in zip(at, requests):
             prompt[row, : len(request.prompt)] = request.prompt
             lens[row], max_new[row] = len(request.prompt), request.max_new_tokens
             processors[row], settings[row] = request.processors, request.sampling
             seed = request.seed if request.seed is not None else int(self.seeds.integers(2**31))
             keys[row] = row_keys(seed, [0])[0]
         # processor and sampling arrays always (neutral rows change no bit): one program whoever joins
-        values = procs.batch_values(processors, n, gen.config.vocab_size, always=True,
+        values = procs.batch_values(processors, n, self.generator.config.vocab_size, always=True,
                                     grammar_shape=self.grammar_shape)
         sampling = row_sampling(settings, n, always=True)
-        args = (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, jnp.stack(keys), values,
+        return (jnp.asarray(prompt), jnp.asarray(lens), jnp.asarray(max_new), self.eos, jnp.stack(keys), values,
                 sampling)
+
+    def _prefill_whole(self, slots: list[int], requests: list[tuple[Hashable, SlotRequest]]) -> None:
+        """One prefill of `requests` into `slots`: the first join builds the running state (every row, the requests
+        at their slots); later ones prefill the joining rows alone, request j in row j, and scatter them in."""
+        gen = self.generator
+        n = len(self.held) if self.state is None else self.join_rows(len(requests))
+        at = slots if self.state is None else range(len(requests))
+        args = self._prefill_args([r for _, r in requests], n, at)
         if self.state is None:
             prefill, self.step_program = gen.programs(args, self.capacity)
         else:
             prefill = gen.prefill_program(args, self.capacity)
         start = time.perf_counter()
-        fresh = prefill(*gen.program_params, *args)
+        self._place(prefill(*gen.program_params, *args), slots, requests, start, start)
+
+    def _place(self, fresh: GenState, slots: list[int], requests: list[tuple[Hashable, SlotRequest]],
+               joined_at: float, prefill_start: float) -> None:
+        """A prefill's rows into the running state (rows j → slots[j]; the first prefill is the state), held."""
+        n = fresh.num_generated.shape[0]
         if self.state is None:
             self.state = fresh
         else:
-            where = np.full((n,), rows, np.int32)  # row j of the prefill → its slot; padding rows: dropped
+            where = np.full((n,), len(self.held), np.int32)  # row j of the prefill → its slot; padding: dropped
             where[: len(slots)] = slots
-            with sharding.mesh_context(gen.mesh):
+            with sharding.mesh_context(self.generator.mesh):
                 self.state = self.join_program(self.state, fresh, jnp.asarray(where))
         jax.block_until_ready(self.state.num_generated)
         self.prefill_rows[n] += 1
@@ -184,8 +219,23 @@ class SlotBatcher:
         for slot, held in zip(slots, requests):
             self.held[slot] = held
             self.emitted[slot] = 0
-            self.joined_at[slot], self.prefill_seconds[slot] = start, now - start
-        return slots
+            self.joined_at[slot], self.prefill_seconds[slot] = joined_at, now - prefill_start
+
+    def _advance_chunked_join(self) -> None:
+        """One chunk of the first chunked join; its last chunk is the prefill proper, which puts it in its slot."""
+        p, gen, chunk = self.pending[0], self.generator, self.prefill_chunk
+        if p.start == 0:
+            p.began = time.perf_counter()
+        if len(p.request.prompt) - p.start <= chunk:
+            args = (*p.args, p.partial, jnp.int32(p.start))
+            fresh = gen.prefill_program(args, self.capacity, chunk)(*gen.program_params, *args)
+            self.pending.popleft()
+            self._place(fresh, [p.slot], [(p.handle, p.request)], p.joined_at, p.began)
+            return
+        args = (p.args[0], p.partial, jnp.int32(p.start))
+        p.partial = gen.chunk_program(args, self.capacity, chunk)(*gen.program_params, *args)
+        p.start += chunk
+        self.prefill_chunks += 1
 
     def join_rows(self, joining: int) -> int:
         """Rows of the prefill for `joining` requests joining a running state: the mesh's data axis (a batch splits
@@ -213,7 +263,11 @@ class SlotBatcher:
 
     def cancel(self, handle: Hashable) -> bool:
         """End a running request now (its client went away): its row is marked done, so the next steps skip it,
-        and its slot is free. False if no slot holds it."""
+        and its slot is free (a chunked join not yet in its slot is dropped). False if no slot holds it."""
+        for p in self.pending:
+            if p.handle == handle:
+                self.pending.remove(p)
+                return True
         for slot, held in enumerate(self.held):
             if held is not None and held[0] == handle:
                 with sharding.mesh_context(self.generator.mesh):
@@ -223,15 +277,18 @@ class SlotBatcher:
         return False
 
     def step(self) -> list[SlotUpdate]:
-        """One compiled chunk of steps (`Generator.chunk_steps`) over every running slot, then `collect`."""
-        if self.state is not None and self.running:
+        """One chunk of a chunked join if one is under way, one compiled chunk of steps (`Generator.chunk_steps`)
+        over every running slot, then `collect`."""
+        if self.pending:
+            self._advance_chunked_join()
+        if self.state is not None and self.busy.any():
             self.state = self.step_program(*self.generator.program_params, self.state, self.eos)
         return self.collect()
 
     def collect(self) -> list[SlotUpdate]:
         """The tokens each request produced since the last collect, and the completions of the requests that have
         ended (their slots are free again)."""
-        if self.state is None or not self.running:
+        if self.state is None or not self.busy.any():
             return []
         st = self.state
         counts, done = sharding.to_host(st.num_generated), sharding.to_host(st.done)
@@ -263,6 +320,20 @@ class SlotBatcher:
     def busy(self) -> np.ndarray:
         """[rows] bool: which slots hold a request."""
         return np.asarray([held is not None for held in self.held])
+
+
+@dataclasses.dataclass
+class _PendingJoin:
+    """A request whose long prompt joins chunk by chunk (`SlotBatcher.join`), its slot held for it."""
+
+    handle: Hashable
+    request: SlotRequest
+    slot: int
+    args: tuple  # its prefill's arguments (`SlotBatcher._prefill_args`: the request in row 0)
+    partial: PartialPrefill | None = None  # the chunks run so far
+    start: int = 0  # prompt positions run so far (whole chunks)
+    joined_at: float = 0.0
+    began: float = 0.0  # when its first chunk ran
 
 
 def _join_rows(running: GenState, fresh: GenState, where: jax.Array) -> GenState:

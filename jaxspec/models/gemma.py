@@ -354,6 +354,7 @@ class GemmaModel(nnx.Module):
         return_aux: bool = False,
         return_hidden: bool = False,
         empty_cache: bool = False,
+        prompt_chunk: bool = False,  # a prompt's later chunk (chunked prefill): the prefill's tiles, the cache read
         write_offset: int | jax.Array = 0,
     ) -> TargetOutput:
         cfg, g = self.config, self.config.gemma
@@ -366,7 +367,7 @@ class GemmaModel(nnx.Module):
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
         inv = self.numerics is not None
-        numerics = self.numerics.for_prefill() if inv and empty_cache else self.numerics
+        numerics = self.numerics.for_prefill() if inv and (empty_cache or prompt_chunk) else self.numerics
         rope = {  # cos/sin [B, T, D] per layer type, each of its own head size and frequencies
             kind: rope_cos_sin(positions, jnp.asarray(gemma_inv_freq(d, freqs)), inv)
             for kind, d, freqs in (("sliding_attention", cfg.head_dim, g.sliding_rope),

@@ -366,6 +366,7 @@ class LlamaModel(nnx.Module):
         return_aux: bool = False,
         return_hidden: bool = False,  # also return the final hidden state (offline training features)
         empty_cache: bool = False,  # promise that nothing is committed yet (prefill): skips attending to the cache
+        prompt_chunk: bool = False,  # a prompt's later chunk (chunked prefill): the prefill's tiles, the cache read
         write_offset: int | jax.Array = 0,  # plain numerics: new entries at slots lengths + write_offset + t, and
         # block_mask [B, T, W] over the W uncommitted slots from lengths on (a draft model's tree levels)
     ) -> TargetOutput:
@@ -379,7 +380,8 @@ class LlamaModel(nnx.Module):
             block_mask = kvc.causal_block_mask(b, t)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(cfg)), self.numerics is not None)
         # a prefill's rows meet only prefill rows: its own tiles (numerics.py); the logits below keep the decode's
-        numerics = self.numerics.for_prefill() if self.numerics is not None and empty_cache else self.numerics
+        prefill = empty_cache or prompt_chunk
+        numerics = self.numerics.for_prefill() if self.numerics is not None and prefill else self.numerics
         x = self.embed(tokens)  # [B, T, H]
         aux, ks, vs = {}, [], []
         for i, layer in enumerate(self.layers):

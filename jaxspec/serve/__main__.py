@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "context) (default: %(default)s)")
     parser.add_argument("--chunk-steps", type=integer(1), default=2, metavar="N",
                         help="engine steps between two chances for waiting requests to join (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=integer(0), default=512, metavar="N",
+                        help="a prompt longer than this joining while others run is prefilled N tokens at a time, "
+                        "a chunk before each step, so the running requests keep streaming; 0: whole prefills "
+                        "(default: %(default)s)")
     parser.add_argument("--default-max-tokens", type=integer(1), default=256, metavar="N",
                         help="new tokens for a chat request that names no max_tokens (default: %(default)s)")
     parser.add_argument("--served-model-name", metavar="NAME",
@@ -141,7 +145,7 @@ def build_server(args):
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     grammar_shape = (args.max_grammar_states, args.max_grammar_classes) if args.max_grammar_states else None
     batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len,
-                          grammar_shape=grammar_shape)
+                          grammar_shape=grammar_shape, prefill_chunk=args.prefill_chunk or None)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name
