@@ -132,6 +132,55 @@ def test_completions_and_chat_equal_the_engine_alone_streamed_or_not(server, alo
         chat.choices[0].message.content
 
 
+def test_logprobs_are_the_target_onlys_bit_for_bit_streamed_or_not(target, server):
+    """Completions' `logprobs` and chat's `logprobs`/`top_logprobs`: each token's log-probability under the target
+    and its likeliest alternatives, under speculation (the server: a head, chains of 3) the very floats target-only
+    generation gives (invariant numerics: a verify's logits are a decode's); streamed chunks carry the same, and a
+    stop string cuts them where it cuts the tokens."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generation import Generator
+    from jaxspec.prompts import load_tokenizer, stop_token_ids
+
+    base, _, _ = server
+    path, _ = target
+    model, tokenizer = load_target(path), load_tokenizer(path)
+    stops = stop_token_ids(tokenizer, path, model.config.eos_token_ids)
+    plain = Generator(model, batch_size=1, logprobs=3)
+    want = plain.generate([tokenizer("abc").input_ids], max_new_tokens=10, stop_ids=stops)[0]
+    api = client(base)
+    got = api.completions.create(model="target", prompt="abc", max_tokens=10, logprobs=3).choices[0].logprobs
+    assert got.token_logprobs == [t.logprob for t in want.logprobs]
+    assert got.tokens == [tokenizer.decode([t.token]) for t in want.logprobs]
+    assert [list(d.values()) for d in got.top_logprobs] == [[lp for _, lp in t.top] for t in want.logprobs]
+    assert got.text_offset == list(range(len(got.tokens)))  # one character a token
+    streamed = [c.choices[0].logprobs for c in api.completions.create(
+        model="target", prompt="abc", max_tokens=10, logprobs=3, stream=True) if c.choices[0].logprobs]
+    assert sum((c.token_logprobs for c in streamed), []) == got.token_logprobs
+    text = "".join(got.tokens)
+    stop = text[2:4]
+    used = text.find(stop) + len(stop)  # one character a token: the tokens up to the stop string's end
+    cut = api.completions.create(model="target", prompt="abc", max_tokens=10, logprobs=0, stop=[stop]).choices[0]
+    assert cut.logprobs.token_logprobs == got.token_logprobs[:used] and cut.logprobs.top_logprobs is None
+
+    messages = [{"role": "user", "content": "what is x?"}]
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False).input_ids
+    want = plain.generate([ids], max_new_tokens=8, stop_ids=stops)[0]
+    chat = api.chat.completions.create(model="target", messages=messages, max_tokens=8, logprobs=True,
+                                       top_logprobs=2).choices[0].logprobs.content
+    assert [c.logprob for c in chat] == [t.logprob for t in want.logprobs]
+    assert [[a.logprob for a in c.top_logprobs] for c in chat] == [[lp for _, lp in t.top[:2]] for t in want.logprobs]
+    assert all(c.bytes == list(c.token.encode()) for c in chat)
+    chunks = api.chat.completions.create(model="target", messages=messages, max_tokens=8, logprobs=True, stream=True)
+    assert [c.logprob for k in chunks if k.choices and k.choices[0].logprobs
+            for c in k.choices[0].logprobs.content] == [c.logprob for c in chat]
+    status, reply = post(base, "/v1/chat/completions", json.dumps(
+        {"messages": messages, "top_logprobs": 2}).encode())
+    assert status == 400 and "top_logprobs needs logprobs: true" in reply["error"]["message"]
+    status, reply = post(base, "/v1/completions", b'{"prompt": "a", "logprobs": 9}')
+    assert status == 400 and "at most 5 top logprobs" in reply["error"]["message"]
+
+
 def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
     """`--proposer draft-model`: a draft model (here the target itself: whole chains accepted) with its own cache per
     slot, on a (data 2, model 2) mesh of this host's devices; two requests at once, each its target-only greedy
@@ -257,7 +306,6 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     ("/v1/completions", b"{not json", "not valid JSON"),
     ("/v1/completions", b'{"prompt": "a", "max_tokenz": 3}', "unknown field 'max_tokenz'"),
     ("/v1/completions", json.dumps({"prompt": "a" * 300}).encode(), "exceeds the 256 tokens"),
-    ("/v1/completions", b'{"prompt": "a", "logprobs": 1}', "logprobs is not supported"),
     ("/v1/completions", b'{"prompt": "a", "temperature": -1}', "temperature must be a finite number >= 0"),
     ("/v1/completions", b'{"prompt": "a", "top_p": 0}', "top-p must be in (0, 1]"),
     ("/v1/completions", b'{"prompt": "a", "n": 2}', "n=2"),
@@ -317,16 +365,18 @@ def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
     for r in rows:
         assert r["requests"] == 5 and 5 <= r["tokens"] <= 30 and r["requests_per_second"] > 0
         assert 0 < r["time_to_first_token_ms"]["p50"] <= r["time_to_first_token_ms"]["p90"]
+        assert 0 <= r["longest_gap_ms"]["p50"] <= r["longest_gap_ms"]["p90"] <= r["longest_gap_ms"]["max"]
         assert r["mean_accepted_length"] is None
     from jaxspec.bench.cli import build_parser, serve_argv
 
     # with a draft: the speculative server's arguments, the slots from the highest concurrency
     args = build_parser().parse_args(["--serve-load", str(prompts), "--draft", str(head), "--tree", "6,3,2",
-                                      "--concurrency", "1,4,16", "--dtype", "bfloat16"])
-    common = ["--slots", "16", "--max-model-len", "1024", "--dtype", "bfloat16", "--numerics", "invariant",
-              "--kernels", "auto"]
-    assert serve_argv(args, draft=True) == [*common, "--draft", str(head), "--tree", "6,3,2"]
-    assert serve_argv(args, draft=False) == [*common, "--no-draft"]
+                                      "--concurrency", "1,4,16", "--dtype", "bfloat16", "--prefill-chunk", "0,256"])
+    assert args.prefill_chunk == [0, 256]
+    common = ["--slots", "16", "--max-model-len", "1024", "--prefill-chunk", "256", "--dtype", "bfloat16",
+              "--numerics", "invariant", "--kernels", "auto"]
+    assert serve_argv(args, draft=True, prefill_chunk=256) == [*common, "--draft", str(head), "--tree", "6,3,2"]
+    assert serve_argv(args, draft=False, prefill_chunk=256) == [*common, "--no-draft"]
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])

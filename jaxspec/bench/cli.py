@@ -48,6 +48,7 @@ from jaxspec.cli.args import (
     add_structured_output_args,
     add_target_args,
     check_generation_args,
+    count_list,
     integer,
     method_name,
     parse_tree,
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--serve-load: the server's slots (default: the highest --concurrency)")
     parser.add_argument("--max-model-len", type=integer(1), default=1024, metavar="N",
                         help="--serve-load: prompt + new tokens one request may hold (default: 1024)")
+    parser.add_argument("--prefill-chunk", type=count_list, default=[512], metavar="N,...",
+                        help="--serve-load: the server's --prefill-chunk, one run of each method per value (0: "
+                        "whole prefills) (default: 512)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -510,9 +514,10 @@ def run_compiled_cost(args) -> int:
     return 0
 
 
-def serve_argv(args, draft: bool) -> list[str]:
+def serve_argv(args, draft: bool, prefill_chunk: int) -> list[str]:
     """The server's arguments for --serve-load, from the benchmark's own (target, numerics, the draft or none)."""
-    argv = ["--slots", str(args.slots or max(args.concurrency)), "--max-model-len", str(args.max_model_len)]
+    argv = ["--slots", str(args.slots or max(args.concurrency)), "--max-model-len", str(args.max_model_len),
+            "--prefill-chunk", str(prefill_chunk)]
     for flag in ("target", "dtype", "quantize", "numerics", "kernels"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -545,9 +550,12 @@ def run_serve_load(args) -> int:
     prompts = [text for _, text in read_prompts_file(args.serve_load)]
     prompts = prompts[: args.limit] if args.limit else prompts
     use_compile_cache(args)
-    methods = [("target-only", serve_argv(args, draft=False))]
-    if not args.no_draft:
-        methods.insert(0, ("speculative", serve_argv(args, draft=True)))
+    methods = []
+    for chunk in args.prefill_chunk:
+        suffix = "" if len(args.prefill_chunk) == 1 else f", prefill chunk {chunk}" if chunk else ", whole prefills"
+        if not args.no_draft:
+            methods.append(("speculative" + suffix, serve_argv(args, draft=True, prefill_chunk=chunk)))
+        methods.append(("target-only" + suffix, serve_argv(args, draft=False, prefill_chunk=chunk)))
     rows = run_load(methods, prompts, args.max_new_tokens, args.concurrency, say=_say)
     result = {"machine": _machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "max_model_len": args.max_model_len, "load": rows}
@@ -555,12 +563,12 @@ def run_serve_load(args) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print("| method | concurrency | requests/s | TTFT mean / p50 / p90 (ms) | tokens/s per request | tokens/s | "
-          "tokens per verify |\n|---|---|---|---|---|---|---|")
+          "longest gap mean / p90 / max (ms) | tokens per verify |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        t = r["time_to_first_token_ms"]
+        t, g = r["time_to_first_token_ms"], r["longest_gap_ms"]
         print(f"| {r['method']} | {r['concurrency']} | {r['requests_per_second']} | {t['mean']} / {t['p50']} / "
-              f"{t['p90']} | {r['tokens_per_second_per_request']} | {r['tokens_per_second']} | "
-              f"{r['mean_accepted_length'] or ''} |")
+              f"{t['p90']} | {r['tokens_per_second_per_request']} | {r['tokens_per_second']} | {g['mean']} / "
+              f"{g['p90']} / {g['max']} | {r['mean_accepted_length'] or ''} |")
     return 0
 
 

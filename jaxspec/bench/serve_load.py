@@ -3,12 +3,14 @@
 Why: a server's users see requests per second, the time to their first token and their own tokens per second under
 concurrency, not the batch CLI's tokens per second; and speculation that pays for one request can cost at sixteen
 (every slot's verify competes for the same weight reads). What: the server is started in this process (uvicorn on
-a loopback port, the engine thread beside it), once with the draft and once target-only, each warmed up (every
-prompt once per level, so that most prefills the levels' joins need compile before the clock starts); then, for each
+a loopback port, the engine thread beside it), once with the draft and once target-only, each warmed up (each level
+run once, so that the prefills its joins need compile before the clock starts); then, for each
 concurrency level, that many clients send the prompts as streamed chat requests, each its next prompt as soon as
 its last one ended.
 Per level: requests per second, time to first token (mean, p50, p90), each request's tokens per second from
-sending it to its last token, and the server's total tokens per second.
+sending it to its last token, the server's total tokens per second, and each request's longest wait between two
+streamed chunks (mean, p90, max): what a long prompt's prefill costs the streams already running (the server's
+`--prefill-chunk`, one server run per value given).
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_chat(base: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """One streamed chat request: (seconds to the first content, seconds to the end, completion tokens)."""
+def stream_chat(base: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int, float]:
+    """One streamed chat request: (seconds to the first content, seconds to the end, completion tokens, the longest
+    seconds between two chunks with content after the first)."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(base + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    first, tokens = None, 0
+    first, last, gap, tokens = None, None, 0.0, 0
     with urllib.request.urlopen(request, timeout=3600) as reply:
         for raw in reply:
             line = raw.decode("utf-8").strip()
@@ -45,10 +48,13 @@ def stream_chat(base: str, model: str, prompt: str, max_tokens: int) -> tuple[fl
             chunk = json.loads(line[len("data: "):])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                now = time.perf_counter()
+                first = first or now
+                gap = max(gap, now - last) if last is not None else gap
+                last = now
     end = time.perf_counter()
-    return (first or end) - start, end - start, tokens
+    return (first or end) - start, end - start, tokens, gap
 
 
 def _quantiles(values: Sequence[float]) -> dict:
@@ -71,6 +77,7 @@ def run_level(base: str, model: str, prompts: Sequence[str], max_tokens: int, co
         "time_to_first_token_ms": _quantiles([r[0] for r in results]),
         "tokens_per_second_per_request": round(statistics.fmean(r[2] / r[1] for r in results), 2),
         "tokens": tokens, "tokens_per_second": round(tokens / seconds, 2),
+        "longest_gap_ms": {**_quantiles([r[3] for r in results]), "max": round(1000 * max(r[3] for r in results), 1)},
     }
 
 
@@ -118,11 +125,12 @@ def run_load(methods: Sequence[tuple[str, Sequence[str]]], prompts: Sequence[str
         say(f"starting the server: {name}")
         with InProcessServer(argv) as server:
             model = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=60).read())["data"][0]["id"]
-            # a prefill compiles per (joining rows, prompt bucket): every prompt at every level, one token each, so
-            # that the joins the levels make have their programs before the clock starts
-            say(f"{name}: warming up (every prompt once per level, one token each, so the prefills compile)")
+            # a prefill compiles per (joining rows, prompt bucket), a chunked join's per prompt bucket: each level
+            # run once whole first, so that the joins it makes have their programs before the clock starts (one
+            # token each left the joins that come with longer answers to compile in the measured run)
+            say(f"{name}: warming up (each level once, so that its prefills compile)")
             for level in levels:
-                run_level(server.base, model, prompts, 1, level)
+                run_level(server.base, model, prompts, max_tokens, level)
             for level in levels:
                 say(f"{name}: {len(prompts)} requests, {level} at a time")
                 before = _counts(server.scheduler.stats)

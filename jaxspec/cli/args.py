@@ -46,16 +46,24 @@ def integer(minimum: int | None, maximum: int = MAX_COUNT):
     return parse
 
 
-def positive_int_list(text: str) -> list[int]:
-    """argparse type: positive integers separated by commas (1,4,16)."""
+def _int_list(text: str, minimum: int, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1 or max(values) > MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected positive integers (up to {MAX_COUNT}) separated by commas, got "
-                                         f"{text!r}")
+    if not values or min(values) < minimum or max(values) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected {what} (up to {MAX_COUNT}) separated by commas, got {text!r}")
     return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: positive integers separated by commas (1,4,16)."""
+    return _int_list(text, 1, "positive integers")
+
+
+def count_list(text: str) -> list[int]:
+    """argparse type: integers >= 0 separated by commas (0,512)."""
+    return _int_list(text, 0, "integers >= 0")
 
 
 AUTO = "auto"

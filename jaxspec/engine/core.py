@@ -77,11 +77,40 @@ class GenState(NamedTuple):
     sampling: RowSampling | None  # per-row temperature, top-k, top-p (None: every row greedy)
     stats: Stats
     proposer: Any  # the proposer's own state (None: target-only)
+    logprobs: TokenLogprobs | None = None  # each generated token's log-probability (None: not asked for)
 
 
-def emit(st: GenState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Array) -> GenState:
+class TokenLogprobs(NamedTuple):
+    """Each generated token's log-probability under the target and the `top` likeliest tokens at its position, as
+    the OpenAI API returns them. From the target's raw logits (before logit processors and temperature: vLLM's
+    default, `raw_logprobs`), so they say what the model thinks whatever a request's sampling settings."""
+
+    token: jax.Array  # [B, C] float32, beside `GenState.tokens`
+    top_ids: jax.Array  # [B, C, K] int32, likeliest first
+    top: jax.Array  # [B, C, K] float32
+
+
+def no_logprobs(b: int, capacity: int, top: int) -> TokenLogprobs:
+    """Room for the log-probabilities of `capacity` tokens per row with `top` alternatives each."""
+    return TokenLogprobs(jnp.zeros((b, capacity), jnp.float32), jnp.zeros((b, capacity, top), jnp.int32),
+                         jnp.zeros((b, capacity, top), jnp.float32))
+
+
+def position_logprobs(logits: jax.Array, tokens: jax.Array, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log p(tokens) [B, W], the top ids [B, W, K], their log-probabilities [B, W, K]) of raw logits [B, W, V]."""
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lsm, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    if top == 0:
+        return chosen, jnp.zeros(tokens.shape + (0,), jnp.int32), jnp.zeros(tokens.shape + (0,), jnp.float32)
+    best, ids = jax.lax.top_k(lsm, top)
+    return chosen, ids.astype(jnp.int32), best
+
+
+def emit(st: GenState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Array,
+         logits: jax.Array | None = None) -> GenState:
     """Append emitted[:, :count] ([B, W], count [B]) to each running row, cut at the first EOS and at the row's
-    budget; the logit processors count what was appended."""
+    budget; the logit processors count what was appended. logits: [B, W, V] the target's raw logits each emitted
+    token was chosen from (read when the state keeps log-probabilities)."""
     b, width = emitted.shape
     j = jnp.arange(width)[None, :]
     is_eos = jnp.any(emitted[..., None] == eos_ids, axis=-1) & (j < count[:, None])
@@ -89,11 +118,17 @@ def emit(st: GenState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Array)
     n = jnp.minimum(jnp.minimum(count, first_eos + 1), st.max_new - st.num_generated)
     n = jnp.where(st.done, 0, n)
     slots = jnp.where(j < n[:, None], st.num_generated[:, None] + j, st.tokens.shape[1])  # out of range: dropped
-    tokens = st.tokens.at[jnp.arange(b)[:, None], slots].set(emitted, mode="drop")
+    rows = jnp.arange(b)[:, None]
+    tokens = st.tokens.at[rows, slots].set(emitted, mode="drop")
     num_generated = st.num_generated + n
     done = st.done | (first_eos < n) | (num_generated >= st.max_new)
     processors = procs.record(st.processors, emitted, n)
-    return st._replace(tokens=tokens, num_generated=num_generated, done=done, processors=processors)
+    logprobs = st.logprobs
+    if logprobs is not None:
+        got = position_logprobs(logits, emitted, logprobs.top.shape[-1])
+        logprobs = TokenLogprobs(*(old.at[rows, slots].set(new, mode="drop") for old, new in zip(logprobs, got)))
+    return st._replace(tokens=tokens, num_generated=num_generated, done=done, processors=processors,
+                       logprobs=logprobs)
 
 
 def prefill(
@@ -113,6 +148,7 @@ def prefill(
     *,
     capacity: int,
     chunk: int | None = None,
+    logprobs: int | None = None,
 ) -> GenState:
     """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
     wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
@@ -120,7 +156,10 @@ def prefill(
 
     With `partial` (chunked prefill: `prefill_chunk` ran the prompt's positions [0, start)), the target runs the
     last `chunk` positions from `start` on, which hold every row's last prompt token, on the prefill's tiles; under
-    the batch-invariant numerics each position gets the bits the whole prompt's pass gives it."""
+    the batch-invariant numerics each position gets the bits the whole prompt's pass gives it.
+
+    logprobs: keep each generated token's log-probability and this many alternatives (`TokenLogprobs`); None:
+    not kept (no cost)."""
     target = nnx.merge(target_graphdef, target_params)
     b, t = prompt.shape
     last = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
@@ -158,8 +197,9 @@ def prefill(
             jnp.zeros((b, len(telemetry.OUTCOMES)), jnp.int32), jnp.zeros((b,), jnp.int32),
         ),
         proposer=own,
+        logprobs=None if logprobs is None else no_logprobs(b, capacity, logprobs),
     )
-    return constrain_state(emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids))
+    return constrain_state(emit(st, first[:, None], jnp.ones((b,), jnp.int32), eos_ids, out.logits))
 
 
 class PartialPrefill(NamedTuple):
@@ -227,7 +267,7 @@ def decode_step(target, st: GenState, eos_ids: jax.Array) -> GenState:
     keys, sub = split_rows(st.keys, 2)
     out, token = _run_root(target, st, sub)
     st = st._replace(cache=kvc.advance(out.cache, running.astype(jnp.int32)), keys=keys)
-    st = emit(st, token[:, None], jnp.ones_like(token), eos_ids)
+    st = emit(st, token[:, None], jnp.ones_like(token), eos_ids, out.logits)
     return st._replace(last_token=jnp.where(running, token, st.last_token))
 
 
@@ -259,9 +299,9 @@ def spec_step(
     args = (target, proposer, st, proposal, tokens, parents, k_uniform, k_noise)
     opts = dict(forced_accept_prob=forced_accept_prob, kernels=kernels)
     if proposal.has_draft is None:
-        a, emitted, path, target_cache, aux, hidden = _verify(*args, **opts)
+        a, emitted, path, target_cache, aux, hidden, logits = _verify(*args, **opts)
     else:
-        a, emitted, path, target_cache, aux, hidden = jax.lax.cond(
+        a, emitted, path, target_cache, aux, hidden, logits = jax.lax.cond(
             jnp.any(proposal.has_draft & (running > 0)),
             lambda: _verify(*args, **opts),
             lambda: _root_only(*args, **opts),
@@ -270,7 +310,7 @@ def spec_step(
     count = a + 1
     emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
     before = st.num_generated
-    st = emit(st, emitted, count, eos_ids)
+    st = emit(st, emitted, count, eos_ids, logits)
     verified = Verified(emitted, a, running, aux, hidden)
     own_token = jnp.take_along_axis(emitted, a[:, None], axis=1)[:, 0]  # [B] the target's token after the path
     return st._replace(
@@ -286,7 +326,8 @@ def spec_step(
 def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
             forced_accept_prob, kernels):
     """All N nodes through the target, then acceptance: (a [B], emitted [B, D+1] (-1 past a), path [B, D+1] or None,
-    the target cache with the root and accepted nodes at m .. m + a, aux and hidden [B, D+1, ...] on the path)."""
+    the target cache with the root and accepted nodes at m .. m + a, aux and hidden [B, D+1, ...] on the path, and
+    the raw logits [B, D+1, V] each emitted token was chosen from when the state keeps log-probabilities)."""
     b, n = tokens.shape
     depth, m = proposer.depth, st.cache.lengths
     wanted = dict(return_aux=proposer.needs_aux, return_hidden=proposer.needs_hidden)
@@ -326,12 +367,14 @@ def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents,
         pick = lambda s, g: jnp.where(st.sampling.sampled.reshape((b,) + (1,) * (g.ndim - 1)), s, g)  # noqa: E731
         a, emitted, path = jax.tree.map(pick, drawn, chosen)
 
+    raw = verify.logits if st.logprobs is not None else None
     if dt is None:  # a chain's accepted nodes already sit in order at m .. m + a
-        return a, emitted, path, verify.cache, _first(verify.aux, depth + 1), _first(verify.hidden, depth + 1)
+        first = lambda x: None if x is None else x[:, : depth + 1]  # noqa: E731
+        return a, emitted, path, verify.cache, first(verify.aux), first(verify.hidden), first(raw)
     target_cache = kvc.compact(verify.cache, m, path)
     safe = jnp.maximum(path, 0)[:, :, None]
     on_path = lambda x: None if x is None else jnp.take_along_axis(x, safe, axis=1)  # noqa: E731
-    return a, emitted, path, target_cache, on_path(verify.aux), on_path(verify.hidden)
+    return a, emitted, path, target_cache, on_path(verify.aux), on_path(verify.hidden), on_path(raw)
 
 
 def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
@@ -346,11 +389,8 @@ def _root_only(target, proposer: Proposer, st: GenState, proposal, tokens, paren
     emitted = jnp.full((b, width), -1, jnp.int32).at[:, 0].set(token)  # [B, D+1]
     path = None if forced_accept_prob is not None else jnp.full((b, width), -1, jnp.int32).at[:, 0].set(0)
     pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width - 1)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
-    return jnp.zeros((b,), jnp.int32), emitted, path, out.cache, pad(out.aux), pad(out.hidden)
-
-
-def _first(x: jax.Array | None, n: int) -> jax.Array | None:
-    return None if x is None else x[:, :n]
+    raw = pad(out.logits) if st.logprobs is not None else None
+    return jnp.zeros((b,), jnp.int32), emitted, path, out.cache, pad(out.aux), pad(out.hidden), raw
 
 
 def _count(stats: Stats, proposal, tokens, parents, path, a, own_token, cut, depth: int, running) -> Stats:

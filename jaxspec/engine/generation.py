@@ -53,10 +53,27 @@ class Completion:
     prefill_seconds: float
     batch_size: int
     stats: dict = dataclasses.field(default_factory=dict)  # engine-specific (speculative: acceptance, calls)
+    logprobs: list[TokenLogprob] | None = None  # one per token, where the generator keeps them (`keep_logprobs`)
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the likeliest tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, log-probability), likeliest first
+
+
+def row_logprobs(logprobs: Sequence[np.ndarray], row: int, start: int, tokens: Sequence[int]) -> list[TokenLogprob]:
+    """`TokenLogprob`s of a row's tokens start.. from the state's `TokenLogprobs` arrays, on the host."""
+    lp, ids, top = (x[row, start : start + len(tokens)] for x in logprobs)
+    return [TokenLogprob(int(t), float(lp[j]), tuple(zip(ids[j].tolist(), top[j].tolist())))
+            for j, t in enumerate(tokens)]
 
 
 def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
@@ -70,7 +87,7 @@ def tokens_per_verify(completions: Sequence[Completion]) -> float | None:
     return sum(c.num_generated - 1 for c in speculated if c.num_generated) / calls
 
 
-_prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "chunk"))
+_prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer", "capacity", "chunk", "logprobs"))
 _prefill_chunk = jax.jit(
     engine.prefill_chunk, static_argnames=("target_graphdef", "proposer", "capacity", "chunk"), donate_argnums=(5,),
 )
@@ -79,6 +96,9 @@ _steps = jax.jit(
     static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels"),
     donate_argnums=(4,),
 )
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 def check_prompt_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, context_length: int) -> None:
@@ -118,6 +138,7 @@ class Generator:
         mesh: jax.sharding.Mesh | None = None,
         forced_accept_prob: float | None = None,
         kernels: str | None = None,
+        logprobs: int | None = None,
     ):
         if batch_size < 1:
             raise JaxspecError(f"batch size must be >= 1, got {batch_size}")
@@ -149,10 +170,19 @@ class Generator:
         # XLA options of every program compiled here (numerics.Numerics.compiler_options: no split-K GEMMs on GPU)
         self.compiler_options = model.numerics.compiler_options() if model.numerics is not None else {}
         self.forced_accept_prob = forced_accept_prob
+        self.logprobs: int | None = None
+        self.keep_logprobs(logprobs)
         self.compile_seconds = 0.0
         self._compiled = ProgramCache()  # bounded process-wide on memory maps (compiled_programs.py)
         self.on_compile: Callable[[str], None] | None = None  # told what compiles and how long it took (CLIs: stderr)
         self.memory: MemoryReport | None = None  # of the last batch generated (`--memory-report`)
+
+    def keep_logprobs(self, top: int | None) -> None:
+        """Keep each generated token's log-probability and its `top` likeliest alternatives in the state
+        (`engine.core.TokenLogprobs`: read by `row_logprobs`); None: keep none (the programs compute none)."""
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise JaxspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives, got {top}")
+        self.logprobs = top
 
     @property
     def num_draft(self) -> int:
@@ -305,6 +335,8 @@ class Generator:
         the rows that join (`engine.slots`) and copies them into the running state. With `chunk`, the last chunk of
         a chunked prefill, whose arguments end with the PartialPrefill and the chunk's start (`chunk_program`)."""
         static = {} if chunk is None else {"chunk": chunk}
+        if self.logprobs is not None:
+            static["logprobs"] = self.logprobs
         return self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity, **static)
 
     def chunk_program(self, chunk_args: tuple, capacity: int, chunk: int) -> Callable:
@@ -359,12 +391,14 @@ class Generator:
         seconds = time.perf_counter() - start
 
         tokens, counts = sharding.to_host(st.tokens), sharding.to_host(st.num_generated)
+        logprobs = None if st.logprobs is None else [sharding.to_host(x) for x in st.logprobs]
         stop = set(int(s) for s in stop_ids)
         out = []
         for i, (p, stats) in enumerate(zip(batch, self.row_stats(st, len(batch)))):
             ids = tokens[i, : counts[i]].tolist()
             finished = bool(ids) and ids[-1] in stop
-            out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), stats))
+            lps = None if logprobs is None else row_logprobs(logprobs, i, 0, ids)
+            out.append(Completion(ids, finished, len(p), seconds, prefill_seconds, len(batch), stats, lps))
         return out
 
     @staticmethod

@@ -42,7 +42,7 @@ import numpy as np
 from jaxspec import processors as procs
 from jaxspec import sharding
 from jaxspec.engine.core import GenState, PartialPrefill, constrain_state
-from jaxspec.engine.generation import Completion, Generator, prompt_bucket
+from jaxspec.engine.generation import Completion, Generator, TokenLogprob, prompt_bucket, row_logprobs
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig, row_keys, row_sampling
 from pallas_kernels.mesh_axes import DATA
@@ -70,6 +70,7 @@ class SlotUpdate:
     handle: Hashable  # the caller's name for the request (`SlotBatcher.join`)
     new_tokens: list[int]
     completion: Completion | None  # None while the request runs
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the generator keeps them
 
 
 class SlotBatcher:
@@ -293,7 +294,10 @@ class SlotBatcher:
         st = self.state
         counts, done = sharding.to_host(st.num_generated), sharding.to_host(st.done)
         ending = done & self.busy
-        tokens = sharding.to_host(st.tokens) if np.any(counts > self.emitted) or np.any(ending) else None
+        fresh = np.any(counts > self.emitted)
+        tokens = sharding.to_host(st.tokens) if fresh or np.any(ending) else None
+        kept = st.logprobs is not None and fresh
+        logprobs = [sharding.to_host(x) for x in st.logprobs] if kept else None
         stats = self.generator.row_stats(st, len(self.held)) if np.any(ending) else None
         now = time.perf_counter()
         updates = []
@@ -313,7 +317,10 @@ class SlotBatcher:
                 )
                 self.held[slot] = None
             if new or completion is not None:
-                updates.append(SlotUpdate(handle, new, completion))
+                lps = None
+                if kept:
+                    lps = row_logprobs(logprobs, slot, seen, new)
+                updates.append(SlotUpdate(handle, new, completion, lps))
         return updates
 
     @property

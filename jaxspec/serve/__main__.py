@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prompt longer than this joining while others run is prefilled N tokens at a time, "
                         "a chunk before each step, so the running requests keep streaming; 0: whole prefills "
                         "(default: %(default)s)")
+    parser.add_argument("--max-logprobs", type=integer(-1, 20), default=5, metavar="N",
+                        help="the most alternatives per token a request may ask with logprobs (each step keeps "
+                        "this many for every slot); -1: logprobs off, nothing computed (default: %(default)s)")
     parser.add_argument("--default-max-tokens", type=integer(1), default=256, metavar="N",
                         help="new tokens for a chat request that names no max_tokens (default: %(default)s)")
     parser.add_argument("--served-model-name", metavar="NAME",
@@ -141,6 +144,7 @@ def build_server(args):
         generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots, mesh=mesh,
                               chunk_steps=args.chunk_steps, kernels=kernels)
     generator.on_compile = say
+    generator.keep_logprobs(None if args.max_logprobs < 0 else args.max_logprobs)
     capacity = capacity_bucket(args.max_model_len + generator.extra_capacity, context + generator.extra_capacity)
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     grammar_shape = (args.max_grammar_states, args.max_grammar_classes) if args.max_grammar_states else None
@@ -151,7 +155,7 @@ def build_server(args):
     name = args.served_model_name or target_dir.name
     grammars = GrammarCompiler(tokenizer, model.config.vocab_size, stops) if grammar_shape else None
     served = ServedModel(scheduler, tokenizer, name, sampling, args.default_max_tokens, model.config.vocab_size,
-                         grammars)
+                         grammars, generator.logprobs)
     return make_app(served), scheduler
 
 

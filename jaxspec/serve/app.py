@@ -36,11 +36,51 @@ class ServedModel:
     (for what a request leaves out) and default budget."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, name: str, sampling, default_max_tokens: int, vocab: int,
-                 grammars=None):
+                 grammars=None, max_logprobs: int | None = None):
         self.scheduler, self.tokenizer, self.name = scheduler, tokenizer, name
         self.sampling, self.default_max_tokens = sampling, default_max_tokens
         self.vocab = vocab  # the target's (token ids and logit_bias keys are checked against it)
         self.grammars = grammars  # a jaxspec.grammar.GrammarCompiler; None: no structured output
+        self.max_logprobs = max_logprobs  # alternatives per token the engine keeps (None: no logprobs)
+
+    def check_logprobs(self, wanted: int | None) -> None:
+        if wanted is None:
+            return
+        if self.max_logprobs is None:
+            raise JaxspecError("logprobs are off on this server (start it with --max-logprobs N)")
+        if wanted > self.max_logprobs:
+            raise JaxspecError(f"this server returns at most {self.max_logprobs} top logprobs per token "
+                               f"(--max-logprobs), got {wanted}")
+
+
+class LogprobFormatter:
+    """A request's token log-probabilities in OpenAI's two shapes: completions' `{tokens, token_logprobs,
+    top_logprobs, text_offset}` and chat's `{content: [{token, logprob, bytes, top_logprobs}]}`. A token's text
+    is its own decode (a piece of a character split across tokens reads as U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer, top: int, chat: bool):
+        self.tokenizer, self.top, self.chat = tokenizer, top, chat
+        self.offset = 0  # completions: the next token's character offset in the completion
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def format(self, logprobs: list) -> dict:
+        """The OpenAI `logprobs` object of these tokens (`jaxspec.engine.slots.TokenLogprob`s), in order."""
+        if self.chat:
+            def entry(token, lp):
+                text = self._text(token)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**entry(t.token, t.logprob),
+                                 "top_logprobs": [entry(i, lp) for i, lp in t.top[: self.top]]} for t in logprobs]}
+        texts = [self._text(t.token) for t in logprobs]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{self._text(i): lp for i, lp in t.top[: self.top]} for t in logprobs]
+                if self.top else None, "text_offset": offsets}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -178,6 +218,8 @@ def make_app(served: ServedModel) -> FastAPI:
             if budget is None:  # the server's default, within the room the prompt leaves (as vLLM)
                 budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - len(prompt_ids)))
             processors = body.processors(served.vocab)
+            wanted = body.logprob_count()
+            served.check_logprobs(wanted)
             grammar = body.grammar()
             if grammar is not None:
                 if served.grammars is None:
@@ -199,13 +241,14 @@ def make_app(served: ServedModel) -> FastAPI:
         requests_total.labels(route, "200").inc()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tracker = TextTracker(served.tokenizer, stops)
+        logprobs = None if wanted is None else LogprobFormatter(served.tokenizer, wanted, chat)
         if body.stream:
             events = _stream(served, scheduler, handle, updates, tracker, rid, chat, body.include_usage,
-                             len(prompt_ids), in_flight)
+                             len(prompt_ids), in_flight, logprobs)
             return StreamingResponse(events, media_type="text/event-stream")
         in_flight.inc()
         try:
-            completion = None
+            completion, kept = None, []
             while completion is None:
                 try:  # a client that goes away cancels its request (the server does not notice that by itself)
                     update = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_POLL_SECONDS)
@@ -216,6 +259,7 @@ def make_app(served: ServedModel) -> FastAPI:
                     continue
                 if isinstance(update, BaseException):
                     return error_body(f"the engine failed: {update!r}", 500)
+                kept += update.logprobs or []
                 tracker.advance(update.new_tokens, final=False)
                 if tracker.stopped:
                     scheduler.cancel(handle, stopped=True)
@@ -224,7 +268,8 @@ def make_app(served: ServedModel) -> FastAPI:
             text = tracker.text()
             reason = _finish_reason(completion, tracker)
             n = tracker.tokens_used()
-            return _response(rid, served.name, chat, text, reason, len(prompt_ids), n)
+            lps = None if logprobs is None else logprobs.format(kept[:n])
+            return _response(rid, served.name, chat, text, reason, len(prompt_ids), n, lps)
         except asyncio.CancelledError:
             scheduler.cancel(handle)
             raise
@@ -257,30 +302,34 @@ def _finish_reason(completion, tracker: TextTracker) -> str:
     return "length"
 
 
-def _response(rid, model, chat, text, reason, prompt_n, completion_n) -> dict:
+def _response(rid, model, chat, text, reason, prompt_n, completion_n, logprobs=None) -> dict:
     usage = {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n}
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage}
 
 
-async def _stream(served, scheduler, handle, updates, tracker, rid, chat, include_usage, prompt_n, in_flight):
-    """Server-sent events: one chunk per update with new text, the last with the finish reason, then [DONE]. A
-    client that goes away cancels the request (its slot is freed before the next step)."""
+async def _stream(served, scheduler, handle, updates, tracker, rid, chat, include_usage, prompt_n, in_flight,
+                  logprobs=None):
+    """Server-sent events: one chunk per update with new text (or new tokens' logprobs), the last with the finish
+    reason, then [DONE]. A chunk's logprobs are its update's tokens' (up to a stop string's last token), whose text
+    may come in a later chunk while it could still be part of a stop string. A client that goes away cancels the
+    request (its slot is freed before the next step)."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    sent_logprobs = 0  # tokens whose logprobs have been sent
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+    def chunk(text: str | None, reason: str | None, first: bool = False, lps: dict | None = None) -> str:
         if chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lps}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lps}
         body = {"id": rid, "object": obj, "created": created, "model": served.name, "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -302,8 +351,14 @@ async def _stream(served, scheduler, handle, updates, tracker, rid, chat, includ
             if tracker.stopped:
                 scheduler.cancel(handle, stopped=True)
                 text += tracker.advance([], final=True)
-            if text:
-                yield chunk(text, None)
+            lps = None
+            if logprobs is not None and update.logprobs:
+                end = tracker.tokens_used() if tracker.stopped else len(tracker.ids)
+                fresh = update.logprobs[: max(0, end - sent_logprobs)]
+                sent_logprobs += len(fresh)
+                lps = logprobs.format(fresh) if fresh else None
+            if text or lps:
+                yield chunk(text, None, lps=lps)
             if tracker.stopped:
                 break
         finished = True

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server accepts (pydantic), checked into what the engine runs.
 
 Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
-Fields OpenAI defines that this server cannot honour yet (n > 1, logprobs, echo, best_of) are refused with a
+Fields OpenAI defines that this server cannot honour yet (n > 1, echo, best_of) are refused with a
 message saying so. Structured output comes as OpenAI's `response_format` (json_schema, json_object) or vLLM's
 `structured_outputs` (regex, choice, json), on both routes. Sampling settings and seeds are per request; what a request
 leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/--top-k`).
@@ -43,6 +43,9 @@ class _Common(BaseModel):
     user: str | None = None
     response_format: dict | None = None  # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict | None = None  # vLLM's: {"regex": ...} | {"choice": [...]} | {"json": schema}
+
+    def check_unsupported(self) -> None:
+        """A one-line error for a field this server cannot honour yet (the routes' own)."""
 
     def grammar(self) -> Grammar | None:
         """The request's structured output, or None for free text."""
@@ -121,14 +124,18 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
-        if self.logprobs is not None:
-            raise JaxspecError("logprobs is not supported by this server yet")
         if self.best_of not in (None, 1):
             raise JaxspecError("best_of is not supported by this server yet")
         if self.suffix:
             raise JaxspecError("suffix is not supported by this server yet")
         if self.echo:
             raise JaxspecError("echo is not supported by this server yet")
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token the request wants with each token's log-probability; None: no logprobs."""
+        if self.logprobs is not None and self.logprobs < 0:
+            raise JaxspecError(f"logprobs must be >= 0, got {self.logprobs}")
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -159,9 +166,13 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def check_unsupported(self) -> None:
-        if self.logprobs or self.top_logprobs:
-            raise JaxspecError("logprobs are not supported by this server yet")
+    def logprob_count(self) -> int | None:
+        """Alternatives per token the request wants with each token's log-probability; None: no logprobs."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise JaxspecError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise JaxspecError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def budget(self) -> int | None:
