@@ -302,6 +302,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     assert float(values["jaxspec_slots_running"]) == 0
 
 
+def test_a_client_that_leaves_before_its_first_chunk_is_cancelled(server):
+    """A streamed request whose client closes the connection right after sending it (before any chunk could come)
+    still leaves its slot or the queue: the response's background task cancels whatever is left of it."""
+    import socket
+
+    base, _, scheduler = server
+    cancelled = scheduler.stats.cancelled
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "abc", "max_tokens": 240, "stream": True}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 60
+    while (scheduler.stats.cancelled == cancelled or scheduler.running or scheduler.waiting) and time.time() < deadline:
+        time.sleep(0.05)
+    assert scheduler.stats.cancelled == cancelled + 1 and scheduler.running == 0 and scheduler.waiting == 0
+
+
 @pytest.mark.parametrize("route, body, message", [
     ("/v1/completions", b"{not json", "not valid JSON"),
     ("/v1/completions", b'{"prompt": "a", "max_tokenz": 3}', "unknown field 'max_tokenz'"),

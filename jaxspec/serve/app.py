@@ -19,6 +19,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -245,7 +246,10 @@ def make_app(served: ServedModel) -> FastAPI:
         if body.stream:
             events = _stream(served, scheduler, handle, updates, tracker, rid, chat, body.include_usage,
                              len(prompt_ids), in_flight, logprobs)
-            return StreamingResponse(events, media_type="text/event-stream")
+            # after the response, whichever way it ended: a client that left before the stream's first chunk never
+            # ran the stream's own clean-up (a generator that never started); a request already ended is no-op
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     background=BackgroundTask(scheduler.cancel, handle))
         in_flight.inc()
         try:
             completion, kept = None, []
