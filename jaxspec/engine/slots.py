@@ -54,13 +54,15 @@ _WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up
 @dataclasses.dataclass(frozen=True)
 class SlotRequest:
     """One request: its tokenized prompt, its budget of new tokens, its logit processors, its sampling settings and
-    seed (None: one drawn by the batcher)."""
+    seed (None: one drawn by the batcher), and whether its updates bring its tokens' log-probabilities (the
+    generator must keep them: `Generator.keep_logprobs`)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
     processors: procs.LogitProcessors = procs.LogitProcessors()
     sampling: SamplingConfig = SamplingConfig()
     seed: int | None = None
+    logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ class SlotUpdate:
     handle: Hashable  # the caller's name for the request (`SlotBatcher.join`)
     new_tokens: list[int]
     completion: Completion | None  # None while the request runs
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the generator keeps them
+    logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asked for them
 
 
 class SlotBatcher:
@@ -136,6 +138,8 @@ class SlotBatcher:
                 f"the {self.room} tokens a request may hold (shorten the prompt or lower the budget)"
             )
         procs.check_vocab([request.processors], self.generator.config.vocab_size)
+        if request.logprobs and self.generator.logprobs is None:
+            raise JaxspecError("this engine keeps no logprobs (Generator.keep_logprobs; the server's --max-logprobs)")
         grammar = request.processors.grammar
         if grammar is not None:
             if self.grammar_shape is None:
@@ -294,10 +298,11 @@ class SlotBatcher:
         st = self.state
         counts, done = sharding.to_host(st.num_generated), sharding.to_host(st.done)
         ending = done & self.busy
-        fresh = np.any(counts > self.emitted)
-        tokens = sharding.to_host(st.tokens) if fresh or np.any(ending) else None
-        kept = st.logprobs is not None and fresh
-        logprobs = [sharding.to_host(x) for x in st.logprobs] if kept else None
+        fresh = counts > self.emitted
+        tokens = sharding.to_host(st.tokens) if np.any(fresh) or np.any(ending) else None
+        # [B, C, K] arrays: fetched only when a request that asked for them has new tokens
+        wanted = np.asarray([held is not None and held[1].logprobs for held in self.held])
+        logprobs = [sharding.to_host(x) for x in st.logprobs] if np.any(fresh & wanted) else None
         stats = self.generator.row_stats(st, len(self.held)) if np.any(ending) else None
         now = time.perf_counter()
         updates = []
@@ -317,9 +322,7 @@ class SlotBatcher:
                 )
                 self.held[slot] = None
             if new or completion is not None:
-                lps = None
-                if kept:
-                    lps = row_logprobs(logprobs, slot, seen, new)
+                lps = row_logprobs(logprobs, slot, seen, new) if request.logprobs and logprobs is not None else None
                 updates.append(SlotUpdate(handle, new, completion, lps))
         return updates
 

@@ -62,9 +62,13 @@ class LogprobFormatter:
     def __init__(self, tokenizer, top: int, chat: bool):
         self.tokenizer, self.top, self.chat = tokenizer, top, chat
         self.offset = 0  # completions: the next token's character offset in the completion
+        self.texts: dict[int, str] = {}  # each token's text, decoded once (alternatives repeat)
 
     def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if token not in self.texts:
+            self.texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
+                                                      clean_up_tokenization_spaces=False)
+        return self.texts[token]
 
     def format(self, logprobs: list) -> dict:
         """The OpenAI `logprobs` object of these tokens (`jaxspec.engine.slots.TokenLogprob`s), in order."""
@@ -228,7 +232,7 @@ def make_app(served: ServedModel) -> FastAPI:
                 # compiled off the event loop (seconds for a JSON schema; cached per grammar)
                 automaton = await asyncio.get_running_loop().run_in_executor(None, served.grammars, grammar)
                 processors = dataclasses.replace(processors, grammar=automaton)
-            request = SlotRequest(tuple(prompt_ids), budget, processors, sampling, body.seed)
+            request = SlotRequest(tuple(prompt_ids), budget, processors, sampling, body.seed, wanted is not None)
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
             handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
