@@ -12,6 +12,7 @@ from jaxspec.engine.auto.config import (
     choose,
     drafting_could_win,
     expected_tokens,
+    live_batch_plan,
     step_seconds,
 )
 from jaxspec.engine.tree import TreeConfig
@@ -60,6 +61,38 @@ def test_low_acceptance_on_this_cpu_picks_target_only_and_high_acceptance_specul
     strong = AcceptanceProfile((0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), 1000)
     assert choose(CPU, strong).num_draft >= 3
     assert choose(CPU, strong, max_draft=2).num_draft == 2  # an explicit cap is honoured
+
+
+def _gpu_at(rows: int) -> StepCosts:
+    """An accelerator's costs at `rows` rows: a decode bound by weight reads until ~64 tokens a step, a verify of
+    k + 1 tokens by rows × (k + 1) tokens past that (compute-bound)."""
+    step = lambda tokens: 0.008 * max(1.0, tokens / 64)  # noqa: E731
+    return StepCosts(step(rows), (0.0,) + tuple(step(rows * (k + 1)) for k in range(1, 8)), 0.0006 * max(1, rows / 16))
+
+
+def test_a_live_batch_speculates_in_the_buckets_where_it_pays_and_not_above():
+    """The server's auto (`live_batch_plan`): the smallest bucket's method, drafting where it beats target-only at
+    that bucket's costs; on the accelerator's costs speculation stops paying as rows grow (vLLM's batch-size-aware
+    speculation), on this CPU's a weak head pays nowhere."""
+    profile = AcceptanceProfile((0.7, 0.5, 0.35, 0.2, 0.1), 1000)
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    plan = live_batch_plan({rows: choose(_gpu_at(rows), profile) for rows in buckets})
+    assert isinstance(plan.method, int) and plan.method >= 2
+    assert 1 in plan.drafting_rows and 64 not in plan.drafting_rows
+    on = sorted(plan.drafting_rows)
+    assert on == [r for r in buckets if r <= on[-1]]  # a threshold: drafting pays below it, not above
+    for rows, choice in plan.choices:  # by brute force at each bucket's costs
+        speeds = dict(choice.candidates)
+        assert (rows in plan.drafting_rows) == (speeds[plan.method] > speeds[0])
+    assert plan.describe() == f"chain K={plan.method} at 1-{on[-1]} rows, target-only steps at {on[-1] * 2}-64"
+    weak = AcceptanceProfile((0.24, 0.06, 0.015, 0.004, 0.001), 1000)
+    cpu = live_batch_plan({1: choose(CPU, weak)})
+    assert cpu.method == 0 and not cpu.drafting_rows and cpu.describe() == "target-only"
+    # no acceptance profile yet (a first batch: no candidates): the default chain drafts everywhere
+    from jaxspec.engine.auto.config import Choice
+
+    first = live_batch_plan({1: Choice(5, 0.0, 0.0, ()), 4: Choice(5, 0.0, 0.0, ())})
+    assert first.method == 5 and first.drafting_rows == {1, 4} and first.describe() == "chain K=5 at 1-4 rows"
 
 
 def test_a_probe_is_worth_running_only_while_the_counts_leave_drafting_a_chance():

@@ -69,3 +69,46 @@ def test_steps_without_a_draft_run_the_root_alone_and_stay_exact(batch):
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     if batch == 1:  # a row alone: every step at an odd position is undrafted
         assert all(c.stats["rejections"]["no_draft"] > 0 for c in got)
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "draft-model"])
+def test_keep_up_leaves_the_proposer_where_propose_does_without_the_drafts(drafter):
+    """A step that drafts nothing (`engine.core.keep_up`, the batcher's speculation off at high load) runs only the
+    proposer's catch-up: its state is the one `propose` leaves, the same committed lengths and the same cache
+    entries below them (propose's drafts sit above them, uncommitted), pending inputs untouched. A wrong catch-up
+    would show as far more than rounding: entries at other positions, or none."""
+    import numpy as np
+    from flax import nnx
+    from spec_fixtures import fitted_head
+
+    from jaxspec.engine.generator import SpeculativeGenerator
+    from jaxspec.engine.proposers.draft_model import DraftModelProposer
+    from jaxspec.engine.slots import SlotBatcher, SlotRequest
+
+    model = tiny_target()
+    if drafter == "eagle3":
+        gen = SpeculativeGenerator(model, fitted_head(), num_draft=3, batch_size=2, chunk_steps=1)
+    else:
+        proposer, params = DraftModelProposer.of(model, 3)
+        gen = Generator(model, proposer=proposer, proposer_params=params, batch_size=2, chunk_steps=1)
+    batcher = SlotBatcher(gen, capacity=64, step_buckets=False)
+    batcher.join([(0, SlotRequest(tuple(PROMPTS[1]), 20)), (1, SlotRequest(tuple(PROMPTS[0]), 20))])
+    for _ in range(2):  # a few verify steps: pending runs of several tokens
+        batcher.step()
+    st = batcher.state
+    target = nnx.merge(gen.graphdef, gen.params)
+    view = StepView(st.last_token, st.cache.lengths, (~st.done).astype(jnp.int32), st.processors, st.sampling, st.cache)
+    kept = jax.jit(lambda s: gen.proposer.keep_up(gen.proposer_params, target, s, view))(st.proposer)
+    proposed = jax.jit(lambda s: gen.proposer.propose(gen.proposer_params, target, s, view, st.keys)[1])(st.proposer)
+    cache_kept, cache_proposed = gen.proposer.kv_cache(kept), gen.proposer.kv_cache(proposed)
+    lengths = np.asarray(cache_kept.lengths)
+    np.testing.assert_array_equal(lengths, np.asarray(cache_proposed.lengths))
+    assert np.all(lengths > np.asarray(gen.proposer.kv_cache(st.proposer).lengths))  # it caught up
+    # drafters compute with plain numerics, and the two programs fuse the same forward differently: equal up to
+    # float32 rounding (seen: 2.4e-7), not bit for bit (the output's exactness never rests on a drafter's bits)
+    for a, b in zip(cache_kept.k + cache_kept.v, cache_proposed.k + cache_proposed.v):
+        for row, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=1e-5, atol=1e-5)
+    for field in kept._fields:  # everything but the cache: as it was
+        if field not in ("head_cache", "cache"):
+            np.testing.assert_array_equal(np.asarray(getattr(kept, field)), np.asarray(getattr(st.proposer, field)))

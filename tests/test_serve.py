@@ -184,7 +184,7 @@ def test_logprobs_are_the_target_onlys_bit_for_bit_streamed_or_not(target, serve
 def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
     """`--proposer draft-model`: a draft model (here the target itself: whole chains accepted) with its own cache per
     slot, on a (data 2, model 2) mesh of this host's devices; two requests at once, each its target-only greedy
-    text."""
+    text, their steps on 2 of the 4 slots (a bucket of rows split over the data axis)."""
     from jaxspec.bench.serve_load import InProcessServer
     from jaxspec.checkpoints.hf import load_target
     from jaxspec.engine.generation import Generator
@@ -198,7 +198,7 @@ def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
     want = {p: tokenizer.decode(alone.generate([tokenizer(p).input_ids], max_new_tokens=n, stop_ids=stops)[0].token_ids,
                                 skip_special_tokens=True, clean_up_tokenization_spaces=False) for p, n in prompts.items()}
     with InProcessServer(["--target", str(path), "--proposer", "draft-model", "--draft-model", str(path),
-                          "--num-speculative-tokens", "3", "--slots", "2", "--max-model-len", "64",
+                          "--num-speculative-tokens", "3", "--slots", "4", "--max-model-len", "64",
                           "--mesh", "data=2,model=2"]) as running:
         generator = running.scheduler.batcher.generator
         assert generator.proposer.name == "draft-model" and generator.mesh.shape == {"data": 2, "model": 2}
@@ -208,6 +208,7 @@ def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
                 lambda p: api.completions.create(model="target", prompt=p, max_tokens=prompts[p]).choices[0].text,
                 prompts)))
         assert got == want
+        assert set(running.scheduler.batcher.step_rows) == {2}, running.scheduler.batcher.step_rows
 
 
 def test_concurrent_clients_each_get_their_own_output(server, alone):
@@ -300,6 +301,10 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     assert float(values["jaxspec_requests_cancelled_total"]) == scheduler.stats.cancelled
     assert float(values["jaxspec_generated_tokens_total"]) == scheduler.stats.generated_tokens > 0
     assert float(values["jaxspec_slots_running"]) == 0
+    batcher = scheduler.batcher
+    by_rows = {k: float(v) for k, v in values.items() if k.startswith("jaxspec_engine_step_chunks_by_rows_total")}
+    assert by_rows and sum(by_rows.values()) == sum(batcher.step_rows.values())  # (counted while idle: all ended)
+    assert 'jaxspec_engine_step_chunks_by_rows_total{drafting="true",rows="1"}' in by_rows, by_rows
 
 
 def test_a_client_that_leaves_before_its_first_chunk_is_cancelled(server):
@@ -343,7 +348,7 @@ def test_bad_requests_get_openai_style_400s_and_the_server_keeps_serving(server,
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.slow  # the server's default: auto chosen once at start-up
+@pytest.mark.slow  # the server's default: auto chosen at start-up, per bucket of live rows
 def test_auto_chooses_the_served_method_once_at_start_up(target, capsys):
     path, head = target
     args = build_parser().parse_args(["--target", str(path), "--draft", str(head), "--slots", "2",
@@ -354,8 +359,10 @@ def test_auto_chooses_the_served_method_once_at_start_up(target, capsys):
     check_generation_args(args, tree_sets_depth=True)
     app, scheduler = build_server(args)
     err = capsys.readouterr().err
-    assert "auto: " in err and "for 2 slots (first batch" in err  # a random head records no acceptance
+    # a random head records no acceptance: its first batch's chain drafts at every bucket of live rows
+    assert "auto: chain K=" in err and "at 1-2 rows (2 slots)" in err, err
     assert scheduler.batcher.generator.num_draft >= 1 and scheduler.batcher.running == 0
+    assert scheduler.batcher.drafting_rows is None and scheduler.batcher.drafts_at(1)
 
 
 def test_an_unknown_model_or_route_is_an_openai_style_404(server):
@@ -389,12 +396,14 @@ def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
 
     # with a draft: the speculative server's arguments, the slots from the highest concurrency
     args = build_parser().parse_args(["--serve-load", str(prompts), "--draft", str(head), "--tree", "6,3,2",
-                                      "--concurrency", "1,4,16", "--dtype", "bfloat16", "--prefill-chunk", "0,256"])
-    assert args.prefill_chunk == [0, 256]
-    common = ["--slots", "16", "--max-model-len", "1024", "--prefill-chunk", "256", "--dtype", "bfloat16",
-              "--numerics", "invariant", "--kernels", "auto"]
-    assert serve_argv(args, draft=True, prefill_chunk=256) == [*common, "--draft", str(head), "--tree", "6,3,2"]
-    assert serve_argv(args, draft=False, prefill_chunk=256) == [*common, "--no-draft"]
+                                      "--concurrency", "1,4,16", "--dtype", "bfloat16", "--prefill-chunk", "0,256",
+                                      "--step-buckets", "on,off"])
+    assert args.prefill_chunk == [0, 256] and args.step_buckets == [True, False]
+    common = ["--slots", "16", "--max-model-len", "1024", "--prefill-chunk", "256", "--step-buckets", "--dtype",
+              "bfloat16", "--numerics", "invariant", "--kernels", "auto"]
+    assert serve_argv(args, True, 256) == [*common, "--draft", str(head), "--tree", "6,3,2"]
+    assert serve_argv(args, False, 256, step_buckets=False) == [
+        *[("--no-step-buckets" if a == "--step-buckets" else a) for a in common], "--no-draft"]
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])

@@ -97,7 +97,8 @@ def test_a_prompt_whose_bucket_reaches_the_capacity_joins_an_ngram_state():
 
 def test_joins_prefill_only_the_joining_rows_and_each_request_gets_its_own_output():
     """A join into a running state prefills the joining rows alone, padded to a power of two (3 → 4, the padding
-    row dropped; 1 → 1), and scatters them into their slots: each request's output is still what it gets alone."""
+    row dropped; 1 → 1), and scatters them into their slots; the steps run on the live slots alone, gathered into
+    a bucket of rows (engine.core.steps_on_rows): each request's output is still what it gets alone."""
     model = tiny_target()
     requests = [(PROMPTS[0], 6), (PROMPTS[1], 5), (PROMPTS[2], 7), (PROMPTS[3], 4), (PROMPTS[1][:3], 6)]
     want = [Generator(model, batch_size=1).generate([p], max_new_tokens=n)[0].token_ids for p, n in requests]
@@ -119,17 +120,45 @@ def test_joins_prefill_only_the_joining_rows_and_each_request_gets_its_own_outpu
     run()
     assert [done[i].token_ids for i in range(len(requests))] == want
     assert batcher.prefill_rows == {4: 2, 1: 1}
+    # the steps ran on the live slots alone: 1 (the first, the last), 4 (four running), 2 (as they left)
+    assert set(batcher.step_rows) == {1, 2, 4}, batcher.step_rows
 
 
 LONG = [int(x) for x in np.random.default_rng(0).integers(1, 100, 150)]  # five chunks of 32, the last short
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
-def test_a_prompt_in_chunks_gets_the_bits_of_its_whole_prefill(dtype):
+def _chunk_generator(kind: str, dtype, tmp_path) -> Generator:
+    """llama: the tiny target with an EAGLE-3 head; gemma2: a Gemma 2 target (a window of 8 and soft caps, so
+    chunks cross windows) alone; dflash: the tiny target with a DFlash drafter (its context from the features)."""
+    if kind == "llama":
+        return SpeculativeGenerator(in_dtype(tiny_target(), dtype), in_dtype(random_head(), dtype), num_draft=3)
+    if kind == "dflash":
+        from spec_fixtures import random_drafter
+
+        from jaxspec.engine.proposers.dflash import DFlashProposer
+
+        target = tiny_target()
+        proposer, params = DFlashProposer.of(random_drafter(), 3)
+        return Generator(in_dtype(target, dtype), proposer=proposer, proposer_params=params)
+    from test_gemma2_3 import make_gemma
+
+    from jaxspec.checkpoints.hf import load_target
+
+    make_gemma("gemma2", tmp_path)
+    return Generator(in_dtype(load_target(tmp_path), dtype))
+
+
+@pytest.mark.parametrize("kind,dtype", [
+    pytest.param("llama", jnp.float32, marks=pytest.mark.slow), ("llama", jnp.bfloat16),
+    pytest.param("gemma2", jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("dflash", jnp.float32, marks=pytest.mark.slow),
+])
+def test_a_prompt_in_chunks_gets_the_bits_of_its_whole_prefill(kind, dtype, tmp_path):
     """Chunked prefill (engine.core.prefill_chunk, then prefill with the partial): the target's cache over the
-    prompt, the first token and the head's features are the whole prompt's pass bit for bit, each chunk on the
-    prefill's tiles reading the ones before from the cache."""
-    gen = SpeculativeGenerator(in_dtype(tiny_target(), dtype), in_dtype(random_head(), dtype), num_draft=3)
+    prompt, the first token and the drafter's cache (an EAGLE-3 head's, from the features; a DFlash drafter's
+    context) are the whole prompt's pass bit for bit, each chunk on the prefill's tiles reading the ones before
+    from the cache; a Gemma 2 target's windows and soft caps too."""
+    gen = _chunk_generator(kind, dtype, tmp_path)
     n, capacity, chunk = len(LONG), 256, 32
     prompt = jnp.asarray([LONG + [0] * (256 - 1 - n)], jnp.int32)[:, :160]  # the bucket (160: a whole chunk past)
     args = (prompt, jnp.asarray([n], jnp.int32), jnp.asarray([8], jnp.int32), jnp.asarray([-1], jnp.int32),
@@ -146,8 +175,11 @@ def test_a_prompt_in_chunks_gets_the_bits_of_its_whole_prefill(dtype):
     assert int(chunked.cache.lengths[0]) == n
     for a, b in zip(whole.cache.k + whole.cache.v, chunked.cache.k + chunked.cache.v):
         np.testing.assert_array_equal(np.asarray(a[:, :, :n], np.float32), np.asarray(b[:, :, :n], np.float32))
-    head_k = whole.proposer.head_cache.k + whole.proposer.head_cache.v
-    for a, b in zip(head_k, chunked.proposer.head_cache.k + chunked.proposer.head_cache.v):  # from the features
+    if gen.proposer is None:
+        return
+    own, own_chunked = gen.proposer.kv_cache(whole.proposer), gen.proposer.kv_cache(chunked.proposer)
+    assert int(own.lengths[0]) == int(own_chunked.lengths[0]) > 0
+    for a, b in zip(own.k + own.v, own_chunked.k + own_chunked.v):  # from the features
         np.testing.assert_array_equal(np.asarray(a[:, :, :n], np.float32), np.asarray(b[:, :, :n], np.float32))
 
 
@@ -197,3 +229,35 @@ def test_a_request_no_slot_can_hold_is_refused_in_one_line():
         batcher.join([(i, SlotRequest((1, 2), 4)) for i in range(3)])
     with pytest.raises(JaxspecError, match="capacity must be in"):
         SlotBatcher(Generator(tiny_target(), batch_size=2), capacity=4096)
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", pytest.param("draft-model", marks=pytest.mark.slow)])
+def test_speculation_off_above_a_bucket_keeps_each_requests_output(drafter):
+    """`drafting_rows`: steps of one live row draft, steps of more rows draft nothing on the same state (the
+    proposer keeps up, the target runs the root alone), switching as requests join and leave: each request still
+    gets its output alone, and the drafting steps after a stretch without drafts draft as well as ever (the target
+    as its own draft model accepts every draft)."""
+    from jaxspec.engine.proposers.draft_model import DraftModelProposer
+
+    model = tiny_target()
+
+    def make(rows, chunk_steps=None):
+        if drafter == "eagle3":
+            return SpeculativeGenerator(model, fitted_head(), num_draft=3, batch_size=rows, chunk_steps=chunk_steps)
+        proposer, params = DraftModelProposer.of(model, 3)
+        return Generator(model, proposer=proposer, proposer_params=params, batch_size=rows, chunk_steps=chunk_steps)
+
+    want = alone(make, ())
+    batcher = SlotBatcher(make(4, chunk_steps=2), capacity=64, drafting_rows={1})
+    completions, streamed, most = served(batcher)
+    assert most > 1 and set(batcher.step_rows) == {1, 2, 4}, batcher.step_rows
+    for i, ids in enumerate(want):
+        assert completions[i].token_ids == ids and streamed[i] == ids, i
+    outcomes = [c.stats["rejections"] for c in completions.values()]
+    assert sum(o["no_draft"] for o in outcomes) > 0  # steps that drafted nothing (more than one row live)
+    drafted = sum(c.stats["verify_calls"] - o["no_draft"] for c, o in zip(completions.values(), outcomes))
+    assert drafted > 0
+    if drafter == "draft-model":  # every drafting step accepted all its drafts (or stopped inside them)
+        assert all(o["miss"] == o["in_draft_topk"] == o["outside_draft_vocab"] == 0 for o in outcomes), outcomes
+    with pytest.raises(JaxspecError, match="drafting_rows needs a speculative generator"):
+        SlotBatcher(Generator(model, batch_size=2), capacity=64, drafting_rows={1})

@@ -51,6 +51,7 @@ from jaxspec.cli.args import (
     count_list,
     integer,
     method_name,
+    on_off_list,
     parse_tree,
     positive_int_list,
 )
@@ -201,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=count_list, default=[512], metavar="N,...",
                         help="--serve-load: the server's --prefill-chunk, one run of each method per value (0: "
                         "whole prefills) (default: 512)")
+    parser.add_argument("--step-buckets", type=on_off_list, default=[True], metavar="on,off",
+                        help="--serve-load: the server's --step-buckets (steps on the live rows alone) or "
+                        "--no-step-buckets (every step runs all slots), one run of each method per value "
+                        "(default: on)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return parser
@@ -514,10 +519,10 @@ def run_compiled_cost(args) -> int:
     return 0
 
 
-def serve_argv(args, draft: bool, prefill_chunk: int) -> list[str]:
+def serve_argv(args, draft: bool, prefill_chunk: int, step_buckets: bool = True) -> list[str]:
     """The server's arguments for --serve-load, from the benchmark's own (target, numerics, the draft or none)."""
     argv = ["--slots", str(args.slots or max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-            "--prefill-chunk", str(prefill_chunk)]
+            "--prefill-chunk", str(prefill_chunk), "--step-buckets" if step_buckets else "--no-step-buckets"]
     for flag in ("target", "dtype", "quantize", "numerics", "kernels"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -552,10 +557,13 @@ def run_serve_load(args) -> int:
     use_compile_cache(args)
     methods = []
     for chunk in args.prefill_chunk:
-        suffix = "" if len(args.prefill_chunk) == 1 else f", prefill chunk {chunk}" if chunk else ", whole prefills"
-        if not args.no_draft:
-            methods.append(("speculative" + suffix, serve_argv(args, draft=True, prefill_chunk=chunk)))
-        methods.append(("target-only" + suffix, serve_argv(args, draft=False, prefill_chunk=chunk)))
+        for buckets in args.step_buckets:
+            suffix = "" if len(args.prefill_chunk) == 1 else f", prefill chunk {chunk}" if chunk else ", whole prefills"
+            if len(args.step_buckets) > 1:
+                suffix += ", steps on the live rows" if buckets else ", steps on all slots"
+            if not args.no_draft:
+                methods.append(("speculative" + suffix, serve_argv(args, True, chunk, buckets)))
+            methods.append(("target-only" + suffix, serve_argv(args, False, chunk, buckets)))
     rows = run_load(methods, prompts, args.max_new_tokens, args.concurrency, say=_say)
     result = {"machine": _machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "max_model_len": args.max_model_len, "load": rows}

@@ -99,9 +99,12 @@ class InProcessServer:
         import uvicorn
 
         self.scheduler.start()
-        # log_config None: leave this process's logging alone (uvicorn's own config would replace its handlers)
+        # log_config None: leave this process's logging alone (uvicorn's own config would replace its handlers).
+        # A minute of keep-alive (uvicorn's default: 5 s): a client that pauses longer between requests (a test
+        # generating its reference in this process, a loaded CPU) otherwise races the server closing the idle
+        # connection and can see "Server disconnected without sending a response".
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
-                                                    log_level="warning"))
+                                                    log_level="warning", timeout_keep_alive=60))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 120

@@ -66,6 +66,14 @@ def count_list(text: str) -> list[int]:
     return _int_list(text, 0, "integers >= 0")
 
 
+def on_off_list(text: str) -> list[bool]:
+    """argparse type: `on` and `off` separated by commas (on,off)."""
+    values = [part.strip().lower() for part in text.split(",")]
+    if not values or any(v not in ("on", "off") for v in values):
+        raise argparse.ArgumentTypeError(f"expected on, off or on,off, got {text!r}")
+    return [v == "on" for v in values]
+
+
 AUTO = "auto"
 
 

@@ -33,7 +33,7 @@ from jaxspec.sampling import (
 )
 from jaxspec.engine import telemetry
 from jaxspec.engine.accept import forced_accept
-from jaxspec.engine.proposers.base import PrefillView, Proposer, StepView, Verified
+from jaxspec.engine.proposers.base import PrefillView, Proposal, Proposer, StepView, Verified
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.mesh_axes import DATA
 from pallas_kernels.rejection import chain_parents, verify_draft
@@ -280,7 +280,7 @@ def _run_root(target, st: GenState, keys: jax.Array, **wanted):
 
 def spec_step(
     target, proposer: Proposer, params, st: GenState, eos_ids: jax.Array, *,
-    forced_accept_prob: float | None = None, kernels: str = "reference",
+    forced_accept_prob: float | None = None, kernels: str = "reference", drafting: bool = True,
 ) -> GenState:
     """propose → verify → accept → commit (module docstring). `forced_accept_prob`: the benchmark-only acceptance
     override (`accept.forced_accept`, chains); `kernels`: the verifier's implementation (`pallas_kernels.dispatch`).
@@ -288,17 +288,24 @@ def spec_step(
     When the proposal says no running row has a real draft (`Proposal.has_draft`: an n-gram without a match), the
     step runs the root alone, as target-only decoding does (`_root_only`), instead of verifying N nodes: the same
     token (the root's logits are the same bits under invariant numerics; sampling draws from the same distribution)
-    for a one-token forward."""
+    for a one-token forward. `drafting=False` makes every step such a step without drafting at all: the proposer
+    only keeps up (`keep_up`), and the step costs a target-only decode plus that (a continuous batcher's
+    speculation off at high load, on the same state). The statistics count it as a verify step with no draft."""
     running = (~st.done).astype(jnp.int32)
     k_propose, k_uniform, k_noise, keys = split_rows(st.keys, 4)
     view = StepView(st.last_token, st.cache.lengths, running, st.processors, st.sampling, st.cache)
-    proposal, own = proposer.propose(params, target, st.proposer, view, k_propose)
+    if drafting:
+        proposal, own = proposer.propose(params, target, st.proposer, view, k_propose)
+    else:
+        proposal, own = keep_up(proposer, params, target, st.proposer, view, k_propose)
     tokens = proposal.tokens.at[:, 0].set(st.last_token)  # [B, N]
     b, n = tokens.shape
     parents = chain_parents(b, n) if proposal.tree is None else proposal.tree.parents
     args = (target, proposer, st, proposal, tokens, parents, k_uniform, k_noise)
     opts = dict(forced_accept_prob=forced_accept_prob, kernels=kernels)
-    if proposal.has_draft is None:
+    if not drafting:
+        a, emitted, path, target_cache, aux, hidden, logits = _root_only(*args, **opts)
+    elif proposal.has_draft is None:
         a, emitted, path, target_cache, aux, hidden, logits = _verify(*args, **opts)
     else:
         a, emitted, path, target_cache, aux, hidden, logits = jax.lax.cond(
@@ -321,6 +328,19 @@ def spec_step(
                      proposer.depth, running),
         proposer=proposer.commit(params, own, verified),
     )
+
+
+def keep_up(proposer: Proposer, params, target, state, view: StepView, keys: jax.Array) -> tuple[Proposal, Any]:
+    """A step that drafts nothing: (a chain proposal of no real drafts, the proposer's state after keeping up).
+    The proposer's own `keep_up` if it has one (a head's catch-up alone), else its `propose` with the drafts
+    dropped (they would only cost the verify)."""
+    b = view.last_token.shape[0]
+    if hasattr(proposer, "keep_up"):
+        state = proposer.keep_up(params, target, state, view)
+    else:
+        state = proposer.propose(params, target, state, view, keys)[1]
+    tokens = jnp.zeros((b, proposer.depth + 1), jnp.int32)
+    return Proposal(tokens, None, None, has_draft=jnp.zeros((b,), jnp.bool_)), state
 
 
 def _verify(target, proposer: Proposer, st: GenState, proposal, tokens, parents, k_uniform, k_noise, *,
@@ -420,9 +440,11 @@ def steps(
     num_steps: int,
     forced_accept_prob: float | None = None,
     kernels: str = "reference",
+    drafting: bool = True,
 ) -> GenState:
     """Up to `num_steps` steps (target-only without a proposer), stopping once every row is done. kernels: the
-    verifier's implementation (the target's attention follows its own Numerics)."""
+    verifier's implementation (the target's attention follows its own Numerics); drafting: False, steps that draft
+    nothing on a speculative state (`spec_step`)."""
     target = nnx.merge(target_graphdef, target_params).hold_fused_qkv()  # concatenated here, not in every step
 
     def cond(carry):
@@ -436,8 +458,26 @@ def steps(
         else:
             st = spec_step(
                 target, proposer, proposer_params, st, eos_ids,
-                forced_accept_prob=forced_accept_prob, kernels=kernels,
+                forced_accept_prob=forced_accept_prob, kernels=kernels, drafting=drafting,
             )
         return i + 1, constrain_state(st)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), st))[1]
+
+
+def steps_on_rows(target_graphdef: nnx.GraphDef, target_params: nnx.State, proposer: Proposer | None,
+                  proposer_params: Any, st: GenState, eos_ids: jax.Array, rows: jax.Array, **options) -> GenState:
+    """`steps` (same options) over rows `rows` ([b] distinct row indices) of the state only, the others untouched:
+    the rows are gathered into a state of b rows, stepped, and written back (in place when `st` is donated).
+
+    Why: a fixed-shape step computes every row, finished or not; a continuous batcher with few live requests among
+    many slots runs them on a smaller compiled batch instead (`engine.slots`). Rows never interact under the
+    batch-invariant numerics, so a row's tokens are the same bits whichever batch it steps in. Cost: a copy of the
+    b rows' state (their caches included) in and out per call of `num_steps` steps."""
+    n = st.num_generated.shape[0]
+    per_row = lambda x: x.ndim > 0 and x.shape[0] == n  # noqa: E731  every state array is batch-first (or a scalar)
+    sub = constrain_state(jax.tree.map(lambda x: x[rows] if per_row(x) else x, st))
+    sub = steps(target_graphdef, target_params, proposer, proposer_params, sub, eos_ids, **options)
+    merged = jax.tree.map(lambda old, new: old.at[rows].set(new) if per_row(old) else new, st, sub)
+    return constrain_state(merged)
+

@@ -93,7 +93,12 @@ _prefill_chunk = jax.jit(
 )
 _steps = jax.jit(
     engine.steps,
-    static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels"),
+    static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels", "drafting"),
+    donate_argnums=(4,),
+)
+_steps_on_rows = jax.jit(
+    engine.steps_on_rows,
+    static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels", "drafting"),
     donate_argnums=(4,),
 )
 
@@ -253,7 +258,9 @@ class Generator:
         def compile_program():
             if self.on_compile is not None:
                 cache = f", cache {static['capacity']}" if "capacity" in static else ""
-                rows = args[0].shape[0] if name.startswith("prefill") else self.batch_size  # a prefill may be smaller
+                # a prefill, or a step of some rows (their indices last), may be smaller than the batch
+                rows = args[0].shape[0] if name.startswith("prefill") else args[-1].shape[0] if name == "rows step" \
+                    else self.batch_size
                 self.on_compile(f"compiling the {name} (batch {rows}{cache})...")
             start = time.perf_counter()
             with sharding.mesh_context(self.mesh):
@@ -323,11 +330,24 @@ class Generator:
         settings or None) → GenState; step(*program_params, state, eos_ids) → the state after up to `chunk_steps`
         steps (the state donated). Budgets, sampling settings and processor values are data: no compile per value."""
         prefill = self.prefill_program(prefill_args, capacity)
-        step = self._compiled_fn(
-            "step", _steps, prefill.out_info, prefill_args[3], num_steps=self.chunk_steps,
-            forced_accept_prob=self.forced_accept_prob, kernels=self.kernels,
-        )
-        return prefill, step
+        return prefill, self.step_program(prefill.out_info, prefill_args[3])
+
+    def step_program(self, state, eos_ids: jax.Array, rows: int | None = None, drafting: bool = True) -> Callable:
+        """The step for a running state (`state` gives the shapes), compiled once per (rows, drafting):
+        program(*program_params, state, eos_ids[, row indices [rows]]) → the state after up to `chunk_steps` steps
+        (the state donated). rows: those rows alone (`engine.core.steps_on_rows`; the indices are then the last
+        argument), None all; drafting: False, a speculative state's steps draft nothing (`engine.core.spec_step`)."""
+        if not drafting and self.proposer is None:
+            raise ValueError("drafting=False needs a proposer: a target-only step drafts nothing anyway")
+        static = dict(num_steps=self.chunk_steps, forced_accept_prob=self.forced_accept_prob, kernels=self.kernels)
+        if not drafting:
+            static["drafting"] = False
+        if rows is None:
+            return self._compiled_fn("step", _steps, state, eos_ids, **static)
+        # the row indices replicated on a mesh (each device gathers its share of the rows from all of them)
+        where = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return self._compiled_fn("rows step", _steps_on_rows, state, eos_ids,
+                                 jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=where), **static)
 
     def prefill_program(self, prefill_args: tuple, capacity: int, chunk: int | None = None) -> Callable:
         """The prefill alone, compiled for these arguments' shapes (`programs`). Its batch may be smaller than

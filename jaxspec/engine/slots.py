@@ -20,7 +20,14 @@ them for its whole prefill; instead its slot is held and its prompt runs a chunk
 the prefill's tiles and reads the chunks before it from the cache, so the request's cache, first token and
 drafter state are those of a whole prefill, bit for bit. A join into an idle state prefills whole: nobody waits.
 
-Costs: a join's prefill holds its fresh state beside the running one until its rows are copied over.
+Steps on the live rows (`step_buckets`): a step computes every row of its batch, finished or not, so a lone
+request on a 16-slot server would pay for 16 rows (on a CPU, 16 times the compute; on a GPU, the idle rows' cache
+reads). Each chunk of steps runs on the live slots alone, gathered into the smallest compiled batch that holds them
+(the mesh's data axis times a power of two, as joins are: `join_rows`) and written back
+(`engine.core.steps_on_rows`); all slots live run the full step. Rows never interact, so the tokens are the same.
+
+Costs: a join's prefill holds its fresh state beside the running one until its rows are copied over; a bucketed
+chunk of steps copies its rows' state (caches included) in and out.
 
 Each request has its own sampling settings and seed (`SlotRequest`): they are per-row arrays of the state
 (`jaxspec.sampling`), so greedy and sampled requests share one compiled step, and a seeded request draws from its
@@ -33,7 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,12 +88,15 @@ class SlotBatcher:
     capacity: cache slots per row, the same for every request (prompt + budget + the slots a verify writes ahead
     must fit); stop_ids: tokens that end a request; seed: where the seeds of requests that bring none come from;
     grammar_shape: (automaton states, token classes) every request's grammar tables are held at, so that any grammar
-    up to that size joins the same compiled step (None: requests cannot bring grammars)."""
+    up to that size joins the same compiled step (None: requests cannot bring grammars); prefill_chunk: the chunk
+    of a long prompt's prefill when it joins running requests (None: whole prefills); step_buckets: steps run on the
+    live slots alone (False: every step runs all slots); drafting_rows: the step buckets (`step_bucket`) whose steps
+    draft, the others drafting nothing on the same state (None: every step drafts)."""
 
     def __init__(
         self, generator: Generator, *, capacity: int, stop_ids: Sequence[int] = (), seed: int = 0,
         max_tokens: int | None = None, grammar_shape: tuple[int, int] | None = None,
-        prefill_chunk: int | None = None,
+        prefill_chunk: int | None = None, step_buckets: bool = True, drafting_rows: Collection[int] | None = None,
     ):
         limit = generator.config.context_length + generator.extra_capacity
         if not generator.extra_capacity < capacity <= limit:
@@ -96,6 +106,13 @@ class SlotBatcher:
             raise JaxspecError(f"the prefill chunk must be at least 1 token, got {prefill_chunk} (0 or none: whole "
                                "prefills)")
         self.prefill_chunk = prefill_chunk
+        self.step_buckets = step_buckets
+        # the buckets of rows whose steps draft (None: all, with a proposer); the others run the proposer's keep-up
+        # and the target alone (speculation off at high load: the server's auto, `engine.auto`)
+        self.drafting_rows = None if drafting_rows is None else frozenset(drafting_rows)
+        if self.drafting_rows is not None and generator.proposer is None:
+            raise JaxspecError("drafting_rows needs a speculative generator (a target-only one never drafts)")
+        self.step_rows: collections.Counter = collections.Counter()  # chunks of steps by the rows they ran on
         self.pending: collections.deque[_PendingJoin] = collections.deque()  # chunked joins, the first advancing
         self.prefill_chunks = 0  # chunks run by chunked joins (their last chunk, the prefill proper, not counted)
         self.generator = generator
@@ -107,7 +124,6 @@ class SlotBatcher:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.seeds = np.random.default_rng(seed)  # for requests without a seed of their own
         self.state: GenState | None = None  # after the first join
-        self.step_program = None
         rows = generator.batch_size
         self.held: list[tuple[Hashable, SlotRequest] | None] = [None] * rows  # each slot's request, None: free
         self.emitted = np.zeros((rows,), np.int64)  # tokens of each slot's request reported so far
@@ -201,7 +217,7 @@ class SlotBatcher:
         at = slots if self.state is None else range(len(requests))
         args = self._prefill_args([r for _, r in requests], n, at)
         if self.state is None:
-            prefill, self.step_program = gen.programs(args, self.capacity)
+            prefill, _ = gen.programs(args, self.capacity)  # the step of every slot compiled with it
         else:
             prefill = gen.prefill_program(args, self.capacity)
         start = time.perf_counter()
@@ -247,21 +263,25 @@ class SlotBatcher:
         over it; 1 without a mesh) times the next power of two that holds them, at most the slots, so that few
         programs serve every count."""
         data = self.generator.mesh.shape[DATA] if self.generator.mesh is not None else 1
-        n = data
-        while n < joining:
-            n *= 2
-        return min(n, len(self.held))
+        return bucket_rows(joining, len(self.held), data)
+
+    def step_bucket(self, live: int) -> int:
+        """Rows of the step that runs `live` running slots: `join_rows`'s buckets with `step_buckets`, else all."""
+        return self.join_rows(live) if self.step_buckets else len(self.held)
 
     def warm_up(self, token: int = 0) -> float:
-        """Compile the step, the shortest prompt bucket's prefill of every slot (the first join's) and of a lone
-        request (the commonest join: requests arriving one at a time), its join into a running state and a cancel
-        before any request comes (one-token prompts; nothing of them stays). Other row counts (`join_rows`) and
-        longer prompt buckets compile their prefill when a first join needs them. Returns the seconds it took."""
+        """Compile the step at every bucket of rows (`step_bucket`), the shortest prompt bucket's prefill of every
+        slot (the first join's) and of a lone request (the commonest join: requests arriving one at a time), its join
+        into a running state and a cancel before any request comes (one-token prompts; nothing of them stays). Other
+        row counts (`join_rows`) and longer prompt buckets compile their prefill when a first join needs them.
+        Returns the seconds it took."""
         start = time.perf_counter()
         self.join([(_WARM_UP, SlotRequest((token,), 2))])
         if len(self.held) > 1:
             self.join([(_WARM_UP_2, SlotRequest((token,), 2))])
             self.cancel(_WARM_UP_2)
+        for rows in sorted({self.step_bucket(n) for n in range(1, len(self.held) + 1)}):
+            self._step_program(rows)  # compiled, not run
         while self.running:
             self.step()
         return time.perf_counter() - start
@@ -283,12 +303,33 @@ class SlotBatcher:
 
     def step(self) -> list[SlotUpdate]:
         """One chunk of a chunked join if one is under way, one compiled chunk of steps (`Generator.chunk_steps`)
-        over every running slot, then `collect`."""
+        over the running slots (on their bucket of rows, `step_bucket`), then `collect`."""
         if self.pending:
             self._advance_chunked_join()
-        if self.state is not None and self.busy.any():
-            self.state = self.step_program(*self.generator.program_params, self.state, self.eos)
+        busy = self.busy
+        if self.state is not None and busy.any():
+            live = np.flatnonzero(busy)
+            rows = self.step_bucket(len(live))
+            self.step_rows[rows] += 1
+            program, params = self._step_program(rows), self.generator.program_params
+            if rows == len(self.held):
+                self.state = program(*params, self.state, self.eos)
+            else:  # the live slots, then idle ones (finished rows: the steps leave them as they are) up to the bucket
+                at = np.concatenate([live, np.flatnonzero(~busy)[: rows - len(live)]]).astype(np.int32)
+                with sharding.mesh_context(self.generator.mesh):
+                    self.state = program(*params, self.state, self.eos, jnp.asarray(at))
         return self.collect()
+
+    def drafts_at(self, rows: int) -> bool:
+        """Whether a step of `rows` rows drafts (`drafting_rows`)."""
+        if self.generator.proposer is None:
+            return False
+        return self.drafting_rows is None or rows in self.drafting_rows
+
+    def _step_program(self, rows: int):
+        """The compiled step of a bucket of rows, drafting or not per `drafting_rows` (compiled once)."""
+        drafting = self.drafts_at(rows) or self.generator.proposer is None
+        return self.generator.step_program(self.state, self.eos, None if rows == len(self.held) else rows, drafting)
 
     def collect(self) -> list[SlotUpdate]:
         """The tokens each request produced since the last collect, and the completions of the requests that have
@@ -330,6 +371,20 @@ class SlotBatcher:
     def busy(self) -> np.ndarray:
         """[rows] bool: which slots hold a request."""
         return np.asarray([held is not None for held in self.held])
+
+
+def bucket_rows(count: int, slots: int, data: int = 1) -> int:
+    """The rows of a program for `count` rows among `slots`: the mesh's data axis times the next power of two that
+    holds them, at most the slots (`SlotBatcher.join_rows`, `SlotBatcher.step_bucket`)."""
+    n = data
+    while n < count:
+        n *= 2
+    return min(n, slots)
+
+
+def row_buckets(slots: int, data: int = 1) -> list[int]:
+    """Every bucket of rows `bucket_rows` gives for 1..slots rows, smallest first."""
+    return sorted({bucket_rows(n, slots, data) for n in range(1, slots + 1)})
 
 
 @dataclasses.dataclass

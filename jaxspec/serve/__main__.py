@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prompt longer than this joining while others run is prefilled N tokens at a time, "
                         "a chunk before each step, so the running requests keep streaming; 0: whole prefills "
                         "(default: %(default)s)")
+    parser.add_argument("--step-buckets", action=argparse.BooleanOptionalAction, default=True,
+                        help="run each chunk of steps on the live requests' rows alone (the smallest compiled batch "
+                        "of a power of two that holds them), so a lone request does not pay for idle slots; with "
+                        "--num-speculative-tokens auto, speculation is chosen per bucket (default: on)")
     parser.add_argument("--max-logprobs", type=integer(-1, 20), default=5, metavar="N",
                         help="the most alternatives per token a request may ask with logprobs (each step keeps "
                         "this many for every slot); -1: logprobs off, nothing computed (default: %(default)s)")
@@ -101,7 +105,8 @@ def build_server(args):
     )
     from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
     from jaxspec.engine.generation import Generator, capacity_bucket
-    from jaxspec.engine.slots import SlotBatcher
+    from jaxspec.engine.slots import SlotBatcher, row_buckets
+    from pallas_kernels.mesh_axes import DATA
     from jaxspec.grammar import GrammarCompiler
     from jaxspec.prompts import stop_token_ids
     from jaxspec.sampling import SamplingConfig
@@ -126,19 +131,23 @@ def build_server(args):
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
     drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
         args, model, tokenizer)
+    drafting_rows = None  # every step drafts (with a proposer)
     if drafter is not None:
         generator = draft_generator(model, drafter, draft or args.draft_model, args.num_speculative_tokens,
                                     args.tree, batch_size=args.slots, mesh=mesh, kernels=kernels,
                                     store=step_cost_store(args))
         if isinstance(generator, AutoSpeculativeGenerator):
-            # auto: chosen once for the slots and a full cache (not yet per step from the live batch)
+            # auto: the method for the slots' state, drafting in the buckets of live rows where it pays (priced at
+            # each bucket's batch size and a full cache); without step buckets, one choice for all the slots
             generator.on_compile = say
-            choice, basis = generator.choose(generator.cost_capacity([[0]], args.max_model_len - 1))
-            what = ("target-only" if choice.method == 0 else f"tree {choice.tree.spec}" if choice.tree
-                    else f"chain K={choice.method}")
-            expected = f"; expected {choice.tokens_per_second:.1f} tokens/s per request" if choice.candidates else ""
-            say(f"auto: {what} for {args.slots} slots ({basis}{expected})")
-            generator = generator.generator_for(choice.method)
+            capacity = generator.cost_capacity([[0]], args.max_model_len - 1)
+            data = mesh.shape[DATA] if mesh is not None else 1
+            buckets = row_buckets(args.slots, data) if args.step_buckets else [args.slots]
+            plan = generator.live_batch_plan(capacity, buckets)
+            say(f"auto: {plan.describe()} ({args.slots} slots)")
+            generator, drafting_rows = generator.generator_for(plan.method), plan.drafting_rows
+            if plan.method == 0 or drafting_rows == frozenset(buckets):
+                drafting_rows = None  # one kind of step everywhere
         generator.chunk_steps = args.chunk_steps
     else:
         generator = Generator(model, proposer=ngram_proposer(args), batch_size=args.slots, mesh=mesh,
@@ -149,7 +158,8 @@ def build_server(args):
     stops = stop_token_ids(tokenizer, target_dir, model.config.eos_token_ids)
     grammar_shape = (args.max_grammar_states, args.max_grammar_classes) if args.max_grammar_states else None
     batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len,
-                          grammar_shape=grammar_shape, prefill_chunk=args.prefill_chunk or None)
+                          grammar_shape=grammar_shape, prefill_chunk=args.prefill_chunk or None,
+                          step_buckets=args.step_buckets, drafting_rows=drafting_rows)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name

@@ -404,3 +404,9 @@ class _EngineCollector:
         for outcome, count in sorted(st.rejections.items()):
             rejections.add_metric([outcome], count)
         yield rejections
+        batcher = s.batcher
+        chunks = CounterMetricFamily("jaxspec_engine_step_chunks_by_rows", "step chunks by the rows they ran on (the "
+                                     "live requests' bucket) and whether they drafted", labels=["rows", "drafting"])
+        for rows, count in sorted(list(batcher.step_rows.items())):
+            chunks.add_metric([str(rows), str(batcher.drafts_at(rows)).lower()], count)
+        yield chunks

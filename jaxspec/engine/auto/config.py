@@ -255,6 +255,45 @@ def choose(
     return Choice(best, tokens[best], best_tps, tuple(candidates))
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveBatchPlan:
+    """How a continuous batcher speculates (`AutoSpeculativeGenerator.live_batch_plan`): one method for its state,
+    drafting only in the buckets of live rows where it pays (vLLM's batch-size-aware speculation: off at high
+    load)."""
+
+    method: Method  # what the state is built for (0: target-only, nothing drafts)
+    drafting_rows: frozenset[int]  # the buckets of rows whose steps draft
+    choices: tuple[tuple[int, Choice], ...]  # (rows, the choice at that batch size) per bucket considered
+
+    def describe(self) -> str:
+        """`chain K=3 at 1-2 rows, target-only steps at 4-16` (the server's start-up line)."""
+        if self.method == 0:
+            return "target-only"
+        rows = [r for r, _ in self.choices]
+        on = [r for r in rows if r in self.drafting_rows]
+        off = [r for r in rows if r not in self.drafting_rows]
+        span = lambda rs: f"{rs[0]}" if len(rs) == 1 else f"{rs[0]}-{rs[-1]}"  # noqa: E731
+        label = method_label(self.method)
+        label = label if isinstance(self.method, TreeConfig) else f"chain {label}"
+        text = f"{label} at {span(on)} rows" if on else f"{label} nowhere"
+        return text + (f", target-only steps at {span(off)}" if off else "")
+
+
+def live_batch_plan(choices: Mapping[int, Choice]) -> LiveBatchPlan:
+    """The plan from each bucket's choice ({rows: Choice}): the smallest bucket's method, drafting in every bucket
+    where its expected tokens per second beat target-only's (a bucket whose costs never priced it, e.g. a tree not
+    worth timing there, does not draft). Choices without candidates (no acceptance profile yet: a first batch)
+    draft everywhere: nothing says where they would not pay."""
+    rows = sorted(choices)
+    method = choices[rows[0]].method
+    drafting = set()
+    for r in rows:
+        candidates = dict(choices[r].candidates)
+        if method != 0 and (not candidates or candidates.get(method, 0.0) > candidates[0]):
+            drafting.add(r)
+    return LiveBatchPlan(method, frozenset(drafting), tuple((r, choices[r]) for r in rows))
+
+
 def tree_tokens(recorded: float, prior: AcceptanceProfile, now: AcceptanceProfile) -> float:
     """A tree's expected tokens per verify on the prompts at hand, before it has run on them: its recorded tokens
     per verify (`trees_from_record`) with the part above the bonus token scaled as the chain's is (the chain's

@@ -40,7 +40,9 @@ from jaxspec.engine.auto.config import (
     StepCosts,
     choose,
     drafting_could_win,
+    LiveBatchPlan,
     expected_tokens,
+    live_batch_plan,
     method_key,
     method_label,
     method_order,
@@ -271,6 +273,29 @@ class AutoSpeculativeGenerator(Generator):
             i = int(multihost_utils.broadcast_one_to_all(np.int32(methods.index(choice.method))))
             choice = _running(choice, methods[i], profile, trees)
         return choice, basis
+
+    def with_batch_size(self, batch_size: int) -> AutoSpeculativeGenerator:
+        """This generator's choices at another batch size (its costs timed there): the same drafter, prior,
+        candidates, store and mesh."""
+        if batch_size == self.batch_size:
+            return self
+        twin = AutoSpeculativeGenerator(self.model, self.head, prior=self.prior, trees=self.trees,
+                                        max_draft=self.depth, batch_size=batch_size, mesh=self.mesh,
+                                        kernels=self.kernels, store=self.store)
+        twin.on_compile = self.on_compile
+        return twin
+
+    def live_batch_plan(self, capacity: int, buckets: Sequence[int]) -> LiveBatchPlan:
+        """For a continuous batcher whose steps run on buckets of live rows (`engine.slots`): the method its state
+        speculates with, the best at the smallest bucket (speculation pays most with fewest rows), and the buckets
+        where that method beats target-only at their own batch size's step costs (`auto.config.live_batch_plan`).
+        Without an acceptance profile (a first batch) the default chain drafts at every bucket."""
+        choices = {}
+        for rows in sorted(buckets):
+            choices[rows] = self.with_batch_size(rows).choose(capacity)[0]
+            if rows == min(buckets) and choices[rows].method == 0:
+                break  # target-only where speculation pays most: target-only everywhere
+        return live_batch_plan(choices)
 
     def generate_batch(
         self, batch, offset, max_new_tokens, stop_ids, keys, on_tokens, processor_values, sampling=None

@@ -10,6 +10,9 @@ cache and pending features, a token history) and never reaches into the engine's
     engine: verify all nodes in one target forward, accept, emit, commit the target cache
     commit(state, Verified)   ->  state  (the accepted tokens and the target's outputs at them)
 
+A step may also draft nothing (the engine's `drafting=False`): the proposer only keeps up (`keep_up`, optional),
+the target runs the root alone, and `commit` sees a step that accepted no draft.
+
 A proposer is a static, hashable object (a frozen dataclass: it is a static argument of the jitted prefill and
 step, holding e.g. a head's graphdef) plus a parameter pytree passed beside it (None when it has none). It says
 which target outputs it needs (`needs_aux`: the EAGLE-3 features; `needs_hidden`: the final hidden state, as MTP
@@ -132,6 +135,11 @@ class Proposer(Protocol):
 
     def commit(self, params: Any, state: Any, verified: Verified) -> Any:
         """Take in what was accepted; rows with running == 0 keep their state."""
+
+    # Optional: keep_up(params, target, state, view) -> state, what a step that drafts nothing needs of the
+    # proposer (the engine's `drafting=False` steps: a continuous batcher's speculation off at high load), e.g. a
+    # head's catch-up on its pending pairs without the drafts after it. A proposer without it runs `propose` and
+    # the engine drops the drafts (`engine.core.keep_up`).
 
     def kv_cache(self, state: Any) -> kvc.KVCache | None:
         """The proposer's KV cache in its state, if it has one (the memory report counts it)."""

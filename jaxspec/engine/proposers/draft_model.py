@@ -159,13 +159,7 @@ class DraftModelProposer(ChainDrafts):
         b, k = st.pending_tok.shape[0], self.num_draft
         vocab, v_d = target.config.vocab_size, draft.config.vocab_size
         keys = split_rows(keys, k)  # [K, B]
-        # the catch-up: the pending tokens at the committed length; the last one's logits draft d_1
-        width = st.pending_tok.shape[1]
-        positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]
-        last = (st.num_pending - 1)[:, None]
-        out = draft(jnp.minimum(st.pending_tok, v_d - 1), positions, st.cache, logit_indices=last)
-        running = view.running > 0
-        cache = kvc.advance(out.cache, jnp.where(running, st.num_pending, 0))  # [0, m] committed: the root included
+        out, cache = _catch_up(draft, st, view)
         if self.tree is not None:  # the levels' entries are written above the committed length and dropped
             process = None if view.processors is None else (
                 lambda logits, path: procs.process(logits, view.processors, path))
@@ -190,6 +184,10 @@ class DraftModelProposer(ChainDrafts):
                                 axis=1)
         return Proposal(tokens, None, qs, cands), st._replace(cache=cache)
 
+    def keep_up(self, params, target, st: DraftModelState, view: StepView) -> DraftModelState:
+        """A step that drafts nothing: the catch-up forward on the pending tokens alone."""
+        return st._replace(cache=_catch_up(nnx.merge(self.draft_graphdef, params), st, view)[1])
+
     def commit(self, params, st: DraftModelState, verified: Verified) -> DraftModelState:
         """The accepted drafts and the target's own token become the pending tokens."""
         keep = verified.running > 0
@@ -200,3 +198,14 @@ class DraftModelProposer(ChainDrafts):
 
     def kv_cache(self, st: DraftModelState) -> kvc.KVCache:
         return st.cache
+
+
+def _catch_up(draft, st: DraftModelState, view: StepView):
+    """The pending tokens through the draft at its committed length: (its output, whose logits at the last pending
+    token draft d_1; the cache with them committed for running rows, the root included)."""
+    width = st.pending_tok.shape[1]
+    positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]
+    last = (st.num_pending - 1)[:, None]
+    out = draft(jnp.minimum(st.pending_tok, draft.config.vocab_size - 1), positions, st.cache, logit_indices=last)
+    return out, kvc.advance(out.cache, jnp.where(view.running > 0, st.num_pending, 0))
+

@@ -153,6 +153,12 @@ class Eagle3Proposer:
         head_cache = head_cache._replace(lengths=h0 + st.num_pending * view.running)
         return proposal, st._replace(head_cache=head_cache)
 
+    def keep_up(self, params, target, st: Eagle3State, view: StepView) -> Eagle3State:
+        """A step that drafts nothing: the catch-up on the pending pairs alone (one head forward, no drafts)."""
+        head = nnx.merge(self.head_graphdef, params)
+        _, _, head_cache, h0 = _catch_up(head, st, _embed_table(target, head))
+        return st._replace(head_cache=head_cache._replace(lengths=h0 + st.num_pending * view.running))
+
     def _chain(self, head, target, embed, logits0, state, head_cache, view: StepView, keys):
         b, k = logits0.shape[0], self.num_draft
         vocab, sampling = target.config.vocab_size, view.sampling
