@@ -404,6 +404,15 @@ def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
     assert serve_argv(args, True, 256) == [*common, "--draft", str(head), "--tree", "6,3,2"]
     assert serve_argv(args, False, 256, step_buckets=False) == [
         *[("--no-step-buckets" if a == "--step-buckets" else a) for a in common], "--no-draft"]
+    # a small draft model, and prompt lookup, are served as the server takes them
+    args = build_parser().parse_args(["--serve-load", str(prompts), "--proposer", "draft-model", "--draft-model",
+                                      str(path), "--num-speculative-tokens", "2"])
+    argv = serve_argv(args, True, 512)
+    assert argv[argv.index("--proposer"):] == ["--proposer", "draft-model", "--draft-model", str(path),
+                                                "--num-speculative-tokens", "2"]
+    args = build_parser().parse_args(["--serve-load", str(prompts), "--proposer", "ngram", "--ngram-max", "4"])
+    argv = serve_argv(args, True, 512)
+    assert argv[argv.index("--proposer"):][:6] == ["--proposer", "ngram", "--ngram-min", "1", "--ngram-max", "4"]
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])

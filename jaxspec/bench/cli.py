@@ -529,8 +529,13 @@ def serve_argv(args, draft: bool, prefill_chunk: int, step_buckets: bool = True)
             argv += [f"--{flag}", str(value)]
     if not draft:
         return argv + ["--no-draft"]
-    if getattr(args, "proposer", "eagle3") != "eagle3":
-        argv += ["--proposer", args.proposer]
+    proposer = getattr(args, "proposer", "eagle3")
+    if proposer != "eagle3":
+        argv += ["--proposer", proposer]
+    if proposer == "draft-model":
+        argv += ["--draft-model", args.draft_model]
+    if proposer == "ngram":
+        argv += ["--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max)]
     if args.draft:
         argv += ["--draft", args.draft]
     if args.num_speculative_tokens is not None:
@@ -548,8 +553,6 @@ def run_serve_load(args) -> int:
     if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
         raise JaxspecError("--serve-load starts the server, which needs fastapi and uvicorn: "
                            "pip install 'jaxspec[serve]'")
-    if getattr(args, "proposer", "eagle3") == "draft-model":
-        raise JaxspecError("--serve-load: the server does not serve --proposer draft-model yet")
     if len(args.tree) > 1:
         raise JaxspecError("--serve-load serves one --tree; give at most one")
     prompts = [text for _, text in read_prompts_file(args.serve_load)]
