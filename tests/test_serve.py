@@ -399,11 +399,10 @@ def test_the_load_benchmark_measures_the_server(target, tmp_path, capsys):
                                       "--concurrency", "1,4,16", "--dtype", "bfloat16", "--prefill-chunk", "0,256",
                                       "--step-buckets", "on,off"])
     assert args.prefill_chunk == [0, 256] and args.step_buckets == [True, False]
-    common = ["--slots", "16", "--max-model-len", "1024", "--prefill-chunk", "256", "--step-buckets", "--dtype",
-              "bfloat16", "--numerics", "invariant", "--kernels", "auto"]
-    assert serve_argv(args, True, 256) == [*common, "--draft", str(head), "--tree", "6,3,2"]
-    assert serve_argv(args, False, 256, step_buckets=False) == [
-        *[("--no-step-buckets" if a == "--step-buckets" else a) for a in common], "--no-draft"]
+    common = ["--slots", "16", "--max-model-len", "1024", "--prefill-chunk", "256"]
+    flags = ["--dtype", "bfloat16", "--numerics", "invariant", "--kernels", "auto"]
+    assert serve_argv(args, True, 256) == [*common, *flags, "--draft", str(head), "--tree", "6,3,2"]
+    assert serve_argv(args, False, 256, step_buckets=False) == [*common, "--no-step-buckets", *flags, "--no-draft"]
     # a small draft model, and prompt lookup, are served as the server takes them
     args = build_parser().parse_args(["--serve-load", str(prompts), "--proposer", "draft-model", "--draft-model",
                                       str(path), "--num-speculative-tokens", "2"])

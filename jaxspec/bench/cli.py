@@ -202,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk", type=count_list, default=[512], metavar="N,...",
                         help="--serve-load: the server's --prefill-chunk, one run of each method per value (0: "
                         "whole prefills) (default: 512)")
-    parser.add_argument("--step-buckets", type=on_off_list, default=[True], metavar="on,off",
-                        help="--serve-load: the server's --step-buckets (steps on the live rows alone) or "
-                        "--no-step-buckets (every step runs all slots), one run of each method per value "
+    parser.add_argument("--step-buckets", type=on_off_list, metavar="on,off",
+                        help="--serve-load: on, the server's steps on the live rows alone; off, its "
+                        "--no-step-buckets (every step runs all slots); one run of each method per value "
                         "(default: on)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -522,7 +522,7 @@ def run_compiled_cost(args) -> int:
 def serve_argv(args, draft: bool, prefill_chunk: int, step_buckets: bool = True) -> list[str]:
     """The server's arguments for --serve-load, from the benchmark's own (target, numerics, the draft or none)."""
     argv = ["--slots", str(args.slots or max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-            "--prefill-chunk", str(prefill_chunk), "--step-buckets" if step_buckets else "--no-step-buckets"]
+            "--prefill-chunk", str(prefill_chunk), *([] if step_buckets else ["--no-step-buckets"])]
     for flag in ("target", "dtype", "quantize", "numerics", "kernels"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -560,9 +560,10 @@ def run_serve_load(args) -> int:
     use_compile_cache(args)
     methods = []
     for chunk in args.prefill_chunk:
-        for buckets in args.step_buckets:
+        on_off = args.step_buckets or [True]
+        for buckets in on_off:
             suffix = "" if len(args.prefill_chunk) == 1 else f", prefill chunk {chunk}" if chunk else ", whole prefills"
-            if len(args.step_buckets) > 1:
+            if len(on_off) > 1:
                 suffix += ", steps on the live rows" if buckets else ", steps on all slots"
             if not args.no_draft:
                 methods.append(("speculative" + suffix, serve_argv(args, True, chunk, buckets)))

@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prompt longer than this joining while others run is prefilled N tokens at a time, "
                         "a chunk before each step, so the running requests keep streaming; 0: whole prefills "
                         "(default: %(default)s)")
-    parser.add_argument("--step-buckets", action=argparse.BooleanOptionalAction, default=True,
-                        help="run each chunk of steps on the live requests' rows alone (the smallest compiled batch "
-                        "of a power of two that holds them), so a lone request does not pay for idle slots; with "
-                        "--num-speculative-tokens auto, speculation is chosen per bucket (default: on)")
+    parser.add_argument("--no-step-buckets", action="store_true",
+                        help="run every chunk of steps on all slots; by default each runs on the live requests' rows "
+                        "alone (the smallest compiled batch of a power of two that holds them), so a lone request "
+                        "does not pay for idle slots, and with --num-speculative-tokens auto speculation is chosen "
+                        "per bucket")
     parser.add_argument("--max-logprobs", type=integer(-1, 20), default=5, metavar="N",
                         help="the most alternatives per token a request may ask with logprobs (each step keeps "
                         "this many for every slot); -1: logprobs off, nothing computed (default: %(default)s)")
@@ -142,7 +143,7 @@ def build_server(args):
             generator.on_compile = say
             capacity = generator.cost_capacity([[0]], args.max_model_len - 1)
             data = mesh.shape[DATA] if mesh is not None else 1
-            buckets = row_buckets(args.slots, data) if args.step_buckets else [args.slots]
+            buckets = [args.slots] if args.no_step_buckets else row_buckets(args.slots, data)
             plan = generator.live_batch_plan(capacity, buckets)
             say(f"auto: {plan.describe()} ({args.slots} slots)")
             generator, drafting_rows = generator.generator_for(plan.method), plan.drafting_rows
@@ -159,7 +160,7 @@ def build_server(args):
     grammar_shape = (args.max_grammar_states, args.max_grammar_classes) if args.max_grammar_states else None
     batcher = SlotBatcher(generator, capacity=capacity, stop_ids=stops, seed=args.seed, max_tokens=args.max_model_len,
                           grammar_shape=grammar_shape, prefill_chunk=args.prefill_chunk or None,
-                          step_buckets=args.step_buckets, drafting_rows=drafting_rows)
+                          step_buckets=not args.no_step_buckets, drafting_rows=drafting_rows)
     print(f"compiled the engine in {batcher.warm_up():.1f}s (cache {capacity} slots per request)", file=sys.stderr)
     scheduler = Scheduler(batcher)
     name = args.served_model_name or target_dir.name
