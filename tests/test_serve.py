@@ -286,6 +286,26 @@ def test_structured_output_matches_and_equals_the_engine_alone(server, alone):
     assert re.fullmatch("[a-c]{2,5}!", replies[1].choices[0].text) and replies[2].choices[0].text in ("yes", "no")
 
 
+def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(target, server):
+    """Completions' `echo`: the text begins with the prompt (token ids: their decoded text), streamed as a first
+    chunk; echo with logprobs (the prompt's own) is a 400 saying so."""
+    from jaxspec.prompts import load_tokenizer
+
+    base, _, _ = server
+    api = client(base)
+    plain = api.completions.create(model="target", prompt="abc", max_tokens=6).choices[0].text
+    assert api.completions.create(model="target", prompt="abc", max_tokens=6, echo=True).choices[0].text == (
+        "abc" + plain)
+    chunks = [c.choices[0].text for c in api.completions.create(model="target", prompt="abc", max_tokens=6,
+                                                                  echo=True, stream=True)]
+    assert chunks[0] == "abc" and "".join(chunks) == "abc" + plain
+    ids = load_tokenizer(target[0])("abc").input_ids
+    assert api.completions.create(model="target", prompt=ids, max_tokens=6, echo=True).choices[0].text == (
+        load_tokenizer(target[0]).decode(ids) + plain)
+    status, reply = post(base, "/v1/completions", b'{"prompt": "a", "echo": true, "logprobs": 1}')
+    assert status == 400 and "echo with logprobs" in reply["error"]["message"], reply
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
     base, _, scheduler = server
     cancelled = scheduler.stats.cancelled

@@ -209,7 +209,8 @@ def make_app(served: ServedModel) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def answer(http: Request, route: str, body, prompt_ids: list[int], budget: int | None, chat: bool):
+    async def answer(http: Request, route: str, body, prompt_ids: list[int], budget: int | None, chat: bool,
+                     echo: str = ""):
         if body.model is not None and body.model != served.name:
             requests_total.labels(route, "404").inc()
             return error_body(f"the model {body.model!r} does not exist; this server serves {served.name!r}", 404,
@@ -249,7 +250,7 @@ def make_app(served: ServedModel) -> FastAPI:
         logprobs = None if wanted is None else LogprobFormatter(served.tokenizer, wanted, chat)
         if body.stream:
             events = _stream(served, scheduler, handle, updates, tracker, rid, chat, body.include_usage,
-                             len(prompt_ids), in_flight, logprobs)
+                             len(prompt_ids), in_flight, logprobs, echo)
             # after the response, whichever way it ended: a client that left before the stream's first chunk never
             # ran the stream's own clean-up (a generator that never started); a request already ended is no-op
             return StreamingResponse(events, media_type="text/event-stream",
@@ -277,7 +278,7 @@ def make_app(served: ServedModel) -> FastAPI:
             reason = _finish_reason(completion, tracker)
             n = tracker.tokens_used()
             lps = None if logprobs is None else logprobs.format(kept[:n])
-            return _response(rid, served.name, chat, text, reason, len(prompt_ids), n, lps)
+            return _response(rid, served.name, chat, echo + text, reason, len(prompt_ids), n, lps)
         except asyncio.CancelledError:
             scheduler.cancel(handle)
             raise
@@ -287,7 +288,9 @@ def make_app(served: ServedModel) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
         ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer(body.prompt).input_ids
-        return await answer(http, "/v1/completions", body, list(ids), body.max_tokens or 16, chat=False)
+        # echo: the completion's text begins with the prompt (token ids: their decoded text)
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(ids)
+        return await answer(http, "/v1/completions", body, list(ids), body.max_tokens or 16, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -323,11 +326,12 @@ def _response(rid, model, chat, text, reason, prompt_n, completion_n, logprobs=N
 
 
 async def _stream(served, scheduler, handle, updates, tracker, rid, chat, include_usage, prompt_n, in_flight,
-                  logprobs=None):
+                  logprobs=None, echo: str = ""):
     """Server-sent events: one chunk per update with new text (or new tokens' logprobs), the last with the finish
-    reason, then [DONE]. A chunk's logprobs are its update's tokens' (up to a stop string's last token), whose text
-    may come in a later chunk while it could still be part of a stop string. A client that goes away cancels the
-    request (its slot is freed before the next step)."""
+    reason, then [DONE]; with `echo` (a completion's prompt) a first chunk carries it. A chunk's logprobs are its
+    update's tokens' (up to a stop string's last token), whose text may come in a later chunk while it could still
+    be part of a stop string. A client that goes away cancels the request (its slot is freed before the next
+    step)."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     sent_logprobs = 0  # tokens whose logprobs have been sent
@@ -346,6 +350,8 @@ async def _stream(served, scheduler, handle, updates, tracker, rid, chat, includ
     try:
         if chat:
             yield chunk("", None, first=True)
+        if echo:
+            yield chunk(echo, None)
         completion = None
         while completion is None:
             update = await updates.get()

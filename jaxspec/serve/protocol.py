@@ -1,8 +1,8 @@
 """The OpenAI request bodies the server accepts (pydantic), checked into what the engine runs.
 
 Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
-Fields OpenAI defines that this server cannot honour yet (n > 1, echo, best_of) are refused with a
-message saying so. Structured output comes as OpenAI's `response_format` (json_schema, json_object) or vLLM's
+Fields OpenAI defines that this server cannot honour yet (n > 1, best_of, suffix, echo with logprobs) are refused
+with a message saying so. Structured output comes as OpenAI's `response_format` (json_schema, json_object) or vLLM's
 `structured_outputs` (regex, choice, json), on both routes. Sampling settings and seeds are per request; what a request
 leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/--top-k`).
 """
@@ -128,8 +128,9 @@ class CompletionRequest(_Common):
             raise JaxspecError("best_of is not supported by this server yet")
         if self.suffix:
             raise JaxspecError("suffix is not supported by this server yet")
-        if self.echo:
-            raise JaxspecError("echo is not supported by this server yet")
+        if self.echo and self.logprobs is not None:
+            raise JaxspecError("echo with logprobs (the prompt's logprobs) is not supported by this server yet; "
+                               "drop one of them")
 
     def logprob_count(self) -> int | None:
         """Alternatives per token the request wants with each token's log-probability; None: no logprobs."""
