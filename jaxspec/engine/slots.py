@@ -113,6 +113,7 @@ class SlotBatcher:
         if self.drafting_rows is not None and generator.proposer is None:
             raise JaxspecError("drafting_rows needs a speculative generator (a target-only one never drafts)")
         self.step_rows: collections.Counter = collections.Counter()  # chunks of steps by the rows they ran on
+        self.step_programs: dict[int, object] = {}  # rows → its compiled step, held (no cache lookup per chunk)
         self.pending: collections.deque[_PendingJoin] = collections.deque()  # chunked joins, the first advancing
         self.prefill_chunks = 0  # chunks run by chunked joins (their last chunk, the prefill proper, not counted)
         self.generator = generator
@@ -327,9 +328,14 @@ class SlotBatcher:
         return self.drafting_rows is None or rows in self.drafting_rows
 
     def _step_program(self, rows: int):
-        """The compiled step of a bucket of rows, drafting or not per `drafting_rows` (compiled once)."""
-        drafting = self.drafts_at(rows) or self.generator.proposer is None
-        return self.generator.step_program(self.state, self.eos, None if rows == len(self.held) else rows, drafting)
+        """The compiled step of a bucket of rows, drafting or not per `drafting_rows`: compiled once and held, so
+        that a chunk of steps does not rebuild the program cache's key over the whole state."""
+        if rows not in self.step_programs:
+            gen = self.generator
+            drafting = gen.proposer is None or self.drafts_at(rows)  # a target-only step has no drafting switch
+            self.step_programs[rows] = gen.step_program(self.state, self.eos, None if rows == len(self.held) else rows,
+                                                        drafting)
+        return self.step_programs[rows]
 
     def collect(self) -> list[SlotUpdate]:
         """The tokens each request produced since the last collect, and the completions of the requests that have
