@@ -209,6 +209,34 @@ def test_the_bench_times_a_draft_model_beside_target_only_and_transformers_assis
     assert all(r["identical_outputs"] == "2/2" for r in runs[1:])
 
 
+def test_accepted_counts_equal_transformers_assisted_generation_step_for_step(tmp_path, capsys):
+    """`bench --compare-hf` with a draft model replays transformers' assisted generation (`assistant_model=`, K drafts
+    a step) from jaxspec's first verify step: every step accepts as many drafts in both (a draft that is the
+    target's first 3 of 4 layers, so steps accept 0..3 of them)."""
+    from jaxspec.bench import cli as bench
+
+    target = make_tiny("smollm2_tied", tmp_path / "target", seed=5, initializer_range=0.3)  # outputs that vary
+    write_char_tokenizer(tmp_path / "target")
+    target.model.layers = target.model.layers[:3]
+    target.config.num_hidden_layers = 3
+    target.save_pretrained(tmp_path / "draft")
+    write_char_tokenizer(tmp_path / "draft")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in
+                                              enumerate(["hello there", "abcabc", "the quick brown fox"])))
+    assert bench.main(["--target", str(tmp_path / "target"), "--prompts-file", str(tmp_path / "p.jsonl"), "--raw",
+                       "--max-new-tokens", "20", "--proposer", "draft-model", "--draft-model", str(tmp_path / "draft"),
+                       "--num-speculative-tokens", "3", "--compare-hf", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (chain,) = result["speculative"]
+    hf = result["transformers_assisted"]
+    assert chain["identical_outputs"] == hf["identical_outputs"] == "3/3"
+    assert hf["same_steps_as_jaxspec"] == "3/3" and hf["num_assistant_tokens"] == 3
+    assert hf["accepted_drafts_histogram"] == chain["accepted_drafts_histogram"]
+    assert hf["verify_steps"] == chain["verify_steps"]
+    assert hf["mean_accepted_length"] == chain["mean_accepted_length"]
+    assert sum(n > 0 for n in hf["accepted_drafts_histogram"]) >= 3, hf  # misses, partial and whole acceptances
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path, capsys):
     from jaxspec import generate
 

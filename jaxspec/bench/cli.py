@@ -40,6 +40,7 @@ from jaxspec.bench.suite import (
     rejection_table,
     speculative_row,
 )
+from jaxspec.bench.transformers_runs import NEEDS_TORCH, assisted_acceptance, assisted_steps, time_hf
 from jaxspec.cli.args import (
     AUTO,
     OneLineParser,
@@ -231,7 +232,7 @@ def check_bench_args(args) -> None:
         raise JaxspecError("--quantization-drift compares a --quantize target with its float original in a single run "
                            "(--prompts-file): add --quantize int8|fp8")
     if args.compare_hf and importlib.util.find_spec("torch") is None:
-        raise JaxspecError(_NEEDS_TORCH)
+        raise JaxspecError(NEEDS_TORCH)
     for k in args.chain_lengths or []:
         if k > MAX_DRAFT_DEPTH:
             raise JaxspecError(f"--chain-lengths: {k} is more than {MAX_DRAFT_DEPTH} drafts per verify step")
@@ -251,36 +252,6 @@ def component_timings(model, head, k: int, batch: int, capacity: int = 256) -> d
         "head_step_ms": round(draft * 1e3, 2),
         "head_step_over_decode": round(draft / decode, 3),
     }
-
-
-_NEEDS_TORCH = "--compare-hf needs torch and transformers (pip install 'jaxspec[test]')"
-
-
-def time_hf(target_dir, prompts, max_new_tokens, stops, assistant_dir=None) -> tuple[float, int, list[list[int]]]:
-    """Greedy transformers `generate` on the same prompts, batch 1, float32: (seconds, tokens, outputs). With
-    `assistant_dir`, its assisted generation (`assistant_model=`, the draft model's speculative decoding)."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise JaxspecError(_NEEDS_TORCH) from None
-    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()  # noqa: E731
-    model = load(target_dir)
-    assisted = {} if assistant_dir is None else {"assistant_model": load(assistant_dir)}
-    outputs, seconds = [], 0.0
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=stops[0],
-                       **assisted)  # warm-up
-        for p in prompts:
-            start = time.perf_counter()
-            out = model.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0], **assisted,
-            )
-            seconds += time.perf_counter() - start
-            ids = out[0, len(p) :].tolist()
-            outputs.append(ids[: next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))])
-    return seconds, sum(len(o) for o in outputs), outputs
 
 
 def _say(what: str) -> None:
@@ -423,14 +394,21 @@ def main(argv: list[str] | None = None) -> int:
             "identical_outputs": identical(hf_outputs, completions),
         }
         result["speedup_vs_transformers"] = round((tokens / seconds) / (hf_tokens / hf_seconds), 3)
-        if is_draft_model(head):  # the same pair in transformers
-            _say("transformers assisted generation with the draft model")
-            a_seconds, a_tokens, a_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, Path(draft))
+        if is_draft_model(head):  # the same pair in transformers, K drafts a step as jaxspec's chain
+            k = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
+            _say(f"transformers assisted generation with the draft model ({k or 'its own schedule of'} drafts a step)")
+            a_seconds, a_tokens, a_outputs = time_hf(target_dir, encoded, args.max_new_tokens, stops, Path(draft), k)
             result["transformers_assisted"] = {
                 "tokens": a_tokens, "seconds": round(a_seconds, 3),
                 "tokens_per_second": round(a_tokens / a_seconds, 2),
                 "identical_outputs": identical(a_outputs, completions),
             }
+            if k is not None:  # step for step against jaxspec's chain (the first method)
+                _say("transformers assisted generation again, step by step")
+                chain = measured[1][0]
+                runs = assisted_steps(target_dir, Path(draft), encoded, [(c.token_ids or [None])[0] for c in chain],
+                                      k, args.max_new_tokens, stops)
+                result["transformers_assisted"].update(assisted_acceptance(runs, chain, k))
     if args.memory_report:
         for method, report in result["memory"].items():
             print(f"{method}: " + "\n".join(MemoryReport(**report).lines()), file=sys.stderr)
@@ -773,6 +751,12 @@ def _table(r: dict) -> str:
             )
         if "auto_last" in sp:
             lines.append("  " + auto_line(sp))
+    assisted = r.get("transformers_assisted", {})
+    if "same_steps_as_jaxspec" in assisted:
+        lines += ["", f"transformers assisted generation, {assisted['num_assistant_tokens']} drafts a step: mean "
+                  f"accepted length {assisted['mean_accepted_length']}; accepted drafts per step "
+                  f"{assisted['accepted_drafts_histogram']}; the same steps as jaxspec's chain on "
+                  f"{assisted['same_steps_as_jaxspec']} prompts; identical outputs {assisted['identical_outputs']}"]
     lines += rejection_table([{"batch_size": r["batch_size"], **sp} for sp in r.get("speculative", [])])
     if "numerics_cost" in r:
         lines += ["", "| method | invariant numerics tokens/s | plain numerics tokens/s | plain / invariant |",
