@@ -288,7 +288,7 @@ def test_structured_output_matches_and_equals_the_engine_alone(server, alone):
 
 def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(target, server):
     """Completions' `echo`: the text begins with the prompt (token ids: their decoded text), streamed as a first
-    chunk; echo with logprobs (the prompt's own) is a 400 saying so."""
+    chunk."""
     from jaxspec.prompts import load_tokenizer
 
     base, _, _ = server
@@ -302,8 +302,90 @@ def test_echo_puts_the_prompt_before_the_completion_streamed_or_not(target, serv
     ids = load_tokenizer(target[0])("abc").input_ids
     assert api.completions.create(model="target", prompt=ids, max_tokens=6, echo=True).choices[0].text == (
         load_tokenizer(target[0]).decode(ids) + plain)
-    status, reply = post(base, "/v1/completions", b'{"prompt": "a", "echo": true, "logprobs": 1}')
-    assert status == 400 and "echo with logprobs" in reply["error"]["message"], reply
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(target, server):
+    """`echo` with `logprobs`: every prompt token (the first with none) with its log-probability under the target
+    and its alternatives, then the completion's; `max_tokens: 0` scores the prompt alone (lm-evaluation-harness's
+    loglikelihood requests send `echo`, `logprobs: 1`, `max_tokens: 1` and read `token_logprobs[ctxlen:-1]`). The
+    very floats `Generator.prompt_logprobs` gives the prompt alone, and within float32 rounding transformers'."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.engine.generation import Generator
+    from jaxspec.prompts import load_tokenizer
+
+    base, _, scheduler = server
+    path, _ = target
+    tokenizer = load_tokenizer(path)
+    ids = tokenizer("hello there").input_ids
+    want = Generator(load_target(path), batch_size=1).prompt_logprobs(ids, 2)
+    api = client(base)
+    got = api.completions.create(model="target", prompt="hello there", max_tokens=1, echo=True, logprobs=2).choices[0]
+    lp = got.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] + [got.text[len("hello there"):]]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == [t.logprob for t in want]
+    assert [list(d.values()) for d in lp.top_logprobs[1 : len(ids)]] == [[v for _, v in t.top] for t in want]
+    assert lp.text_offset == list(range(len(ids) + 1))  # one character a token
+    alone = api.completions.create(model="target", prompt="hello there", max_tokens=1, logprobs=2).choices[0]
+    assert got.text == "hello there" + alone.text and lp.token_logprobs[-1:] == alone.logprobs.token_logprobs
+    scored = scheduler.stats.scored_prompts
+    zero = api.completions.create(model="target", prompt=[ids, ids[:4]], max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in zero.choices] == [tokenizer.decode(ids), tokenizer.decode(ids[:4])]
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    assert zero.choices[1].logprobs.token_logprobs == lp.token_logprobs[:4]
+    assert zero.usage.completion_tokens == 0 and {c.finish_reason for c in zero.choices} == {"length"}
+    assert scheduler.stats.scored_prompts == scored + 2
+    chunks = list(api.completions.create(model="target", prompt="hello there", max_tokens=3, echo=True, logprobs=2,
+                                         stream=True))
+    assert chunks[0].choices[0].text == "hello there"
+    assert chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+    reference = [lsm[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1 : len(ids)], reference)) < 1e-4
+    status, reply = post(base, "/v1/completions", b'{"prompt": "a", "max_tokens": 0, "echo": true}')
+    assert status == 400 and "max_tokens 0 scores the prompt alone" in reply["error"]["message"], reply
+
+
+def test_several_prompts_and_n_choices_each_equal_the_engine_alone(target, server, alone):
+    """A completions request with a list of prompts (text or token ids) and `n` choices per prompt: choice
+    i * n + j is prompt i's j-th, each what the engine gives that prompt alone (sampled: with the request's seed
+    + j), streamed or not; chat takes `n` too."""
+    from collections import defaultdict
+
+    base, _, _ = server
+    text, tokenizer = alone
+    api = client(base)
+    prompts = ["abc", "hello there"]
+    greedy = [text(tokenizer(p).input_ids, 8) for p in prompts]
+    got = api.completions.create(model="target", prompt=prompts, max_tokens=8)
+    assert [c.index for c in got.choices] == [0, 1] and [c.text for c in got.choices] == greedy
+    assert got.usage.prompt_tokens == sum(len(p) for p in prompts)
+    ids = [tokenizer(p).input_ids for p in prompts]
+    assert [c.text for c in api.completions.create(model="target", prompt=ids, max_tokens=8).choices] == greedy
+    hot = SamplingConfig(1.3, 0, 0.95)
+    got = api.completions.create(model="target", prompt=prompts, n=2, seed=5, temperature=1.3, top_p=0.95,
+                                 max_tokens=10)
+    want = [text(i, 10, hot, seed) for i in ids for seed in (5, 6)]
+    assert [c.text for c in got.choices] == want and want[0] != want[1]
+    streamed = defaultdict(str)
+    reasons = {}
+    for chunk in api.completions.create(model="target", prompt=prompts, n=2, seed=5, temperature=1.3, top_p=0.95,
+                                        max_tokens=10, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert [streamed[i] for i in range(4)] == want and all(reasons[i] for i in range(4))
+    messages = [{"role": "user", "content": "what is x?"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False).input_ids
+    chat = api.chat.completions.create(model="target", messages=messages, n=2, seed=3, temperature=1.3, top_p=0.95,
+                                       max_tokens=6)
+    assert [c.message.content for c in chat.choices] == [text(chat_ids, 6, hot, s) for s in (3, 4)]
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
@@ -351,8 +433,9 @@ def test_a_client_that_leaves_before_its_first_chunk_is_cancelled(server):
     ("/v1/completions", json.dumps({"prompt": "a" * 300}).encode(), "exceeds the 256 tokens"),
     ("/v1/completions", b'{"prompt": "a", "temperature": -1}', "temperature must be a finite number >= 0"),
     ("/v1/completions", b'{"prompt": "a", "top_p": 0}', "top-p must be in (0, 1]"),
-    ("/v1/completions", b'{"prompt": "a", "n": 2}', "n=2"),
-    ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "a", "n": 0}', "n: Input should be greater than or equal to 1"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 0}', "max_tokens 0 scores the prompt alone"),
+    ("/v1/completions", b'{"prompt": [[1, 2], []]}', "the prompt is empty"),
     ("/v1/completions", b'{"prompt": [1, 500]}', "prompt token ids must be in"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '

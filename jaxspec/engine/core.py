@@ -106,6 +106,30 @@ def position_logprobs(logits: jax.Array, tokens: jax.Array, top: int) -> tuple[j
     return chosen, ids.astype(jnp.int32), best
 
 
+def prompt_logprobs(
+    target_graphdef: nnx.GraphDef,
+    target_params: nnx.State,
+    proposer: Proposer | None,
+    proposer_params: Any,
+    prompt: jax.Array,  # [B, T] int32, right-padded
+    *,
+    top: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each prompt token's log-probability under the target after the tokens before it, and the `top` likeliest
+    tokens at its position: (log p [B, T-1], top ids [B, T-1, K], their log-probabilities [B, T-1, K]), entry j
+    for token j+1 (the first token has no context). What OpenAI's completions return for `echo` with `logprobs`,
+    and what lm-evaluation-harness's loglikelihood tasks read. From the raw logits, as `TokenLogprobs`.
+
+    One pass over the prompt on the prefill's tiles, every position's logits at once ([B, T, V] float32: the memory
+    a long prompt needs). Padding after a prompt's end never reaches the positions before it (causal)."""
+    del proposer, proposer_params
+    target = nnx.merge(target_graphdef, target_params)
+    b, t = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target(prompt, positions, kvc.constrain(target.init_cache(b, t)), empty_cache=True)
+    return position_logprobs(out.logits[:, :-1], prompt[:, 1:], top)
+
+
 def emit(st: GenState, emitted: jax.Array, count: jax.Array, eos_ids: jax.Array,
          logits: jax.Array | None = None) -> GenState:
     """Append emitted[:, :count] ([B, W], count [B]) to each running row, cut at the first EOS and at the row's

@@ -25,7 +25,7 @@ from jaxspec.engine import core as engine
 from jaxspec.engine.proposers.base import Proposer
 from jaxspec.engine.telemetry import OUTCOMES
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
-from pallas_kernels.mesh_axes import MODEL
+from pallas_kernels.mesh_axes import DATA, MODEL
 
 CAPACITY_QUANTUM = 256  # cache capacities are multiples of this: one compile serves many lengths
 MIN_PROMPT_BUCKET = 16
@@ -91,6 +91,7 @@ _prefill = jax.jit(engine.prefill, static_argnames=("target_graphdef", "proposer
 _prefill_chunk = jax.jit(
     engine.prefill_chunk, static_argnames=("target_graphdef", "proposer", "capacity", "chunk"), donate_argnums=(5,),
 )
+_prompt_logprobs = jax.jit(engine.prompt_logprobs, static_argnames=("target_graphdef", "proposer", "top"))
 _steps = jax.jit(
     engine.steps,
     static_argnames=("target_graphdef", "proposer", "num_steps", "forced_accept_prob", "kernels", "drafting"),
@@ -358,6 +359,22 @@ class Generator:
         if self.logprobs is not None:
             static["logprobs"] = self.logprobs
         return self._compiled_fn("prefill", _prefill, *prefill_args, capacity=capacity, **static)
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int) -> list[TokenLogprob]:
+        """Each token of `prompt` after the first with its log-probability under the target and its `top` likeliest
+        alternatives (`engine.core.prompt_logprobs`): the prompt's own logprobs, as OpenAI's completions return them
+        for `echo` with `logprobs`. Compiled once per prompt bucket and `top`; a batch of one prompt (on a mesh, as
+        many rows as the data axis has devices, the others padding)."""
+        if not prompt:
+            raise JaxspecError("the prompt is empty after tokenization")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise JaxspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives, got {top}")
+        rows = 1 if self.mesh is None else self.mesh.shape[DATA]
+        tokens = np.zeros((rows, prompt_bucket(len(prompt))), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        program = self._compiled_fn("prompt scoring", _prompt_logprobs, jnp.asarray(tokens), top=top)
+        got = [sharding.to_host(x) for x in program(*self.program_params, jnp.asarray(tokens))]
+        return row_logprobs(got, 0, 0, list(prompt[1:]))
 
     def chunk_program(self, chunk_args: tuple, capacity: int, chunk: int) -> Callable:
         """One chunk of a chunked prefill (`engine.core.prefill_chunk`), compiled for chunk_args = (prompt [B, Tp],

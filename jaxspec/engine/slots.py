@@ -61,8 +61,10 @@ _WARM_UP, _WARM_UP_2 = object(), object()  # the handles of `SlotBatcher.warm_up
 @dataclasses.dataclass(frozen=True)
 class SlotRequest:
     """One request: its tokenized prompt, its budget of new tokens, its logit processors, its sampling settings and
-    seed (None: one drawn by the batcher), and whether its updates bring its tokens' log-probabilities (the
-    generator must keep them: `Generator.keep_logprobs`)."""
+    seed (None: one drawn by the batcher), whether its updates bring its tokens' log-probabilities (the
+    generator must keep them: `Generator.keep_logprobs`), and how many alternatives the prompt's own tokens'
+    log-probabilities bring (None: not asked for; the server's scheduler scores the prompt before it joins, and a
+    request that asks for them may have a budget of 0: scored only, it never takes a slot)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -70,6 +72,7 @@ class SlotRequest:
     sampling: SamplingConfig = SamplingConfig()
     seed: int | None = None
     logprobs: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,8 @@ class SlotUpdate:
     new_tokens: list[int]
     completion: Completion | None  # None while the request runs
     logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first update of a request that asked for them: one per
+    # prompt token after the first (`Generator.prompt_logprobs`)
 
 
 class SlotBatcher:
@@ -147,8 +152,9 @@ class SlotBatcher:
         """A one-line error for a request no slot can take (empty, or prompt + budget past the capacity)."""
         if not request.prompt:
             raise JaxspecError("the prompt is empty after tokenization")
-        if request.max_new_tokens < 1:
-            raise JaxspecError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if request.max_new_tokens < (0 if request.prompt_logprobs is not None else 1):
+            raise JaxspecError(f"max_new_tokens must be >= 1 (0 only to score the prompt), got "
+                               f"{request.max_new_tokens}")
         if len(request.prompt) + request.max_new_tokens > self.room:
             raise JaxspecError(
                 f"the prompt has {len(request.prompt)} tokens; with {request.max_new_tokens} new tokens that exceeds "

@@ -12,21 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxspec.engine.slots import SlotRequest
+from jaxspec.engine.slots import SlotRequest, SlotUpdate
 from jaxspec.errors import JaxspecError
 from jaxspec.serve.protocol import ChatCompletionRequest, CompletionRequest
+from jaxspec.serve.responses import (
+    ChunkWriter,
+    LogprobFormatter,
+    TextTracker,
+    choice_body,
+    error_body,
+    finish_reason,
+    joined,
+    response_body,
+    usage,
+)
 from jaxspec.serve.scheduler import EngineStopped, Scheduler
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
@@ -52,120 +61,6 @@ class ServedModel:
         if wanted > self.max_logprobs:
             raise JaxspecError(f"this server returns at most {self.max_logprobs} top logprobs per token "
                                f"(--max-logprobs), got {wanted}")
-
-
-class LogprobFormatter:
-    """A request's token log-probabilities in OpenAI's two shapes: completions' `{tokens, token_logprobs,
-    top_logprobs, text_offset}` and chat's `{content: [{token, logprob, bytes, top_logprobs}]}`. A token's text
-    is its own decode (a piece of a character split across tokens reads as U+FFFD, as in vLLM)."""
-
-    def __init__(self, tokenizer, top: int, chat: bool):
-        self.tokenizer, self.top, self.chat = tokenizer, top, chat
-        self.offset = 0  # completions: the next token's character offset in the completion
-        self.texts: dict[int, str] = {}  # each token's text, decoded once (alternatives repeat)
-
-    def _text(self, token: int) -> str:
-        if token not in self.texts:
-            self.texts[token] = self.tokenizer.decode([token], skip_special_tokens=False,
-                                                      clean_up_tokenization_spaces=False)
-        return self.texts[token]
-
-    def format(self, logprobs: list) -> dict:
-        """The OpenAI `logprobs` object of these tokens (`jaxspec.engine.slots.TokenLogprob`s), in order."""
-        if self.chat:
-            def entry(token, lp):
-                text = self._text(token)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-            return {"content": [{**entry(t.token, t.logprob),
-                                 "top_logprobs": [entry(i, lp) for i, lp in t.top[: self.top]]} for t in logprobs]}
-        texts = [self._text(t.token) for t in logprobs]
-        offsets = []
-        for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self._text(i): lp for i, lp in t.top[: self.top]} for t in logprobs]
-                if self.top else None, "text_offset": offsets}
-
-
-def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    code = {404: "not_found", 503: "engine_stopped"}.get(status)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
-
-
-class TextTracker:
-    """A request's text so far from its tokens, cut at the first stop string; `advance` returns the part of the
-    text that can be sent now.
-
-    Decoded incrementally, as vLLM does: the text of ids[:read] is kept, and new tokens are decoded in a window that
-    starts a few tokens back (at `prefix`), minus that window's own text, so each update costs the window, not the
-    whole answer (re-decoding everything made a long stream O(n^2)). A piece is taken in only once it ends on a
-    whole character; what follows is decoded on demand. The concatenation is `decode(ids)` for the tokenizers
-    served (byte-level BPE, SentencePiece: a window's leading-space rule applies to both of its decodes alike)."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.decoded = ""  # the text of ids[:read]
-        self.prefix = self.read = 0  # ids[prefix:read]: the context the next tokens are decoded after
-        self.sent = 0  # characters of the text sent so far
-        self.stopped = False  # a stop string was found
-
-    def _decode(self, ids: list[int]) -> str:
-        # no clean-up of spaces before punctuation: it could rewrite text already streamed
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _pending(self) -> str:
-        """The text of ids[read:], decoded after its context."""
-        if self.read == len(self.ids):
-            return ""
-        before = self._decode(self.ids[self.prefix : self.read])
-        return self._decode(self.ids[self.prefix :])[len(before) :]
-
-    def text(self) -> str:
-        text = self.decoded + self._pending()
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped = True
-            return text[: min(cuts)]
-        return text
-
-    def tokens_used(self) -> int:
-        """The answer's completion tokens: all of them, or, where a stop string cut the text, those up to the one
-        that completed it (as vLLM counts; the engine may have produced a few more in the same chunk of steps)."""
-        if not self.stopped:
-            return len(self.ids)
-        low, high = 1, len(self.ids)  # the shortest prefix whose text holds a stop string: a prefix's text grows
-        while low < high:
-            mid = (low + high) // 2
-            text = self._decode(self.ids[:mid])
-            if any(stop in text for stop in self.stops):
-                high = mid
-            else:
-                low = mid + 1
-        return low
-
-    def advance(self, new_ids: list[int], final: bool) -> str:
-        self.ids += new_ids
-        piece = self._pending()
-        if piece and not piece.endswith("\ufffd"):  # whole characters: the window moves on
-            self.decoded += piece
-            self.prefix, self.read = self.read, len(self.ids)
-        text = self.text()
-        end = len(text)
-        if not final and not self.stopped:
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-                end = text.rstrip("\ufffd").__len__()
-            for s in self.stops:  # a suffix that could grow into a stop string stays back
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        out = text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return out
 
 
 def make_app(served: ServedModel) -> FastAPI:
@@ -209,23 +104,27 @@ def make_app(served: ServedModel) -> FastAPI:
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def answer(http: Request, route: str, body, prompt_ids: list[int], budget: int | None, chat: bool,
-                     echo: str = ""):
+    async def answer(http: Request, route: str, body, prompts: list[list[int]], budget: int | None, chat: bool,
+                     echoes: list[str] | None = None):
+        """One request's choices (`n` per prompt, in OpenAI's order: prompt by prompt), each its own engine
+        request, answered whole or streamed."""
         if body.model is not None and body.model != served.name:
             requests_total.labels(route, "404").inc()
             return error_body(f"the model {body.model!r} does not exist; this server serves {served.name!r}", 404,
                               "model")
+        handles: list[int] = []
         try:
             body.check_unsupported()
             sampling = body.sampling(served.sampling)
             stops = body.stop_strings()
-            if not all(0 <= i < served.vocab for i in prompt_ids):
+            if not all(0 <= i < served.vocab for ids in prompts for i in ids):
                 raise JaxspecError(f"prompt token ids must be in [0, {served.vocab})")
             if budget is None:  # the server's default, within the room the prompt leaves (as vLLM)
-                budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - len(prompt_ids)))
+                budget = max(1, min(served.default_max_tokens, scheduler.batcher.room - max(map(len, prompts))))
             processors = body.processors(served.vocab)
             wanted = body.logprob_count()
             served.check_logprobs(wanted)
+            scored = wanted if echoes is not None and wanted is not None else None  # the prompt's own logprobs
             grammar = body.grammar()
             if grammar is not None:
                 if served.grammars is None:
@@ -233,64 +132,75 @@ def make_app(served: ServedModel) -> FastAPI:
                 # compiled off the event loop (seconds for a JSON schema; cached per grammar)
                 automaton = await asyncio.get_running_loop().run_in_executor(None, served.grammars, grammar)
                 processors = dataclasses.replace(processors, grammar=automaton)
-            request = SlotRequest(tuple(prompt_ids), budget, processors, sampling, body.seed, wanted is not None)
+            # choice i * n + j: prompt i's j-th sample (seed + j: a seeded request's samples differ and repeat)
+            requests = [SlotRequest(tuple(ids), budget, processors, sampling,
+                                    None if body.seed is None else body.seed + j, wanted is not None, scored)
+                        for ids in prompts for j in range(body.n)]
+            for request in requests:  # every choice fits before any is queued
+                scheduler.batcher.check(request)
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
-            handle = scheduler.submit(request, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+            for index, request in enumerate(requests):
+                handles.append(scheduler.submit(
+                    request, lambda u, index=index: loop.call_soon_threadsafe(updates.put_nowait, (index, u))))
         except EngineStopped as e:
+            for handle in handles:
+                scheduler.cancel(handle)
             requests_total.labels(route, "503").inc()
             return error_body(str(e), 503)
         except JaxspecError as e:
             requests_total.labels(route, "400").inc()
             return error_body(str(e), 400)
-        prompt_tokens.inc(len(prompt_ids))
+        prompt_tokens.inc(sum(map(len, prompts)))
         requests_total.labels(route, "200").inc()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        tracker = TextTracker(served.tokenizer, stops)
-        logprobs = None if wanted is None else LogprobFormatter(served.tokenizer, wanted, chat)
+        choices = [
+            Choice(index, handle, list(prompts[index // body.n]), TextTracker(served.tokenizer, stops),
+                   None if wanted is None else LogprobFormatter(served.tokenizer, wanted, chat),
+                   "" if echoes is None else echoes[index // body.n])
+            for index, handle in enumerate(handles)
+        ]
+        used = lambda: usage(sum(map(len, prompts)), sum(c.tracker.tokens_used() for c in choices))  # noqa: E731
         if body.stream:
-            events = _stream(served, scheduler, handle, updates, tracker, rid, chat, body.include_usage,
-                             len(prompt_ids), in_flight, logprobs, echo)
+            events = _stream(served, scheduler, choices, updates, ChunkWriter(rid, served.name, chat),
+                             body.include_usage, used, in_flight)
             # after the response, whichever way it ended: a client that left before the stream's first chunk never
             # ran the stream's own clean-up (a generator that never started); a request already ended is no-op
             return StreamingResponse(events, media_type="text/event-stream",
-                                     background=BackgroundTask(scheduler.cancel, handle))
+                                     background=BackgroundTask(_cancel_all, scheduler, choices))
         in_flight.inc()
         try:
-            completion, kept = None, []
-            while completion is None:
+            while not all(c.ended for c in choices):
                 try:  # a client that goes away cancels its request (the server does not notice that by itself)
-                    update = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_POLL_SECONDS)
+                    index, update = await asyncio.wait_for(updates.get(), timeout=DISCONNECT_POLL_SECONDS)
                 except TimeoutError:
                     if await http.is_disconnected():
-                        scheduler.cancel(handle)
+                        _cancel_all(scheduler, choices)
                         return Response(status_code=499)
                     continue
                 if isinstance(update, BaseException):
+                    _cancel_all(scheduler, choices)
                     return error_body(f"the engine failed: {update!r}", 500)
-                kept += update.logprobs or []
-                tracker.advance(update.new_tokens, final=False)
-                if tracker.stopped:
-                    scheduler.cancel(handle, stopped=True)
-                    break
-                completion = update.completion
-            text = tracker.text()
-            reason = _finish_reason(completion, tracker)
-            n = tracker.tokens_used()
-            lps = None if logprobs is None else logprobs.format(kept[:n])
-            return _response(rid, served.name, chat, echo + text, reason, len(prompt_ids), n, lps)
+                if not choices[index].ended:  # (an update may cross the cancel of a choice a stop string ended)
+                    choices[index].take(update, scheduler)
+            return response_body(rid, served.name, chat, [c.body(chat) for c in choices], used())
         except asyncio.CancelledError:
-            scheduler.cancel(handle)
+            _cancel_all(scheduler, choices)
             raise
         finally:
             in_flight.dec()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
-        ids = body.prompt if isinstance(body.prompt, list) else served.tokenizer(body.prompt).input_ids
+        try:
+            texts, prompts = body.prompts(served.tokenizer)
+        except JaxspecError as e:
+            requests_total.labels("/v1/completions", "400").inc()
+            return error_body(str(e), 400, "prompt")
         # echo: the completion's text begins with the prompt (token ids: their decoded text)
-        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(ids)
-        return await answer(http, "/v1/completions", body, list(ids), body.max_tokens or 16, chat=False, echo=echo)
+        echoes = [text if text is not None else served.tokenizer.decode(ids) for text, ids in zip(texts, prompts)] \
+            if body.echo else None
+        return await answer(http, "/v1/completions", body, prompts, body.budget, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -302,90 +212,109 @@ def make_app(served: ServedModel) -> FastAPI:
         except Exception as e:  # noqa: BLE001 (a template's own raise_exception: e.g. roles out of order)
             return error_body(f"the chat template refused these messages: {e}", 400, "messages")
         ids = served.tokenizer(text, add_special_tokens=False).input_ids
-        return await answer(http, "/v1/chat/completions", body, ids, body.budget, chat=True)
+        return await answer(http, "/v1/chat/completions", body, [ids], body.budget, chat=True)
 
     return app
 
 
-def _finish_reason(completion, tracker: TextTracker) -> str:
-    if tracker.stopped or (completion is not None and completion.finished_by_eos):
-        return "stop"
-    return "length"
+@dataclasses.dataclass
+class Choice:
+    """One choice of a response: its engine request (`handle`), its text so far (`tracker`), its token
+    log-probabilities (`logprobs`: None when not asked for) and, for completions' `echo`, the prompt's text and,
+    with logprobs, the prompt's own (the request's first update)."""
+
+    index: int
+    handle: int
+    prompt: list[int]
+    tracker: TextTracker
+    logprobs: LogprobFormatter | None
+    echo: str = ""
+    kept: list = dataclasses.field(default_factory=list)  # the completion's TokenLogprobs so far
+    prompt_logprobs: dict | None = None  # the echoed prompt's logprobs object (`LogprobFormatter.format_prompt`)
+    completion: object = None
+    ended: bool = False
+    sent_logprobs: int = 0  # streaming: tokens whose logprobs have been sent
+
+    def take(self, update: SlotUpdate, scheduler: Scheduler) -> str:
+        """Fold one update in; returns the text that can be sent now. A stop string ends the request (cancelled
+        in the engine: its slot is freed before the next step)."""
+        if update.prompt_logprobs is not None and self.logprobs is not None:
+            self.prompt_logprobs = self.logprobs.format_prompt(self.prompt, update.prompt_logprobs)
+        self.kept += update.logprobs or []
+        self.completion = update.completion
+        text = self.tracker.advance(update.new_tokens, final=update.completion is not None)
+        if self.tracker.stopped and not self.ended:
+            scheduler.cancel(self.handle, stopped=True)
+            text += self.tracker.advance([], final=True)
+        self.ended = self.ended or self.tracker.stopped or update.completion is not None
+        return text
+
+    def fresh_logprobs(self) -> dict | None:
+        """Streaming: the logprobs of the tokens taken since the last call (up to a stop string's last token)."""
+        if self.logprobs is None:
+            return None
+        end = self.tracker.tokens_used() if self.tracker.stopped else len(self.tracker.ids)
+        fresh = self.kept[self.sent_logprobs : max(self.sent_logprobs, end)]
+        self.sent_logprobs += len(fresh)
+        return self.logprobs.format(fresh) if fresh else None
+
+    @property
+    def reason(self) -> str:
+        return finish_reason(self.completion, self.tracker)
+
+    def body(self, chat: bool) -> dict:
+        lps = None
+        if self.logprobs is not None:
+            lps = joined(self.prompt_logprobs, self.logprobs.format(self.kept[: self.tracker.tokens_used()]))
+        return choice_body(chat, self.index, self.echo + self.tracker.text(), self.reason, lps)
 
 
-def _response(rid, model, chat, text, reason, prompt_n, completion_n, logprobs=None) -> dict:
-    usage = {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n}
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": logprobs}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage}
+def _cancel_all(scheduler: Scheduler, choices: list[Choice]) -> None:
+    for choice in choices:
+        if not choice.ended:
+            scheduler.cancel(choice.handle)
 
 
-async def _stream(served, scheduler, handle, updates, tracker, rid, chat, include_usage, prompt_n, in_flight,
-                  logprobs=None, echo: str = ""):
-    """Server-sent events: one chunk per update with new text (or new tokens' logprobs), the last with the finish
-    reason, then [DONE]; with `echo` (a completion's prompt) a first chunk carries it. A chunk's logprobs are its
-    update's tokens' (up to a stop string's last token), whose text may come in a later chunk while it could still
-    be part of a stop string. A client that goes away cancels the request (its slot is freed before the next
-    step)."""
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    sent_logprobs = 0  # tokens whose logprobs have been sent
-
-    def chunk(text: str | None, reason: str | None, first: bool = False, lps: dict | None = None) -> str:
-        if chat:
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lps}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lps}
-        body = {"id": rid, "object": obj, "created": created, "model": served.name, "choices": [choice]}
-        return f"data: {json.dumps(body)}\n\n"
-
+async def _stream(served, scheduler, choices: list[Choice], updates, writer: ChunkWriter, include_usage: bool, used,
+                  in_flight):
+    """Server-sent events: per choice, a first chunk (chat: the role; completions' echo: the prompt, with its
+    logprobs when asked), one chunk per update with new text or new tokens' logprobs, and one with the finish
+    reason; then the usage when asked, and [DONE]. A chunk's logprobs are its update's tokens' (up to a stop
+    string's last token), whose text may come in a later chunk while it could still be part of a stop string. A
+    client that goes away cancels the requests (their slots are freed before the next step)."""
+    chat = writer.chat
     in_flight.inc()
     finished = False
     try:
-        if chat:
-            yield chunk("", None, first=True)
-        if echo:
-            yield chunk(echo, None)
-        completion = None
-        while completion is None:
-            update = await updates.get()
+        for c in choices:
+            if chat:
+                yield writer.chunk(c.index, "", None, first=True)
+            elif c.echo and c.logprobs is None:
+                yield writer.chunk(c.index, c.echo, None)
+        while not all(c.ended for c in choices):
+            index, update = await updates.get()
             if isinstance(update, BaseException):
-                error = {"error": {"message": f"the engine failed: {update!r}", "type": "server_error",
-                                   "param": None, "code": 500}}
-                yield f"data: {json.dumps(error)}\n\n"
+                yield writer.error(f"the engine failed: {update!r}")
                 return
-            completion = update.completion
-            text = tracker.advance(update.new_tokens, final=completion is not None)
-            if tracker.stopped:
-                scheduler.cancel(handle, stopped=True)
-                text += tracker.advance([], final=True)
-            lps = None
-            if logprobs is not None and update.logprobs:
-                end = tracker.tokens_used() if tracker.stopped else len(tracker.ids)
-                fresh = update.logprobs[: max(0, end - sent_logprobs)]
-                sent_logprobs += len(fresh)
-                lps = logprobs.format(fresh) if fresh else None
+            c = choices[index]
+            if c.ended:  # an update that crossed the cancel of a stop string
+                continue
+            text = c.take(update, scheduler)
+            if update.prompt_logprobs is not None and c.prompt_logprobs is not None:  # echo with logprobs
+                yield writer.chunk(c.index, c.echo, None, logprobs=c.prompt_logprobs)
+            lps = c.fresh_logprobs()
             if text or lps:
-                yield chunk(text, None, lps=lps)
-            if tracker.stopped:
-                break
+                yield writer.chunk(c.index, text, None, logprobs=lps)
+            if c.ended:
+                yield writer.chunk(c.index, None, c.reason)
         finished = True
-        yield chunk(None, _finish_reason(completion, tracker))
         if include_usage:
-            n = tracker.tokens_used()
-            usage = {"prompt_tokens": prompt_n, "completion_tokens": n, "total_tokens": prompt_n + n}
-            yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': served.name, 'choices': [], 'usage': usage})}\n\n"
-        yield "data: [DONE]\n\n"
+            yield writer.usage(used())
+        yield writer.DONE
     finally:
         in_flight.dec()
         if not finished:  # the client went away mid-stream
-            scheduler.cancel(handle)
+            _cancel_all(scheduler, choices)
 
 
 class _EngineCollector:

@@ -1,10 +1,12 @@
 """The OpenAI request bodies the server accepts (pydantic), checked into what the engine runs.
 
 Unknown fields are refused (`extra="forbid"`), so a misspelled parameter is a 400 naming it, never silently ignored.
-Fields OpenAI defines that this server cannot honour yet (n > 1, best_of, suffix, echo with logprobs) are refused
-with a message saying so. Structured output comes as OpenAI's `response_format` (json_schema, json_object) or vLLM's
-`structured_outputs` (regex, choice, json), on both routes. Sampling settings and seeds are per request; what a request
-leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/--top-k`).
+Fields OpenAI defines that this server cannot honour yet (best_of, suffix) are refused with a message saying so.
+A completions request may carry several prompts (strings or token-id lists), and any request `n` choices per
+prompt: each choice is its own engine request. Structured output comes as OpenAI's `response_format` (json_schema,
+json_object) or vLLM's `structured_outputs` (regex, choice, json), on both routes. Sampling settings and seeds are
+per request; what a request leaves out is the server's default (`python -m jaxspec.serve --temperature/--top-p/
+--top-k`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jaxspec.processors import LogitProcessors
 from jaxspec.sampling import SamplingConfig
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 
 class _Common(BaseModel):
@@ -37,7 +40,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM/SGLang's extension
     logit_bias: dict[str, float] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}
     user: str | None = None
@@ -98,8 +101,6 @@ class _Common(BaseModel):
     def sampling(self, default: SamplingConfig) -> SamplingConfig:
         """The request's settings, each one it leaves out taken from the server's `default`; top_k -1 is off, as
         in vLLM. Out-of-range values are a one-line error (a 400)."""
-        if self.n != 1:
-            raise JaxspecError(f"n={self.n}: this server returns one choice per request (n=1)")
         if self.top_k is not None and self.top_k < -1:
             raise JaxspecError(f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
         return SamplingConfig(
@@ -114,10 +115,13 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """POST /v1/completions: a prompt as text or token ids, fed as is (no chat template)."""
+    """POST /v1/completions: a prompt as text or token ids, or a list of either (one choice each, `n` with n > 1),
+    fed as is (no chat template). `echo` with `logprobs` gives the prompt's own tokens' logprobs before the
+    completion's (the first token has none), as lm-evaluation-harness's loglikelihood tasks read them; with
+    `max_tokens: 0` the prompt is scored only."""
 
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0: score the prompt (echo)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -128,9 +132,21 @@ class CompletionRequest(_Common):
             raise JaxspecError("best_of is not supported by this server yet")
         if self.suffix:
             raise JaxspecError("suffix is not supported by this server yet")
-        if self.echo and self.logprobs is not None:
-            raise JaxspecError("echo with logprobs (the prompt's logprobs) is not supported by this server yet; "
-                               "drop one of them")
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            raise JaxspecError("max_tokens 0 scores the prompt alone: give echo: true and logprobs too, or ask for "
+                               "at least one token")
+
+    @property
+    def budget(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def prompts(self, tokenizer) -> tuple[list[str | None], list[list[int]]]:
+        """(each prompt's text, None for token ids; each prompt's token ids): one prompt or a list of them."""
+        prompt = self.prompt
+        many = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        items = list(prompt) if many else [prompt]  # [] is one empty prompt: refused as empty
+        texts = [p if isinstance(p, str) else None for p in items]
+        return texts, [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in items]
 
     def logprob_count(self) -> int | None:
         """Alternatives per token the request wants with each token's log-probability; None: no logprobs."""

@@ -4,6 +4,10 @@ Why a thread: the engine's steps block (compiled programs), and the HTTP side is
 state, so nothing in it is shared. Requests wait in a queue until a slot is free; each step's updates go back to
 each request's own callback (the HTTP side's asyncio queue, `loop.call_soon_threadsafe`). A cancelled request (its
 client went away, or a stop string ended it) leaves its queue or its slot before the next step.
+
+A request that asks for its prompt's own log-probabilities (`SlotRequest.prompt_logprobs`: OpenAI's `echo` with
+`logprobs`) is scored by one pass over its prompt when it leaves the queue, before it joins; one with a budget of 0
+is scored only and never waits for a slot.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from jaxspec.engine.generation import Completion
 from jaxspec.engine.slots import SlotBatcher, SlotRequest, SlotUpdate
 
 Sink = Callable[[SlotUpdate | BaseException], None]
@@ -32,6 +37,7 @@ class SchedulerStats:
     completed: int = 0
     cancelled: int = 0
     generated_tokens: int = 0
+    scored_prompts: int = 0  # prompts whose own log-probabilities were computed
     verify_calls: int = 0  # of completed speculative requests
     rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -95,6 +101,8 @@ class Scheduler:
             if message[0] == "submit":
                 _, handle, request, sink = message
                 self._waiting[handle] = (request, sink)
+                if request.max_new_tokens == 0:  # scored only: ahead of the requests that wait for a slot
+                    self._waiting.move_to_end(handle, last=False)
             elif message[0] == "cancel":
                 _, handle, stopped = message
                 if self._waiting.pop(handle, None) is not None or self.batcher.cancel(handle):
@@ -109,8 +117,11 @@ class Scheduler:
             while not self._stop.is_set():
                 self._drain(block=not self.batcher.running and not self._waiting)
                 joining = []
-                while self._waiting and len(joining) < len(self.batcher.free_slots):
+                while self._waiting and (len(joining) < len(self.batcher.free_slots)
+                                         or next(iter(self._waiting.values()))[0].max_new_tokens == 0):
                     handle, (request, sink) = self._waiting.popitem(last=False)
+                    if request.prompt_logprobs is not None and not self._score(handle, request, sink):
+                        continue  # scored only
                     self._sinks[handle] = sink
                     joining.append((handle, request))
                 if joining:
@@ -136,6 +147,20 @@ class Scheduler:
                     sinks.append(message[3])
             for sink in sinks:
                 _tell(sink, e)
+
+    def _score(self, handle: int, request: SlotRequest, sink: Sink) -> bool:
+        """The prompt's own log-probabilities, as the request's first update; returns whether it goes on to join
+        (False: a budget of 0, and this update ends it)."""
+        start = time.perf_counter()
+        scored = self.batcher.generator.prompt_logprobs(request.prompt, request.prompt_logprobs)
+        self.stats.scored_prompts += 1
+        completion = None
+        if request.max_new_tokens == 0:
+            seconds = time.perf_counter() - start
+            completion = Completion([], False, len(request.prompt), seconds, seconds, 1)
+            self.stats.completed += 1
+        _tell(sink, SlotUpdate(handle, [], completion, prompt_logprobs=scored))
+        return completion is None
 
     def _deliver(self, updates: list[SlotUpdate]) -> None:
         for update in updates:
