@@ -157,6 +157,54 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
     assert outs["dflash"]["token_ids"] == outs["none"]["token_ids"] and outs["dflash"]["stats"]["proposer"] == "dflash"
 
 
+def test_a_bfloat16_step_follows_the_float32_step_and_a_run_keeps_its_dtype(setup, capsys):
+    """Mixed precision (train/precision.py): a step computing in bfloat16 (the target's copy, the drafter's params
+    cast, the tied LM head's dot accumulated in float32) moves the float32 master weights as the float32 step does,
+    within bfloat16's rounding; a run records its compute dtype and, resumed with `auto`, keeps it."""
+    import functools
+
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.config import DFlashConfig
+    from jaxspec.models.dflash import DFlashDrafter
+    import optax
+
+    from train.config import parse_config
+    from train.data import read_shards
+    from train.dflash_run import BlockStep, dflash_step
+    from train.launch import run
+    from train.precision import computing_in
+
+    dcfg = DFlashConfig.for_target(load_target(setup / "target").config, num_layers=1, block_size=4)
+    target = load_target(setup / "target", aux_layer_ids=dcfg.aux_layer_ids)
+    target.numerics = None
+    drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(3))
+    host = BlockBatches(read_shards(setup / "data"), seq_len=24, batch_size=4, num_anchors=6, seed=0)(0)
+    batch = BlockStep(*(jnp.asarray(x) for x in (host.ids, host.loss_mask, host.anchors, host.anchor_valid)))
+    tx = optax.sgd(0.01)  # the update is the gradient: compared directly
+    dgd, params = nnx.split(drafter, nnx.Param)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        mixed = dtype == "bfloat16"
+        tgd, tparams = nnx.split(computing_in(target, dtype) if mixed else target)
+        step_dgd = nnx.split(computing_in(drafter, dtype), nnx.Param)[0] if mixed else dgd
+        step = jax.jit(functools.partial(dflash_step, tgd, drafter_graphdef=step_dgd, tx=tx, loss_decay=4.0,
+                                         compute_dtype=dtype if mixed else None))
+        new, _, loss, _ = step(tparams, params=params, opt_state=tx.init(params), batch=batch)
+        results[dtype] = (float(loss), new)
+    (loss32, new32), (loss16, new16) = results["float32"], results["bfloat16"]
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    moved32 = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(new32), jax.tree.leaves(params))])
+    moved16 = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(new16), jax.tree.leaves(params))])
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(new16))  # the masters stay float32
+    assert np.dot(moved32, moved16) / (np.linalg.norm(moved32) * np.linalg.norm(moved16)) > 0.98
+
+    run(parse_config(_config(setup, "bf16", 2, compute_dtype="bfloat16")))
+    assert "computing in bfloat16 (master weights float32" in capsys.readouterr().err
+    run(parse_config(_config(setup, "bf16", 3, compute_dtype="auto")))  # auto on a resumed run: the recorded dtype
+    err = capsys.readouterr().err
+    assert "resumed from step 2" in err and "computing in bfloat16" in err
+
+
 @pytest.mark.parametrize("change,message", [
     ({"train": {"num_draft_steps": 4}}, "train.num_draft_steps = 4 exceeds what a block of dflash.block_size = 4"),
     ({"head": {"draft_vocab_size": 48}}, "head is not for drafter: dflash"),

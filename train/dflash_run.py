@@ -30,6 +30,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models.dflash import DFlashDrafter
 from train.config import DFlashSection, RunConfig
 from train.dflash import block_loss
+from train.precision import cast_floats, computing_in, resolve_compute_dtype
 from train.run_io import (
     RunInputs,
     acceptance_of,
@@ -44,7 +45,7 @@ from train.run_io import (
     stop_on_nonfinite,
 )
 
-MASTER_DTYPE = jnp.float32  # the drafter's weights and optimizer state; its steps compute in them too
+MASTER_DTYPE = jnp.float32  # the drafter's weights and optimizer state (a step may compute in bfloat16: precision.py)
 
 
 class BlockStep(NamedTuple):
@@ -75,9 +76,13 @@ def drafter_config(target: TargetConfig, d: DFlashSection) -> DFlashConfig:
 
 
 def dflash_step(target_graphdef, target_params, drafter_graphdef, params, opt_state, batch: BlockStep, *, tx,
-                loss_decay: float):
-    """One optimizer step; returns (params, opt_state, loss, metrics). The target (its own dtype, plain numerics)
-    computes the drafter's features of every position; the drafter's blocks at the anchors read them as context."""
+                loss_decay: float, compute_dtype=None):
+    """One optimizer step; returns (params, opt_state, loss, metrics). The target (plain numerics) computes the
+    drafter's features of every position; the drafter's blocks at the anchors read them as context.
+
+    compute_dtype: mixed precision (train/precision.py): the target is already a copy in that dtype, the drafter
+    computes with its master params cast to it (drafter_graphdef: a drafter of that dtype, `computing_in`), and the
+    gradient flows back through the cast to the float32 masters. None: everything in the masters' float32."""
     target = nnx.merge(target_graphdef, target_params)
     b, s = batch.ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -85,6 +90,8 @@ def dflash_step(target_graphdef, target_params, drafter_graphdef, params, opt_st
     features = jax.lax.stop_gradient(out.aux)  # [B, S, n_aux·H]; the logits are unused and compiled away
 
     def loss_fn(params):
+        if compute_dtype is not None:
+            params = cast_floats(params, compute_dtype)
         drafter = nnx.merge(drafter_graphdef, params)
         return block_loss(drafter, target, features, batch.ids, batch.loss_mask, batch.anchors, loss_decay,
                           batch.anchor_valid)
@@ -140,7 +147,7 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     params = jax.device_put(params, param_sharding(mesh, params))
     state = {"params": params, "opt_state": jax.jit(tx.init)(params)}
     ckpt = RunCheckpoints(out / "checkpoints", keep=t.keep_checkpoints)
-    start = 0
+    start, meta = 0, {}
     restored = ckpt.restore_latest(state, say=say)
     if restored is not None:
         _, state, meta = restored
@@ -152,11 +159,22 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
                                "not continue the same run; restore them or use a new out")
         check_resumed_target(out, meta, cfg.target.quantize)
         say(f"resumed from step {start}")
-    say("computing in float32 (train.compute_dtype: DFlash steps compute in the drafter's float32 weights)")
-    tgd, tparams = nnx.split(target)
+    # A run keeps the compute dtype it started with (runs saved before mixed precision computed in float32); auto
+    # times the step's largest matmul, the target's LM head over every block slot of a batch.
+    recorded = meta.get("compute_dtype", "float32") if start else None
+    compute = recorded if t.compute_dtype == "auto" and recorded else resolve_compute_dtype(
+        t.compute_dtype, t.batch_size * cfg.dflash.num_anchors * dcfg.block_size, dcfg.hidden_size,
+        target.config.vocab_size,
+    )
+    mixed = compute != jnp.dtype(MASTER_DTYPE).name
+    say(f"computing in {compute} ({f'master weights {jnp.dtype(MASTER_DTYPE).name}, ' if mixed else ''}"
+        f"train.compute_dtype: {t.compute_dtype})")
+    # `target` itself evaluates; the step's copy shares its weights when they are already in `compute`
+    tgd, tparams = nnx.split(computing_in(target, compute) if mixed else target)
     tparams = jax.device_put(tparams, param_sharding(mesh, tparams))
-    step_fn = jax.jit(functools.partial(dflash_step, tgd, drafter_graphdef=dgd, tx=tx,
-                                        loss_decay=cfg.dflash.loss_decay),
+    step_dgd = nnx.split(computing_in(drafter, compute), nnx.Param)[0] if mixed else dgd
+    step_fn = jax.jit(functools.partial(dflash_step, tgd, drafter_graphdef=step_dgd, tx=tx,
+                                        loss_decay=cfg.dflash.loss_decay, compute_dtype=compute if mixed else None),
                       donate_argnames=("params", "opt_state"))
     metrics_file, board = open_metrics(out)
     params, opt_state = state["params"], state["opt_state"]
@@ -196,7 +214,7 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
         if (step + 1) % t.checkpoint_every == 0 or step == t.steps - 1 or interrupted:
             ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
                       {"next_step": step + 1, "data_order": batches.settings, "drafter": "dflash",
-                       "target_quantize": cfg.target.quantize})
+                       "target_quantize": cfg.target.quantize, "compute_dtype": compute})
         last = record
         if interrupted:
             say(f"saved step {step + 1}; the same command resumes from it")

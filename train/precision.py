@@ -1,4 +1,5 @@
-"""Mixed precision for head training: the step computes in a narrower dtype than the weights it updates.
+"""Mixed precision for drafter training (EAGLE-3 heads, DFlash drafters): the step computes in a narrower dtype
+than the weights it updates.
 
 The head's master weights and the optimizer state stay in the dtype they were built in (float32); every step
 computes the head's forward and backward with a copy cast to `compute_dtype`, and the frozen target runs in that
@@ -69,10 +70,11 @@ def cast_floats(tree, dtype, keep: tuple[str, ...] = ()):
 
 
 def computing_in(module: nnx.Module, dtype) -> nnx.Module:
-    """A copy of a target (LlamaModel) or head (Eagle3Head) that computes in dtype: its floating-point weights cast
-    to it — as plain arrays of dtype, not held wider as a loaded 16-bit model's are on CPU, since here the narrow
-    matmul is the point — and its activations kept in it (the module's `dtype`). The original is untouched; weights
-    already in dtype are shared with it, not copied (an 8B target loaded in bfloat16 stays 16 GB)."""
+    """A copy of a target (LlamaModel), head (Eagle3Head) or DFlash drafter that computes in dtype: its
+    floating-point weights cast to it — as plain arrays of dtype, not held wider as a loaded 16-bit model's are on
+    CPU, since here the narrow matmul is the point — and its activations kept in it (the module's `dtype`). The
+    original is untouched; weights already in dtype are shared with it, not copied (an 8B target loaded in bfloat16
+    stays 16 GB)."""
     from jaxspec.models.llama import Linear
 
     graphdef, state = nnx.split(module)
@@ -82,4 +84,6 @@ def computing_in(module: nnx.Module, dtype) -> nnx.Module:
         for _, sub in nnx.iter_graph(copy):
             if isinstance(sub, Linear):
                 sub.accumulate = jnp.float32
+        if hasattr(copy, "accumulate"):  # a target's tied LM head (`llama.head_logits`): a DFlash drafter's logits
+            copy.accumulate = jnp.float32
     return copy

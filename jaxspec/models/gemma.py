@@ -276,6 +276,7 @@ class GemmaModel(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.quantization: str | None = None
+        self.accumulate = None  # the tied LM head's dot in a mixed-precision training step (`head_logits`)
         self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         self.layers = nnx.List([GemmaDecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=g.norm_offset)
@@ -336,7 +337,7 @@ class GemmaModel(nnx.Module):
 
     def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
-        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics)  # [..., V] in the dtype
+        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate)  # [..., V]
         cap = self.config.gemma.final_logit_softcapping
         if cap is not None:  # in the model dtype, as transformers caps them
             logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)

@@ -256,14 +256,17 @@ class DecoderLayer(nnx.Module):
 
 
 def head_logits(table: jax.Array, lm_head: Linear | None, normed: jax.Array,
-                numerics: Numerics | None = None) -> jax.Array:
+                numerics: Numerics | None = None, accumulate=None) -> jax.Array:
     """normed [..., H] through the LM head, or the tied embedding table [V, H] without one → logits [..., V] in
     normed's dtype. numerics: the target's row tiles, the table contracted in its stored layout (`tiled_matmul`'s
-    w_out_in); None: one plain dot."""
+    w_out_in); None: one plain dot. accumulate: the tied table's dot as an untied head's Linear computes it in a
+    mixed-precision training step (16-bit products, float32 sums: train/precision.py), None its own result dtype."""
     if lm_head is not None:
         return lm_head(normed, numerics)
     if numerics is not None:
         return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
+    if accumulate is not None:
+        return accumulating_matmul(normed, table.T.astype(normed.dtype), accumulate)
     return contract(normed, table, ((normed.ndim - 1,), (1,)))
 
 
@@ -297,6 +300,7 @@ class LlamaModel(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.numerics = self.invariant_numerics() if numerics == "default" else numerics
         self.quantization: str | None = None  # "int8" or "fp8" once `models.quantize.quantize_target` ran
+        self.accumulate = None  # the tied LM head's dot in a mixed-precision training step (`head_logits`)
         self.embed_tokens = nnx.Param(normal_weight(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))  # [V, H]
         sparse = cfg.moe.layers if cfg.moe is not None else ()
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, sparse=i in sparse)
@@ -351,7 +355,8 @@ class LlamaModel(nnx.Module):
         """The LM head alone (the tied embedding table when there is none) on states already normed [..., H] →
         float32 logits [..., V]: what a drafter that shares the target's head (DFlash) reads after its own norm.
         numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed)."""
-        return head_logits(self.embed_tokens[...], self.lm_head, normed, numerics).astype(jnp.float32)
+        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate)
+        return logits.astype(jnp.float32)
 
     def __call__(
         self,
