@@ -630,10 +630,13 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
     from jaxspec.models.dflash import DFlashDrafter
     from jaxspec.models.gemma4_assistant import Gemma4Assistant
 
-    # a DFlash drafter, a Gemma 4 assistant and a draft model draft chains
+    # an EAGLE-3 head's trees: --tree, else a default one; a DFlash drafter's (from its block's slots) only with
+    # --tree, whose depth must fit its block; a Gemma 4 assistant and a draft model draft chains here
     drafts_trees = (head is not None and not isinstance(head, (DFlashDrafter, Gemma4Assistant))
                     and not is_draft_model(head))
     trees = [] if not drafts_trees or args.accept_prob is not None else args.tree or [TreeConfig(16, 5, 4)]
+    if isinstance(head, DFlashDrafter) and args.accept_prob is None:
+        trees = list(args.tree)
     methods = chains + [(1, t) for t in trees]  # (num_draft, tree); a tree sets its own depth
     if head is not None and args.accept_prob is None:
         methods.append((AUTO, None))

@@ -295,12 +295,10 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
 
     block = isinstance(drafter, DFlashDrafter)
     what = "a DFlash drafter" if block else "a draft model"
-    if tree is not None and block:
-        raise JaxspecError(f"{what} drafts one chain per step; drop --tree")
     if forced_accept_prob is not None:
         raise JaxspecError(f"--accept-prob forces an EAGLE-3 head's acceptance; drop it for {what}")
-    if tree is not None:  # a draft model's tree (its depth is the tree's; auto prices chains only)
-        proposer, params = DraftModelProposer.of(drafter, tree.depth, tree)
+    if tree is not None:  # a tree from the block's slots or the draft model's levels (auto prices chains only)
+        proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, tree.depth, tree)
         return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                          kernels=kernels)
     if num_draft == AUTO:
