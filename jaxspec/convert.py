@@ -5,6 +5,8 @@ python -m jaxspec.convert target --target DIR --out DIR [--dtype D]
     a Hugging Face target → an orbax checkpoint that reloads fast (and sharded); --target accepts it everywhere
 python -m jaxspec.convert random-head --out DIR [--target DIR] [--draft-vocab N] [--layout speculators|sglang]
     an untrained EAGLE-3 head shaped for a target: measures the cost of drafting and verifying (acceptance ≈ 0)
+python -m jaxspec.convert random-dflash --out DIR [--target DIR] [--block-size B] [--num-layers N]
+    an untrained DFlash block drafter shaped for a target (z-lab's layout): the cost of drafting a block
 python -m jaxspec.convert head --draft DIR --out DIR --layout speculators|sglang|eagle [--target DIR]
     an EAGLE-3 head from any of the three layouts into another (checked against the target on the way)
 
@@ -59,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     rand.add_argument("--seed", type=integer(*SEED_RANGE), default=0, help="initialisation seed (default: 0)")
     rand.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP)
     rand.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    block = sub.add_parser("random-dflash", help="an untrained DFlash block drafter shaped for a target, in z-lab's "
+                           "layout (for benchmarks)")
+    block.add_argument("--out", metavar="DIR", required=True, help="directory for the drafter (created)")
+    block.add_argument("--target", metavar="DIR", help="default: the built-in SmolLM2-135M-Instruct")
+    block.add_argument("--block-size", type=integer(2, 64), default=16, metavar="B",
+                       help="tokens per block: one forward drafts B - 1 (default: 16, as z-lab's 8B drafters)")
+    block.add_argument("--num-layers", type=integer(1, 64), default=0, metavar="N",
+                       help="decoder layers (default: 0, z-lab's: 5, or the target's if fewer)")
+    block.add_argument("--seed", type=integer(*SEED_RANGE), default=0, help="initialisation seed (default: 0)")
+    block.add_argument("--verifier", metavar="NAME", help=VERIFIER_HELP)
+    block.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     head = sub.add_parser("head", help="convert an EAGLE-3 head between the EAGLE, SGLang and speculators layouts")
     head.add_argument("--draft", metavar="DIR", required=True, help="the head, in any layout (detected)")
     head.add_argument("--out", metavar="DIR", required=True, help="directory for the converted head (created)")
@@ -108,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         _convert_target(args)
     elif args.command == "random-head":
         _random_head(args, _head_out(args))
+    elif args.command == "random-dflash":
+        _random_dflash(args)
     elif args.command == "head":
         _convert_head(args, _head_out(args))
     return 0
@@ -213,6 +228,38 @@ def _random_head(args, out: Path) -> None:
     name = args.verifier or verifier_name(args.target, args.out)
     with written_whole(out) as staging:
         export_head(head, staging, layout=args.layout, target=target, dtype="bfloat16", verifier=name)
+    print(out)
+
+
+def _random_dflash(args) -> None:
+    """Its RoPE is plain (a target's llama3 scaling is not exported yet; it changes no cost): speed, not drafts."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxspec.checkpoints.dflash import export_dflash, is_dflash
+    from jaxspec.checkpoints.verifier import verifier_name
+    from jaxspec.cli.loading import resolve_target
+    from jaxspec.cli.outputs import check_output_dir, written_whole
+    from jaxspec.config import DFlashConfig, load_target_config
+    from jaxspec.files import read_json
+    from jaxspec.models.dflash import DFlashDrafter
+
+    def holds_drafter(path: Path) -> bool:
+        try:
+            return is_dflash(read_json(path / "config.json", "config.json", expect=dict))
+        except Exception:  # noqa: BLE001 (anything else is not a drafter written before)
+            return False
+
+    out = check_output_dir(args.out, holds_own=holds_drafter, what="DFlash drafter", overwrite=args.overwrite)
+    target = load_target_config(resolve_target(args.target))
+    overrides = {"block_size": args.block_size, "rope": dataclasses.replace(target.rope, rope_type="default")}
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    drafter = DFlashDrafter(DFlashConfig.for_target(target, **overrides), rngs=nnx.Rngs(args.seed))
+    name = args.verifier or verifier_name(args.target, args.out)
+    with written_whole(out) as staging:
+        export_dflash(drafter, staging, target=target, dtype="bfloat16", verifier=name)
     print(out)
 
 

@@ -22,6 +22,8 @@
 #   bench1, bench8   `jaxspec.bench`, batch 1 (2 MT-Bench prompts) or 8 (8 prompts), 64 new tokens, kernels
 #           compiled: target-only and a forced-acceptance chain K=5 at p=0.84 (tau ~ 4) interleaved (the decode /
 #           verify / head-step component timings too with COMPONENTS=--components) -> bench-b1.json, bench-b8.json
+#   dflash1, dflash8   the same bench with a random DFlash block drafter (`convert random-dflash`: blocks of 16,
+#           5 layers): chains of 15 from one drafter forward at p=0.84 (tau ~5.9) -> bench-dflash-b1.json, -b8.json
 #   load     the target's load speed (#44: >= 1 GB/s): `convert target` to orbax, then `bench --load-time` (3 loads
 #           each of safetensors and orbax, weights placed on the GPU) -> its table appended to summary.txt
 #   profile  decode steps profiled (scripts/gpu_profile.py: device time per step, launches, top ops by time) with
@@ -36,7 +38,7 @@
 # The full 8B (the issue's GPU goals are stated there): LAYERS=32 makes a 32-layer target beside the 4-layer one
 # (16 GB; ~35 s to write, ~45 s a compile), e.g. a second call `LAYERS=32 DEADLINE=... run "target bench1 profile"`.
 # Plan for 15 minutes of device time: call 1 "target tests1 tests2" (~290 s: the compiled suite is the gate for the
-# kernels' default), call 2 at once, LAYERS=32, "target bench1 profile" (~6 min, not yet run).
+# kernels' default), call 2 at once, LAYERS=32, "target bench1 dflash1 profile" (~7 min, not yet run).
 # Second sitting, 2026-11-28 on one H200: "target bench1 profile splitk tests1" took 253 s (tests1: 54 of 54 in
 # 125 s) and "target tests2 bench8 load" 219 s (tests2: 14 of 14 in 134 s; bench8 37 s), so both calls end well
 # inside their limits; a third call on the warm machine ran the same files' slow cases (74 of 149 in 290 s).
@@ -89,6 +91,7 @@ log() { { echo "== $1"; tail -${2:-40} "$1"; } >>"$OUT/logs.txt"; }
 cat "$OUT/env.txt"
 
 T=$WORK/target-$SHAPE-$LAYERS; H=$WORK/head-$SHAPE-$LAYERS  # one target per shape and layer count on a machine
+D=$WORK/dflash-$SHAPE-$LAYERS
 PROFILE_SECONDS=$(( 45 + 4 * LAYERS ))  # a profile compiles one program (~1.4 s a layer) and runs it three times
 PROMPTS=jaxspec/prompt_sets/mt_bench.jsonl
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n $WORKERS")  # pytest-xdist where installed (the GPU image has it)
@@ -101,12 +104,14 @@ tests() {  # tests NAME FILES...: the compiled suite's part
     tail -5 "$OUT/tests.log"
 }
 
-bench() {  # bench BATCH PROMPTS SECONDS (+8 s a layer: each of its ~4 programs compiles in ~1.4 s a layer)
-    bounded "bench batch $1" "$(( $3 + 8 * LAYERS ))" $PY -m jaxspec.bench --target "$T" --draft "$H" \
+bench() {  # bench BATCH PROMPTS SECONDS [DRAFT K NAME] (+8 s a layer: each of its ~4 programs compiles in ~1.4 s a
+    # layer); the draft: the random head with chains of 5 (bench-bB.json), or e.g. the random DFlash drafter's 15
+    local draft=${4:-$H} k=${5:-5} name=${6:-bench-b$1}
+    bounded "$name" "$(( $3 + 8 * LAYERS ))" $PY -m jaxspec.bench --target "$T" --draft "$draft" \
         --prompts-file "$PROMPTS" \
-        --limit "$2" --batch-size "$1" --max-new-tokens 64 --kernels pallas --num-speculative-tokens 5 \
-        --accept-prob 0.84 $COMPONENTS --json >"$OUT/bench-b$1.json" 2>"$WORK/bench-b$1.log"
-    log "$WORK/bench-b$1.log" 25
+        --limit "$2" --batch-size "$1" --max-new-tokens 64 --kernels pallas --num-speculative-tokens "$k" \
+        --accept-prob 0.84 $COMPONENTS --json >"$OUT/$name.json" 2>"$WORK/$name.log"
+    log "$WORK/$name.log" 25
 }
 
 profiles() {  # every profile taken so far on this machine -> profile.json
@@ -129,6 +134,12 @@ for part in ${2:-target tests1 tests2 bench1 profile bench8 load}; do
     tests2) tests tests2 tests/test_spec_tree.py tests/test_spec_sampling.py tests/test_invariance.py ;;
     bench1) bench 1 2 120 ;;
     bench8) bench 8 8 120 ;;
+    dflash1|dflash8)  # a random DFlash drafter (block 16, 5 layers as z-lab's 8B drafters): chains of 15 from one
+        # forward at the same forced p=0.84 (tau ~5.9) against target-only (#45's GPU item)
+        [ -f "$D/config.json" ] || bounded "random DFlash drafter" 60 $PY -m jaxspec.convert random-dflash \
+            --target "$T" --out "$D" >"$WORK/dflash.log" 2>&1 || log "$WORK/dflash.log"
+        b=${part#dflash}
+        bench "$b" "$([ "$b" = 1 ] && echo 2 || echo 8)" 120 "$D" 15 "bench-dflash-b$b" ;;
     load)
         [ -d "$T-orbax" ] || bounded "convert target to orbax" 120 $PY -m jaxspec.convert target --target "$T" \
             --out "$T-orbax" --dtype bfloat16 >"$WORK/convert.log" 2>&1 || log "$WORK/convert.log"

@@ -239,6 +239,36 @@ def test_trees_from_the_blocks_slots_equal_target_only(kind, batch, reference):
         DFlashProposer.of(drafter, tree=TreeConfig(8, BLOCK, 2))
 
 
+def test_a_random_drafter_from_convert_drafts_at_a_forced_acceptance(tmp_path):
+    """`convert random-dflash` writes an untrained drafter shaped for a target (z-lab's layout), and `--accept-prob`
+    forces its chains' acceptance as an EAGLE-3 head's: a block drafter's speed measured at a chosen acceptance
+    with random weights at real shapes (the GPU sitting's DFlash bench)."""
+    from hf_tiny import write_char_tokenizer
+
+    from jaxspec import convert
+    from jaxspec.cli.args import AUTO
+    from jaxspec.cli.loading import draft_generator
+    from jaxspec.engine.tree import TreeConfig
+
+    make_tiny("smollm2_tied", tmp_path / "target", seed=5)
+    write_char_tokenizer(tmp_path / "target")
+    out = tmp_path / "drafter"
+    assert convert.main(["random-dflash", "--target", str(tmp_path / "target"), "--out", str(out), "--block-size",
+                         "4", "--num-layers", "1"]) == 0
+    cfg = load_target(tmp_path / "target").config
+    drafter = load_dflash(out, cfg)
+    assert (drafter.config.block_size, drafter.config.num_layers) == (4, 1)
+    target = load_target(tmp_path / "target", aux_layer_ids=drafter.config.aux_layer_ids)
+    gen = draft_generator(target, drafter, str(out), 3, None, batch_size=4, forced_accept_prob=0.75)
+    got = gen.generate(PROMPTS, max_new_tokens=40)  # no stop tokens: forced drafts are not the target's text
+    calls = sum(c.stats["verify_calls"] for c in got)
+    mean = sum(c.num_generated - 1 for c in got) / calls
+    assert 2.2 < mean < 3.3, mean  # 1 + 0.75 + 0.75^2 + 0.75^3 = 2.73
+    for num_draft, tree in ((AUTO, None), (3, TreeConfig(6, 3, 2))):
+        with pytest.raises(JaxspecError, match="drop it for a DFlash drafter with --tree or auto"):
+            draft_generator(target, drafter, str(out), num_draft, tree, batch_size=1, forced_accept_prob=0.75)
+
+
 @pytest.mark.slow  # CI: bfloat16 speculation in test_invariance; DFlash greedy in float32 here
 def test_bfloat16_greedy_equals_target_only():
     """bfloat16 target and drafter, a batch of 4 with ragged acceptance: every verify of a drafted block gives the

@@ -295,8 +295,9 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
 
     block = isinstance(drafter, DFlashDrafter)
     what = "a DFlash drafter" if block else "a draft model"
-    if forced_accept_prob is not None:
-        raise JaxspecError(f"--accept-prob forces an EAGLE-3 head's acceptance; drop it for {what}")
+    if forced_accept_prob is not None and (not block or tree is not None or num_draft == AUTO):
+        raise JaxspecError(f"--accept-prob forces the acceptance of a fixed chain of an EAGLE-3 head or a DFlash "
+                           f"drafter; drop it for {what}" + (" with --tree or auto" if block else ""))
     if tree is not None:  # a tree from the block's slots or the draft model's levels (auto prices chains only)
         proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, tree.depth, tree)
         return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
@@ -310,7 +311,7 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
                                         kernels=kernels, store=store)
     proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
-                     kernels=kernels)
+                     kernels=kernels, forced_accept_prob=forced_accept_prob)
 
 
 ASSISTANT_DEFAULT_DRAFTS = 4  # `auto` with a Gemma 4 assistant, unless its generation_config.json says otherwise
