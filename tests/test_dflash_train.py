@@ -86,6 +86,61 @@ def test_batches_are_a_function_of_seed_and_step(setup):
     np.testing.assert_array_equal(anchor_positions(np.array([0, 0, 1, 1, 0, 1])), [1, 2, 4])
 
 
+def test_grouped_batches_are_as_wide_as_their_longest_row_and_train_the_same_blocks(setup):
+    """group_by_length: each run of G batches' rows sorted by length, so a batch is only as wide as its longest
+    row (rounded up to 64); an epoch still covers every sequence once, batches are still a function of (seed,
+    step), and a trimmed batch's loss is the one its rows give at the full train.seq_len (padding never counts)."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.config import DFlashConfig
+    from jaxspec.models.dflash import DFlashDrafter
+    from train.block_batches import WIDTH_MULTIPLE
+    from train.dflash import block_loss
+
+    rng = np.random.default_rng(0)
+    seqs = []
+    for n in rng.integers(8, 250, size=40):
+        mask = np.zeros(n, np.int32)
+        mask[n // 3 :] = 1
+        seqs.append((rng.integers(0, 97, n).astype(np.int32), mask))
+    grouped = BlockBatches(seqs, seq_len=256, batch_size=4, num_anchors=5, seed=2, group_by_length=3)
+    plain = BlockBatches(seqs, seq_len=256, batch_size=4, num_anchors=5, seed=2)
+    assert grouped.settings == {**plain.settings, "group_by_length": 3}
+    assert sorted(i for step in range(10) for i in grouped.rows_of_step(step)) == list(range(40))
+    widths = set()
+    for step in range(10):
+        batch, again = grouped(step), grouped(step)
+        np.testing.assert_array_equal(batch.ids, again.ids)
+        lengths = [len(grouped.rows[i][0]) for i in grouped.rows_of_step(step)]
+        width = batch.ids.shape[1]
+        assert width == min(256, -(-max(lengths) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
+        widths.add(width)
+    assert len(widths) > 1
+    padded = sum(b.ids.shape[1] for b in map(grouped, range(10))), sum(b.ids.shape[1] for b in map(plain, range(10)))
+    assert padded[0] < 0.8 * padded[1]  # fewer padded positions
+    # windows of 3 batches (12 rows) sorted: a batch's rows are consecutive in its window's length order
+    window = [i for step in range(3) for i in grouped.rows_of_step(step)]
+    by_batch = sorted((sorted(len(grouped.rows[i][0]) for i in window[j : j + 4]) for j in range(0, 12, 4)))
+    assert all(a[-1] <= b[0] for a, b in zip(by_batch, by_batch[1:]))
+
+    dcfg = DFlashConfig.for_target(load_target(setup / "target").config, num_layers=1, block_size=4)
+    target = load_target(setup / "target", aux_layer_ids=dcfg.aux_layer_ids)
+    target.numerics = None
+    drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(1))
+    trimmed = next(b for b in map(grouped, range(10)) if b.ids.shape[1] < 256)
+    full = [np.zeros((4, 256), np.int32) for _ in range(2)]
+    for arr, part in zip(full, (trimmed.ids, trimmed.loss_mask)):
+        arr[:, : part.shape[1]] = part
+
+    def loss(ids, mask):
+        s = ids.shape[1]
+        out = target(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(s), ids.shape), target.init_cache(4, s),
+                     return_aux=True, empty_cache=True)
+        return block_loss(drafter, target, out.aux, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(trimmed.anchors),
+                          4.0, jnp.asarray(trimmed.anchor_valid))[0]
+
+    assert float(loss(trimmed.ids, trimmed.loss_mask)) == pytest.approx(float(loss(*full)), rel=1e-5)
+
+
 def _config(setup, name: str, steps: int, **train) -> dict:
     return {
         "target": str(setup / "target"), "data": str(setup / "data"), "out": str(setup / name), "drafter": "dflash",

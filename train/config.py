@@ -60,6 +60,9 @@ class DFlashSection:
     num_anchors: int = _setting(16, at_least=1)  # blocks trained per sequence and step
     # slot k >= 1 weighs exp(-(k - 1) / loss_decay) (train/dflash.py): 7 for blocks of 16 in SpecForge, 4 for 7-8
     loss_decay: float = _setting(4.0, at_least=1e-6)
+    # G: batches of rows of similar length, G batches at a time, each as wide as its longest row
+    # (train/block_batches.py); 0: every batch train.seq_len wide
+    group_by_length: int = _setting(0, at_least=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,7 +133,8 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=dcfg.aux_layer_ids,
                          quantize=cfg.target.quantize)
     target.numerics = None
-    batches = BlockBatches(read_sequences(inputs.data_dirs), t.seq_len, t.batch_size, cfg.dflash.num_anchors, t.seed)
+    batches = BlockBatches(read_sequences(inputs.data_dirs), t.seq_len, t.batch_size, cfg.dflash.num_anchors, t.seed,
+                           cfg.dflash.group_by_length)
     if batches.cut_tokens or batches.dropped:
         say(f"{batches.cut_tokens} tokens past train.seq_len are cut; {batches.dropped} sequences without a response "
             "token to anchor a block are left out")
