@@ -14,6 +14,7 @@ import json
 import sys
 
 from jaxspec.cli.args import (
+    AUTO,
     SEED_RANGE,
     OneLineParser,
     add_draft_args,
@@ -26,6 +27,7 @@ from jaxspec.cli.args import (
     parse_tree,
 )
 from jaxspec.cli.loading import (
+    auto_among_drafters,
     check_before_loading,
     draft_generator,
     head_aux_layer_ids,
@@ -39,6 +41,7 @@ from jaxspec.cli.loading import (
     step_cost_store,
 )
 from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
+from jaxspec.errors import JaxspecError
 from jaxspec.cli.program import main_guard, run_program, use_compile_cache
 
 
@@ -52,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(parser)
     add_step_cost_args(parser)
     add_draft_args(parser)
+    parser.add_argument(
+        "--also-draft", metavar="PATH",
+        help="another drafter of the same target (an EAGLE-3 head or a DFlash drafter): automatic speculation "
+        "then chooses per batch among both drafters' chains and trees and target-only (default: none)",
+    )
     add_mesh_args(parser)
     parser.add_argument(
         "--tree", type=parse_tree, metavar="TOTAL,DEPTH,TOPK",
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = resolve_draft(args)
     target_dir = resolve_target(args.target)
     aux_ids = head_aux_layer_ids(draft, target_dir)
+    also_aux = _check_also_draft(args, draft, target_dir)
     checked = check_before_loading(
         args, target_dir, draft, mesh, [text for _, text in prompts], [args.batch_size], processors
     )
@@ -152,10 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     processors = dataclasses.replace(processors, grammar=checked.grammar)
     ngram = ngram_proposer(args)
-    # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
-    drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
-        args, model, tokenizer)
-    if drafter is not None:
+    drafter = None
+    if not args.also_draft:  # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model
+        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+            args, model, tokenizer)
+    if args.also_draft:  # auto among both drafters, each over a view of the target with its own feature layers
+        generator = auto_among_drafters(
+            model, [draft, args.also_draft], [aux_ids, also_aux], dtype=args.dtype, allow_pickle=args.allow_pickle,
+            batch_size=args.batch_size, mesh=mesh, kernels=kernels, store=step_cost_store(args),
+        )
+    elif drafter is not None:
         generator = draft_generator(
             model, drafter, draft or args.draft_model, args.num_speculative_tokens, args.tree,
             batch_size=args.batch_size, mesh=mesh, kernels=kernels, store=step_cost_store(args),
@@ -222,11 +237,34 @@ def _method_summary(args, draft, completions, proposer=None) -> str:
     from jaxspec.engine.generation import tokens_per_verify
     from jaxspec.engine.auto.generator import describe_choices
 
-    if method == "auto":
+    if method == "auto" and args.also_draft:
+        from jaxspec.engine.auto.among import describe_among
+
+        method = f"auto among {draft} and {args.also_draft}: {describe_among(completions, args.batch_size)}"
+    elif method == "auto":
         method = f"auto: {describe_choices(completions, args.batch_size)}"
     per_verify = tokens_per_verify(completions)
     per_verify = f"{per_verify:.2f}" if per_verify is not None else "n/a"
     return f"{method}, {per_verify} tokens per verify step"
+
+
+def _check_also_draft(args, draft: str | None, target_dir):
+    """--also-draft's one-line errors before anything loads, and the layers it reads (`head_aux_layer_ids`)."""
+    if not args.also_draft:
+        return None
+    if getattr(args, "proposer", "eagle3") != "eagle3" or args.no_draft:
+        given = "--no-draft" if args.no_draft else f"--proposer {args.proposer}"
+        raise JaxspecError(f"--also-draft adds a second EAGLE-3 head or DFlash drafter to --draft's; drop {given}")
+    if draft is None:
+        raise JaxspecError("--also-draft adds a second drafter to --draft's (an EAGLE-3 head or a DFlash drafter); "
+                           "give --draft too")
+    if args.tree or args.num_speculative_tokens not in (None, AUTO):
+        raise JaxspecError("--also-draft lets automatic speculation choose between the drafters; drop "
+                           + ("--tree" if args.tree else "--num-speculative-tokens"))
+    from jaxspec.checkpoints.heads import read_head_config
+
+    read_head_config(args.also_draft)  # a missing drafter fails here
+    return head_aux_layer_ids(args.also_draft, target_dir)
 
 
 def _wall(completions, batch_size: int) -> float:

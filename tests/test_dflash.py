@@ -230,6 +230,7 @@ def test_trees_from_the_blocks_slots_equal_target_only(kind, batch, reference):
         proposer, params = DFlashProposer.of(drafter, BLOCK - 1)
         chain = Generator(tiny_target(), proposer=proposer, proposer_params=params, batch_size=batch)
         chained = chain.generate(PROMPTS, max_new_tokens=30)
+
         def per_verify(out):
             return sum(c.num_generated - 1 for c in out) / sum(c.stats["verify_calls"] for c in out)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -312,6 +313,33 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
     proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels, forced_accept_prob=forced_accept_prob)
+
+
+def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtype: str | None, allow_pickle: bool,
+                        batch_size: int, mesh=None, kernels: str | None = None, store=None):
+    """`auto` among several drafters of one target (`generate --also-draft`; `engine.auto.among`): each drafter's
+    own `AutoSpeculativeGenerator`, over a view of the target returning the features that drafter reads
+    (`models.target.with_aux_layers`: the same weights), and per batch the best of their choices. aux_ids: each
+    drafter's layers (`head_aux_layer_ids`; None: the target's default)."""
+    from jaxspec.engine.auto.among import AutoAmongDrafters
+    from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
+    from jaxspec.models.target import with_aux_layers
+
+    model.hold_fused_qkv()  # before the views: they share the held kernel instead of each holding its own
+    generators = []
+    for path, ids in zip(drafts, aux_ids):
+        view = with_aux_layers(model, model.config.aux_layer_ids if ids is None else ids)
+        drafter = load_draft_for(path, view, dtype, allow_pickle)
+        gen = draft_generator(view, drafter, path, AUTO, None, batch_size=batch_size, mesh=mesh, kernels=kernels,
+                              store=store)
+        if not isinstance(gen, AutoSpeculativeGenerator):
+            raise JaxspecError(f"--also-draft: automatic speculation cannot price {path}'s drafts (a Gemma 4 "
+                               "assistant); draft with it alone")
+        generators.append(gen)
+    names = [Path(p).name or str(p) for p in drafts]
+    if len(set(names)) < len(names):
+        names = [str(p) for p in drafts]
+    return AutoAmongDrafters(generators, names)
 
 
 ASSISTANT_DEFAULT_DRAFTS = 4  # `auto` with a Gemma 4 assistant, unless its generation_config.json says otherwise

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -19,3 +22,13 @@ def target_model(cfg: TargetConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None,
     """A target of `cfg`'s family; rngs=None builds shapes only (loaders fill every weight)."""
     cls = GemmaModel if cfg.gemma is not None else LlamaModel
     return cls(cfg, dtype=dtype, rngs=rngs, numerics=numerics)
+
+
+def with_aux_layers(model: TargetModel, aux_layer_ids: Sequence[int]) -> TargetModel:
+    """The same target returning the features of other layers (`TargetConfig.aux_layer_ids`): a second module over
+    the very same weight arrays, nothing copied. Two drafters of one target that read different layers (an EAGLE-3
+    head's three, a DFlash drafter's five) each get the target they need."""
+    graphdef, state = nnx.split(model)
+    view = nnx.merge(graphdef, state)
+    view.config = dataclasses.replace(model.config, aux_layer_ids=tuple(aux_layer_ids))
+    return view

@@ -302,6 +302,15 @@ class AutoSpeculativeGenerator(Generator):
     ) -> list[Completion]:
         capacity = self.cost_capacity(batch, max_new_tokens)
         choice, basis = self.choose(capacity)
+        return self.run_choice(choice, basis, capacity, batch, offset, max_new_tokens, stop_ids, keys, on_tokens,
+                               processor_values, sampling)
+
+    def run_choice(
+        self, choice: Choice, basis: str, capacity: int, batch, offset, max_new_tokens, stop_ids, keys, on_tokens,
+        processor_values, sampling=None,
+    ) -> list[Completion]:
+        """One batch with `choice` (this generator's `choose` made it, on `basis`), its counts and step time taken
+        in, and the choice recorded in each completion's `stats["auto"]`."""
         rates = self.acceptance().rates
         args = (batch, offset, max_new_tokens, stop_ids, keys, on_tokens, processor_values, sampling)
         trees = self.tree_tokens()
