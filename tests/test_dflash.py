@@ -311,7 +311,7 @@ def test_auto_prices_one_drafter_forward_per_step_and_keeps_the_targets_text(ref
 
     timed = measure_step_costs(tiny_target(), fitted_drafter(), 4, 64, BLOCK - 1, repeats=1)
     assert timed.block_draft and timed.draft > 0 and timed.max_draft == BLOCK - 1
-    with pytest.raises(JaxspecError, match="a DFlash drafter drafts chains, not trees"):
+    with pytest.raises(JaxspecError, match="automatic speculation prices a DFlash drafter's chains only"):
         from jaxspec.engine.tree import TreeConfig
 
         AutoSpeculativeGenerator(tiny_target(), fitted_drafter(), prior=prior, trees={TreeConfig(6, 3, 2): 2.0})

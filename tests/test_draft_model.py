@@ -151,7 +151,7 @@ def test_auto_prices_a_draft_model_and_keeps_the_output(reference):
     costs = records[1]["step_costs_ms"]
     assert costs["draft"] > 0 and len(costs["verify"]) == gen.depth  # a draft-model step and every verify timed
     assert records[1]["running_acceptance_per_position"][0] > 0.9  # its own drafts: nearly always accepted
-    with pytest.raises(JaxspecError, match="a draft model drafts chains, not trees"):
+    with pytest.raises(JaxspecError, match="automatic speculation prices a draft model's chains only"):
         from jaxspec.engine.tree import TreeConfig
 
         AutoSpeculativeGenerator(tiny_target(), tiny_target(), prior=None, trees={TreeConfig(6, 3, 2): 2.0})

@@ -351,6 +351,30 @@ def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_read_it(ta
     assert status == 400 and "max_tokens 0 scores the prompt alone" in reply["error"]["message"], reply
 
 
+def test_a_prompt_too_long_to_score_is_a_400_and_a_failed_scoring_fails_its_request_alone(server, monkeypatch):
+    """Scoring holds the logits of every position: past MAX_SCORING_BYTES a prompt is refused before it queues.
+    A scoring pass that fails (out of memory, say) fails that request alone; the engine keeps serving."""
+    from jaxspec.engine import generation
+
+    base, _, scheduler = server
+    monkeypatch.setattr(generation, "MAX_SCORING_BYTES", 2 * 4 * 97 * 16)  # 16 tokens at this vocabulary
+    status, reply = post(base, "/v1/completions", json.dumps(
+        {"prompt": "x" * 40, "max_tokens": 0, "echo": True, "logprobs": 1}).encode())
+    assert status == 400 and "scoring its own logprobs" in reply["error"]["message"], reply
+    monkeypatch.undo()
+
+    def fail(prompt, top):
+        raise RuntimeError("out of memory while scoring")
+
+    monkeypatch.setattr(scheduler.batcher.generator, "prompt_logprobs", fail)
+    status, reply = post(base, "/v1/completions", b'{"prompt": "abc", "max_tokens": 0, "echo": true, "logprobs": 1}')
+    assert status == 500 and "out of memory while scoring" in reply["error"]["message"], reply
+    monkeypatch.undo()
+    assert scheduler.alive
+    status, reply = post(base, "/v1/completions", b'{"prompt": "ab", "max_tokens": 2}')
+    assert status == 200
+
+
 def test_several_prompts_and_n_choices_each_equal_the_engine_alone(target, server, alone):
     """A completions request with a list of prompts (text or token ids) and `n` choices per prompt: choice
     i * n + j is prompt i's j-th, each what the engine gives that prompt alone (sampled: with the request's seed

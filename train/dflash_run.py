@@ -155,7 +155,8 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
         start = meta["next_step"]
         if meta.get("data_order") != batches.settings:
             order = meta.get("data_order") or {}
-            changed = ", ".join(sorted(k for k in batches.settings if order.get(k) != batches.settings[k]))
+            changed = ", ".join(sorted(k for k in {*order, *batches.settings}
+                                       if order.get(k) != batches.settings.get(k)))
             raise JaxspecError(f"{out} was trained with other data or batch settings ({changed}): resuming would "
                                "not continue the same run; restore them or use a new out")
         check_resumed_target(out, meta, cfg.target.quantize)

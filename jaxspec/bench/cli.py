@@ -329,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                 kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
             )
             name = drafter_method_name(head, args.num_speculative_tokens, tree, args.accept_prob)
-            if tree is not None:
-                drafted = tree.total_tokens - 1
+            if tree is not None:  # a head's tree: its verify's width; a DFlash tree's draft is not a chain's
+                from jaxspec.models.dflash import DFlashDrafter
+
+                drafted = None if isinstance(head, DFlashDrafter) else tree.total_tokens - 1
             else:
                 drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
             methods.append((name, spec, spec.num_draft, str(draft), drafted))

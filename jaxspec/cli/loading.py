@@ -324,8 +324,10 @@ def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtyp
     from jaxspec.engine.auto.among import AutoAmongDrafters
     from jaxspec.engine.auto.generator import AutoSpeculativeGenerator
     from jaxspec.models.target import with_aux_layers
+    from pallas_kernels.mesh_axes import MODEL
 
-    model.hold_fused_qkv()  # before the views: they share the held kernel instead of each holding its own
+    if mesh is None or mesh.shape[MODEL] == 1:  # as a Generator would: held before the views, so that they share it
+        model.hold_fused_qkv()
     generators = []
     for path, ids in zip(drafts, aux_ids):
         view = with_aux_layers(model, model.config.aux_layer_ids if ids is None else ids)
@@ -339,6 +341,8 @@ def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtyp
     names = [Path(p).name or str(p) for p in drafts]
     if len(set(names)) < len(names):
         names = [str(p) for p in drafts]
+    if len(set(names)) < len(names):
+        raise JaxspecError(f"--also-draft names the same drafter as --draft ({drafts[0]}); give another")
     return AutoAmongDrafters(generators, names)
 
 

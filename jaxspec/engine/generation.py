@@ -105,6 +105,7 @@ _steps_on_rows = jax.jit(
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_SCORING_BYTES = 4 << 30  # a prompt's scoring pass holds its logits at every position (and their log-softmax)
 
 
 def check_prompt_lengths(prompt_lengths: Sequence[int], max_new_tokens: int, context_length: int) -> None:
@@ -365,8 +366,7 @@ class Generator:
         alternatives (`engine.core.prompt_logprobs`): the prompt's own logprobs, as OpenAI's completions return them
         for `echo` with `logprobs`. Compiled once per prompt bucket and `top`; a batch of one prompt (on a mesh, as
         many rows as the data axis has devices, the others padding)."""
-        if not prompt:
-            raise JaxspecError("the prompt is empty after tokenization")
+        self.check_prompt_scoring(len(prompt))
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise JaxspecError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives, got {top}")
         rows = 1 if self.mesh is None else self.mesh.shape[DATA]
@@ -375,6 +375,18 @@ class Generator:
         program = self._compiled_fn("prompt scoring", _prompt_logprobs, jnp.asarray(tokens), top=top)
         got = [sharding.to_host(x) for x in program(*self.program_params, jnp.asarray(tokens))]
         return row_logprobs(got, 0, 0, list(prompt[1:]))
+
+    def check_prompt_scoring(self, length: int) -> None:
+        """A one-line error for a prompt `prompt_logprobs` cannot score: empty, or whose logits at every position
+        (float32, twice: the logits and their log-softmax) would pass MAX_SCORING_BYTES."""
+        if length < 1:
+            raise JaxspecError("the prompt is empty after tokenization")
+        rows = 1 if self.mesh is None else self.mesh.shape[DATA]
+        need = 2 * 4 * rows * prompt_bucket(length) * self.config.vocab_size
+        if need > MAX_SCORING_BYTES:
+            longest = MAX_SCORING_BYTES // (2 * 4 * rows * self.config.vocab_size)
+            raise JaxspecError(f"the prompt has {length} tokens; scoring its own logprobs (echo with logprobs) "
+                               f"takes up to {longest} here (the logits of every position are held at once)")
 
     def chunk_program(self, chunk_args: tuple, capacity: int, chunk: int) -> Callable:
         """One chunk of a chunked prefill (`engine.core.prefill_chunk`), compiled for chunk_args = (prompt [B, Tp],

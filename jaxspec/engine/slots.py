@@ -160,6 +160,8 @@ class SlotBatcher:
                 f"the prompt has {len(request.prompt)} tokens; with {request.max_new_tokens} new tokens that exceeds "
                 f"the {self.room} tokens a request may hold (shorten the prompt or lower the budget)"
             )
+        if request.prompt_logprobs is not None:
+            self.generator.check_prompt_scoring(len(request.prompt))
         procs.check_vocab([request.processors], self.generator.config.vocab_size)
         if request.logprobs and self.generator.logprobs is None:
             raise JaxspecError("this engine keeps no logprobs (Generator.keep_logprobs; the server's --max-logprobs)")

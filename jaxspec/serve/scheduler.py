@@ -150,9 +150,14 @@ class Scheduler:
 
     def _score(self, handle: int, request: SlotRequest, sink: Sink) -> bool:
         """The prompt's own log-probabilities, as the request's first update; returns whether it goes on to join
-        (False: a budget of 0, and this update ends it)."""
+        (False: a budget of 0, and this update ends it; or the scoring failed, and the request is told so)."""
         start = time.perf_counter()
-        scored = self.batcher.generator.prompt_logprobs(request.prompt, request.prompt_logprobs)
+        try:
+            scored = self.batcher.generator.prompt_logprobs(request.prompt, request.prompt_logprobs)
+        except Exception as e:  # noqa: BLE001 (this request's failure, told to it alone; the engine goes on)
+            traceback.print_exc()
+            _tell(sink, e)
+            return False
         self.stats.scored_prompts += 1
         completion = None
         if request.max_new_tokens == 0:

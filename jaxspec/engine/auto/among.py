@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from jaxspec.engine.auto.config import method_label
 from jaxspec.engine.auto.generator import AutoSpeculativeGenerator, chosen
 from jaxspec.engine.generation import Completion, Generator
@@ -32,8 +36,19 @@ class AutoAmongDrafters(Generator):
         first = drafters[0]
         if any(d.batch_size != first.batch_size for d in drafters):
             raise JaxspecError("the drafters' generators must share one batch size")
-        super().__init__(first.model, batch_size=first.batch_size, mesh=first.mesh, kernels=first.kernels)
+        if len(set(names)) < len(names):
+            raise JaxspecError(f"the drafters must differ; got {list(names)}")
         self.drafters, self.names = list(drafters), list(names)
+        super().__init__(first.model, batch_size=first.batch_size, mesh=first.mesh, kernels=first.kernels)
+
+    @property
+    def on_compile(self):
+        return self.drafters[0].on_compile
+
+    @on_compile.setter
+    def on_compile(self, say) -> None:  # each drafter's compiles and timings are what is said
+        for d in self.drafters:
+            d.on_compile = say
 
     @property
     def num_draft(self) -> int:
@@ -46,14 +61,14 @@ class AutoAmongDrafters(Generator):
         expected tokens per second; where that is target-only, the first drafter whose probe is due probes."""
         picks = [d.choose(capacity) for d in self.drafters]
         expected = {name: round(choice.tokens_per_second, 3) for name, (choice, _) in zip(self.names, picks)}
-        for i, (choice, basis) in enumerate(picks):
-            if basis == "first batch":
-                return i, choice, basis, expected
+        first = next((i for i, (_, basis) in enumerate(picks) if basis == "first batch"), None)
+        if first is not None:  # (every process's: a drafter's record, or its counts, are the same everywhere)
+            return first, *picks[first], expected
         best = max(range(len(picks)), key=lambda i: (picks[i][0].tokens_per_second, -i))
         if picks[best][0].method == 0:
-            for i, (choice, basis) in enumerate(picks):
-                if basis == "probe":
-                    return i, choice, basis, expected
+            best = next((i for i, (_, basis) in enumerate(picks) if basis == "probe"), best)
+        if jax.process_count() > 1:  # every process must run the same drafter's program: process 0's pick decides
+            best = int(multihost_utils.broadcast_one_to_all(np.int32(best)))
         return best, *picks[best], expected
 
     def generate_batch(

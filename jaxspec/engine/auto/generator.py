@@ -101,8 +101,8 @@ class AutoSpeculativeGenerator(Generator):
         self.draft_model = isinstance(head, LlamaModel)
         self.peagle = not (self.block or self.draft_model) and head.config.mask_token_id is not None
         if (self.block or self.draft_model) and trees:
-            raise JaxspecError(f"a {self.drafter_name} drafts chains, not trees: its record's trees cannot be "
-                               "candidates")
+            raise JaxspecError(f"automatic speculation prices a {self.drafter_name}'s chains only: its record's "
+                               "trees cannot be candidates (name one with --tree)")
         if self.block:
             from jaxspec.checkpoints.dflash import check_drafter_fits
 
