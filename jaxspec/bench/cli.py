@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
         args, model, tokenizer)
     draft = draft or (str(Path(args.draft_model).expanduser()) if head is not None else None)
+    from jaxspec.models.dflash import DFlashDrafter
+
     if args.suite:
         return run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram)
 
@@ -330,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             name = drafter_method_name(head, args.num_speculative_tokens, tree, args.accept_prob)
             if tree is not None:  # a head's tree: its verify's width; a DFlash tree's draft is not a chain's
-                from jaxspec.models.dflash import DFlashDrafter
-
                 drafted = None if isinstance(head, DFlashDrafter) else tree.total_tokens - 1
             else:
                 drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens

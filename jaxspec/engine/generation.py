@@ -261,7 +261,8 @@ class Generator:
             if self.on_compile is not None:
                 cache = f", cache {static['capacity']}" if "capacity" in static else ""
                 # a prefill, or a step of some rows (their indices last), may be smaller than the batch
-                rows = args[0].shape[0] if name.startswith("prefill") else args[-1].shape[0] if name == "rows step" \
+                rows = args[0].shape[0] if name.startswith(("prefill", "prompt")) else args[-1].shape[0] \
+                    if name == "rows step" \
                     else self.batch_size
                 self.on_compile(f"compiling the {name} (batch {rows}{cache})...")
             start = time.perf_counter()
@@ -372,8 +373,9 @@ class Generator:
         rows = 1 if self.mesh is None else self.mesh.shape[DATA]
         tokens = np.zeros((rows, prompt_bucket(len(prompt))), np.int32)
         tokens[0, : len(prompt)] = prompt
-        program = self._compiled_fn("prompt scoring", _prompt_logprobs, jnp.asarray(tokens), top=top)
-        got = [sharding.to_host(x) for x in program(*self.program_params, jnp.asarray(tokens))]
+        tokens = jnp.asarray(tokens)
+        program = self._compiled_fn("prompt scoring", _prompt_logprobs, tokens, top=top)
+        got = [sharding.to_host(x) for x in program(*self.program_params, tokens)]
         return row_logprobs(got, 0, 0, list(prompt[1:]))
 
     def check_prompt_scoring(self, length: int) -> None:

@@ -29,14 +29,7 @@ class LogprobFormatter:
         """Completions' `logprobs` object of an echoed prompt: every prompt token, the first with no log-probability
         (nothing comes before it), the others with theirs (`scored`: `Generator.prompt_logprobs`). The completion's
         tokens follow it (`format`, `joined`)."""
-        texts = [self._text(t) for t in prompt]
-        offsets = []
-        for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [None] + [t.logprob for t in scored],
-                "top_logprobs": [None] + [{self._text(i): lp for i, lp in t.top[: self.top]} for t in scored]
-                if self.top else None, "text_offset": offsets}
+        return self._completions_object([self._text(t) for t in prompt], [None, *scored])
 
     def format(self, logprobs: list) -> dict:
         """The OpenAI `logprobs` object of these tokens (`jaxspec.engine.slots.TokenLogprob`s), in order."""
@@ -46,14 +39,18 @@ class LogprobFormatter:
                 return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
             return {"content": [{**entry(t.token, t.logprob),
                                  "top_logprobs": [entry(i, lp) for i, lp in t.top[: self.top]]} for t in logprobs]}
-        texts = [self._text(t.token) for t in logprobs]
+        return self._completions_object([self._text(t.token) for t in logprobs], list(logprobs))
+
+    def _completions_object(self, texts: list[str], logprobs: list) -> dict:
+        """`{tokens, token_logprobs, top_logprobs, text_offset}` of tokens whose texts are `texts`; a None in
+        `logprobs` is a token without one (a prompt's first). The offsets go on from the last call's."""
         offsets = []
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self._text(i): lp for i, lp in t.top[: self.top]} for t in logprobs]
-                if self.top else None, "text_offset": offsets}
+        tops = [None if t is None else {self._text(i): lp for i, lp in t.top[: self.top]} for t in logprobs]
+        return {"tokens": texts, "token_logprobs": [None if t is None else t.logprob for t in logprobs],
+                "top_logprobs": tops if self.top else None, "text_offset": offsets}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> JSONResponse:

@@ -153,7 +153,10 @@ class Scheduler:
         (False: a budget of 0, and this update ends it; or the scoring failed, and the request is told so)."""
         start = time.perf_counter()
         try:
-            scored = self.batcher.generator.prompt_logprobs(request.prompt, request.prompt_logprobs)
+            # at the server's most alternatives (the formatter keeps the request's): one compile per prompt bucket
+            generator = self.batcher.generator
+            top = request.prompt_logprobs if generator.logprobs is None else generator.logprobs
+            scored = generator.prompt_logprobs(request.prompt, top)
         except Exception as e:  # noqa: BLE001 (this request's failure, told to it alone; the engine goes on)
             traceback.print_exc()
             _tell(sink, e)
