@@ -57,11 +57,15 @@ def _config(family: str) -> TargetConfig:
 
 
 @functools.cache
-def model(family: str, dtype: str, attention: str = "reference") -> LlamaModel:
-    """attention: "reference", "interpret" (the Pallas kernel in interpret mode) or "pallas" (compiled)."""
+def model(family: str, dtype: str, attention: str = "reference", row_kernel: bool | None = None) -> LlamaModel:
+    """attention: "reference", "interpret" (the Pallas kernel in interpret mode) or "pallas" (compiled);
+    row_kernel: None, the backend's default numerics; False, CPU matmuls on one-row tiles (where the row kernel
+    cannot be built)."""
     cfg = _config(family)
     m = LlamaModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(3))
     m.numerics = dataclasses.replace(m.invariant_numerics(), kernels=attention)
+    if row_kernel is not None:
+        m.numerics = dataclasses.replace(m.numerics, row_kernel=row_kernel)
     if cfg.attention_bias:  # non-zero biases
         for layer in m.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -187,7 +191,17 @@ def test_prefill_is_batch_invariant(family, dtype, attention):
 def test_chain_verify_equals_decode(family, dtype, attention, k):
     """Verify blocks of K+1 after prefixes of several lengths (across key-block boundaries), batch 1 and 4 with
     other rows at other lengths, at another cache capacity than the decode's."""
-    m = model(family, dtype, attention)
+    check_chain_verify(model(family, dtype, attention), k)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="one-row tiles are CPU's numerics")
+def test_chain_verify_equals_decode_on_row_tiles():
+    """Where the CPU row kernel cannot be built (no C++ compiler), the matmuls run on one-row tiles: the same
+    guarantee."""
+    check_chain_verify(model("llama", "bfloat16", "reference", row_kernel=False), 5)
+
+
+def check_chain_verify(m: LlamaModel, k: int) -> None:
     n = 80
     seq = _sequence(1, n)
     fwd = _forward(m)
@@ -364,7 +378,7 @@ def test_bfloat16_ngram_equals_target_only(batch):
 
 @pytest.mark.parametrize("family", matrix(list(FAMILIES), set()))  # both forms run in CI: test_mesh (separate)
 def test_fused_qkv_held_and_separate(family):
-    """Numerics.fused_qkv (one q/k/v dot, CPU's default): the kernels held once before a loop (`hold_fused_qkv`, as
+    """Numerics.fused_qkv (one q/k/v dot, CPU's default): the kernels held once before a loop (`hold_step_weights`, as
     the generators run them) give the bits of kernels concatenated in each call, in a decode and in a verify block;
     and separate q/k/v dots give the same values to float32 rounding (their bits may differ: another dot shape)."""
     base = model(family, "float32")
@@ -379,7 +393,7 @@ def test_fused_qkv_held_and_separate(family):
         def fwd(params, tokens, positions, cache):
             target = nnx.merge(gd, params)
             if held:
-                target.hold_fused_qkv()
+                target.hold_step_weights()
             out = target(tokens, positions, cache, return_aux=True)
             return out.logits, out.aux
 
@@ -398,15 +412,31 @@ def test_fused_qkv_held_and_separate(family):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)
 
 
-def test_hold_fused_qkv_holds_once():
-    """What the CLIs hold at load is what every later program reads: a second hold (each step program's) keeps it;
-    numerics without fused_qkv hold nothing."""
-    base = model("llama", "float32")
+def test_hold_step_weights_holds_once():
+    """What the CLIs hold at load is what every later program reads: a second hold (each step program's) keeps it.
+    On one-row tiles the side-by-side q/k/v kernel; with the CPU row kernel its panels and every other matmul's,
+    the tied table's included; numerics with neither hold nothing."""
+    base = model("qwen2", "float32")  # biases and a tied table
     m = nnx.merge(*nnx.split(base))
-    m.numerics = dataclasses.replace(base.numerics, fused_qkv=True)
-    first = m.hold_fused_qkv().layers[0].self_attn.qkv_fused[0]
-    assert first.shape == (64, (4 + 2 * 2) * 16)  # [hidden, q + k + v columns]
-    assert m.hold_fused_qkv().layers[0].self_attn.qkv_fused[0] is first
+    m.numerics = dataclasses.replace(base.numerics, fused_qkv=True, row_kernel=False)
+    first = m.hold_step_weights().layers[0].self_attn.qkv_fused[0]
+    assert first.shape == (64, (6 + 2 * 2) * 16)  # [hidden, q + k + v columns]
+    assert m.hold_step_weights().layers[0].self_attn.qkv_fused[0] is first
+    assert m.layers[0].mlp.up_proj.panels is None and m.head_panels is None
+
+    panelled = nnx.merge(*nnx.split(base))
+    panelled.numerics = dataclasses.replace(base.numerics, fused_qkv=True, row_kernel=True)
+    attn = panelled.hold_step_weights().layers[0].self_attn
+    panels, bias, _ = attn.qkv_panels
+    assert panels.shape == ((6 + 2 * 2) * 16 // 16, 64, 16) and bias.shape == ((6 + 2 * 2) * 16,)
+    assert attn.qkv_fused is None and attn.q_proj.panels is None  # the fused panels stand for q, k and v
+    assert panelled.layers[0].mlp.up_proj.panels.shape == (-(-96 // 16), 64, 16)
+    assert panelled.head_panels.shape == (-(-97 // 16), 64, 16)  # the tied table [V, H] as the LM head
+    assert panelled.hold_step_weights().layers[0].self_attn.qkv_panels[0] is panels
+
     plain = nnx.merge(*nnx.split(base))
-    plain.numerics = dataclasses.replace(base.numerics, fused_qkv=False)
-    assert all(layer.self_attn.qkv_fused is None for layer in plain.hold_fused_qkv().layers)
+    plain.numerics = dataclasses.replace(base.numerics, fused_qkv=False, row_kernel=False)
+    plain.hold_step_weights()
+    assert all(layer.self_attn.qkv_fused is None and layer.mlp.up_proj.panels is None for layer in plain.layers)
+
+

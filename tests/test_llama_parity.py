@@ -67,7 +67,7 @@ def test_orbax_round_trip_gives_identical_logits(dtype, tmp_path):
 
     make_tiny("qwen3_qknorm", tmp_path / "hf")
     model = load_target(tmp_path / "hf", dtype=dtype)
-    model.hold_fused_qkv()  # as a Generator leaves it (CPU): only the weights are saved, not what is derived
+    model.hold_step_weights()  # as a Generator leaves it (CPU): only the weights are saved, not what is derived
     out = save_target_orbax(model, tmp_path / "hf", tmp_path / "orbax")
     assert is_orbax_target(out) and (out / "config.json").is_file()
     again = load_target(out, dtype=dtype)  # load_target recognizes the converted directory

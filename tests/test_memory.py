@@ -37,6 +37,20 @@ def target_parameter_bytes(c: TargetConfig) -> int:
     return F32 * (c.vocab_size * h + c.num_layers * layer + h + (0 if c.tie_word_embeddings else h * c.vocab_size))
 
 
+def held_step_bytes(c: TargetConfig, numerics) -> int:
+    """What `llama.hold_step_weights` holds for these numerics: with the CPU row kernel every matmul's weight as
+    16-column panels (q/k/v side by side, the tied table as the LM head), else the side-by-side q/k/v kernel."""
+    h, q, kv, i = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+
+    def panels(k: int, n: int) -> int:
+        return F32 * k * -(-n // 16) * 16
+
+    if numerics.row_kernel:
+        layer = panels(h, q + 2 * kv) + panels(q, h) + 2 * panels(h, i) + panels(i, h)
+        return c.num_layers * layer + panels(h, c.vocab_size)
+    return F32 * c.num_layers * h * (q + 2 * kv) if numerics.fused_qkv else 0
+
+
 def kv_cache_bytes(layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int) -> int:
     """K and V of every layer, [B, Hkv, S, D] each, plus the per-row committed lengths (int32)."""
     return 2 * layers * batch * kv_heads * capacity * head_dim * F32 + batch * 4
@@ -48,8 +62,7 @@ def test_target_only_report_matches_the_shapes():
     gen.generate(PROMPTS[:2], max_new_tokens=6)
     m = gen.memory
     assert (m.devices, m.batch_size, m.head_parameters, m.head_kv_cache) == (1, 2, 0, 0)
-    q_k_v = CFG.hidden_size * (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim * F32 * CFG.num_layers
-    held = q_k_v if target.numerics.fused_qkv else 0  # the side-by-side copy a CPU generator holds (hold_fused_qkv)
+    held = held_step_bytes(CFG, target.numerics)  # what a CPU generator derives and holds (hold_step_weights)
     assert m.target_parameters == target_parameter_bytes(CFG) + held
     assert m.target_kv_cache == kv_cache_bytes(CFG.num_layers, 2, CFG.num_kv_heads, m.cache_capacity, CFG.head_dim)
     # the step reads its weights (the held q/k/v in place of the separate ones, which only a prefill reads) and cache

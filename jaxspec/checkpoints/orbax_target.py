@@ -41,7 +41,7 @@ def save_target_orbax(model: TargetModel, source_dir: str | Path, out_dir: str |
     for name in _COPIED:
         if (Path(source_dir) / name).is_file():
             shutil.copy(Path(source_dir) / name, out / name)
-    state = nnx.state(model, nnx.Param)  # the weights, without what generation derives from them (hold_fused_qkv)
+    state = nnx.state(model, nnx.Param)  # the weights, without what generation derives from them (hold_step_weights)
     params = jax.tree.map(  # in the model dtype, however it holds them (numerics.held_dtype)
         lambda a: a.astype(model.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, nnx.to_pure_dict(state)
     )

@@ -327,7 +327,7 @@ def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtyp
     from pallas_kernels.mesh_axes import MODEL
 
     if mesh is None or mesh.shape[MODEL] == 1:  # as a Generator would: held before the views, so that they share it
-        model.hold_fused_qkv()
+        model.hold_step_weights()
     generators = []
     for path, ids in zip(drafts, aux_ids):
         view = with_aux_layers(model, model.config.aux_layer_ids if ids is None else ids)

@@ -469,7 +469,7 @@ def steps(
     """Up to `num_steps` steps (target-only without a proposer), stopping once every row is done. kernels: the
     verifier's implementation (the target's attention follows its own Numerics); drafting: False, steps that draft
     nothing on a speculative state (`spec_step`)."""
-    target = nnx.merge(target_graphdef, target_params).hold_fused_qkv()  # concatenated here, not in every step
+    target = nnx.merge(target_graphdef, target_params).hold_step_weights()  # concatenated here, not in every step
 
     def cond(carry):
         i, st = carry

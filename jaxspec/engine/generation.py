@@ -161,9 +161,9 @@ class Generator:
         self.config = model.config
         self.mesh = mesh  # None: one device; else params, caches and batch rows are split over its (data, model) axes
         if mesh is None or mesh.shape[MODEL] == 1:  # on the model, so every generator of it shares one copy
-            model.hold_fused_qkv()
+            model.hold_step_weights()
         else:  # split dots there: kernels held for one device would only take memory on every device
-            model = model.without_held_qkv()
+            model = model.without_held_weights()
         self.graphdef, self.params = nnx.split(model)
         self.proposer, self.proposer_params = proposer, proposer_params
         if mesh is not None:
@@ -233,7 +233,7 @@ class Generator:
 
     def _memory_parts(self, st) -> dict:
         """Bytes per device of the parameters and caches of a batch: the target's (with the q/k/v kernels held
-        side by side on CPU, `LlamaModel.hold_fused_qkv`) and the proposer's."""
+        side by side on CPU, `llama.hold_step_weights`) and the proposer's."""
         own_cache = None if self.proposer is None else self.proposer.kv_cache(st.proposer)
         return {
             "target_parameters": device_bytes(self.params), "target_kv_cache": device_bytes(st.cache),

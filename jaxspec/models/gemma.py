@@ -49,7 +49,14 @@ from jaxspec.models import kv_cache as kvc
 from jaxspec.models import moe as moe_ops
 from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import apply_rope, rope_cos_sin
-from jaxspec.models.llama import Experts, Linear, TargetOutput, head_logits
+from jaxspec.models.llama import (
+    Experts,
+    Linear,
+    TargetOutput,
+    head_logits,
+    hold_step_weights,
+    without_held_weights,
+)
 from jaxspec.models.numerics import (
     Numerics,
     default_numerics,
@@ -282,6 +289,7 @@ class GemmaModel(nnx.Module):
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=g.norm_offset)
         self.lm_head = nnx.data(None if cfg.tie_word_embeddings else
                                 Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+        self.head_panels = nnx.data(None)  # the tied table as the CPU row kernel's panels (`hold_step_weights`)
         p = g.per_layer_dim
         if p:
             self.embed_tokens_per_layer = nnx.Param(normal_weight(rngs, (g.per_layer_vocab, cfg.num_layers * p), dtype))
@@ -292,13 +300,14 @@ class GemmaModel(nnx.Module):
     def invariant_numerics(self, kernels: str | None = None) -> Numerics:
         return default_numerics(kernels=kernels)
 
-    def hold_fused_qkv(self) -> GemmaModel:
-        """LlamaModel's side-by-side q/k/v kernels: Gemma projects q, k and v by separate dots (shared layers have
-        no k or v), so there is nothing to hold."""
+    def hold_step_weights(self) -> GemmaModel:
+        """llama.hold_step_weights: the CPU row kernel's panels of every matmul (Gemma projects q, k and v by
+        separate dots: shared layers have no k or v, so no side-by-side kernel); returns self."""
+        hold_step_weights(self)
         return self
 
-    def without_held_qkv(self) -> GemmaModel:
-        return self
+    def without_held_weights(self) -> GemmaModel:
+        return without_held_weights(self)
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache: one entry per layer that computes keys and values, of its layer type's shape."""
@@ -337,7 +346,8 @@ class GemmaModel(nnx.Module):
 
     def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
-        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate)  # [..., V]
+        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate,
+                             self.head_panels)  # [..., V]
         cap = self.config.gemma.final_logit_softcapping
         if cap is not None:  # in the model dtype, as transformers caps them
             logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)

@@ -32,11 +32,14 @@ from jaxspec.models.numerics import (
     invariant_rms_norm,
     model_sharded,
     normal_weight,
+    panel_matmul,
     tiled_matmul,
 )
+from jaxspec.models.numerics import drop_held_weights
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
+from pallas_kernels.row_matmul import pack_panels
 
 
 class Linear(nnx.Module):
@@ -47,6 +50,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(normal_weight(rngs, (d_in, d_out), dtype))  # 8-bit values once quantized (`quantize`)
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
         self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an 8-bit kernel (models/quantize.py)
+        self.panels = nnx.data(None)  # the kernel as the CPU row kernel's panels, held once (`hold_step_weights`)
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
         # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
         self.accumulate = None
@@ -63,6 +67,7 @@ class Linear(nnx.Module):
             q, scale = quantize(kernel)
         self.kernel = nnx.Param(q)
         self.scale = nnx.data(nnx.Param(scale))
+        self.panels = None  # made from the float kernel
 
     def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
@@ -70,6 +75,9 @@ class Linear(nnx.Module):
         scale = None if self.scale is None else self.scale[...]
         if numerics is not None:
             kernel = self.kernel[...]
+            if numerics.row_kernel and not model_sharded():
+                panels = self.panels if self.panels is not None else pack_panels(kernel)
+                return panel_matmul(x, panels, kernel.shape[1], bias, scale)
             return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
                                 scale=scale)
         if self.accumulate is not None and scale is not None:
@@ -107,7 +115,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_proj_bias, dtype=dtype, rngs=rngs)
         self.q_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
         self.k_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
-        self.qkv_fused = nnx.data(None)  # (kernel, bias) of `fused_qkv_weights`, computed once (`hold_fused_qkv`)
+        self.qkv_fused = nnx.data(None)  # (kernel, bias, scale) of `fused_qkv_weights`, held once (`hold_step_weights`)
+        self.qkv_panels = nnx.data(None)  # that kernel as the CPU row kernel's panels, held likewise
 
     def __call__(
         self,
@@ -156,10 +165,18 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         inv = numerics is not None
         if inv and numerics.fused_qkv and not model_sharded():  # one dot (Numerics.fused_qkv)
-            kernel, bias, scale = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
-            qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
-                               scale=scale)
             nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            if numerics.row_kernel:
+                if self.qkv_panels is not None:
+                    panels, bias, scale = self.qkv_panels
+                else:
+                    kernel, bias, scale = self.fused_qkv_weights()
+                    panels = pack_panels(kernel)
+                qkv = panel_matmul(x, panels, nq + 2 * nkv, bias, scale)
+            else:
+                kernel, bias, scale = self.qkv_fused if self.qkv_fused is not None else self.fused_qkv_weights()
+                qkv = tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
+                                   scale=scale)
             q, k, v = jnp.split(qkv, (nq, nq + nkv), axis=-1)  # [B, T, Nq], [B, T, Nkv] x 2
         else:
             q, k, v = (proj(x, numerics) for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -256,18 +273,66 @@ class DecoderLayer(nnx.Module):
 
 
 def head_logits(table: jax.Array, lm_head: Linear | None, normed: jax.Array,
-                numerics: Numerics | None = None, accumulate=None) -> jax.Array:
+                numerics: Numerics | None = None, accumulate=None, table_panels: jax.Array | None = None) -> jax.Array:
     """normed [..., H] through the LM head, or the tied embedding table [V, H] without one → logits [..., V] in
     normed's dtype. numerics: the target's row tiles, the table contracted in its stored layout (`tiled_matmul`'s
     w_out_in); None: one plain dot. accumulate: the tied table's dot as an untied head's Linear computes it in a
-    mixed-precision training step (16-bit products, float32 sums: train/precision.py), None its own result dtype."""
+    mixed-precision training step (16-bit products, float32 sums: train/precision.py), None its own result dtype.
+    table_panels: the tied table as the CPU row kernel's panels (`hold_step_weights`), which numerics with
+    `row_kernel` read (packing the table in the program where none are held)."""
     if lm_head is not None:
         return lm_head(normed, numerics)
+    if numerics is not None and numerics.row_kernel and not model_sharded():
+        panels = table_panels if table_panels is not None else pack_panels(table, out_in=True)
+        return panel_matmul(normed, panels, table.shape[0])
     if numerics is not None:
         return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
     if accumulate is not None:
         return accumulating_matmul(normed, table.T.astype(normed.dtype), accumulate)
     return contract(normed, table, ((normed.ndim - 1,), (1,)))
+
+
+def hold_step_weights(model) -> None:
+    """Compute once, for every call that follows, what a target's decode and verify steps derive from its weights
+    under its numerics, unless held already: each attention's side-by-side q/k/v kernel (`Numerics.fused_qkv`), and
+    with `Numerics.row_kernel` every matmul's weight as the CPU row kernel's panels (pallas_kernels/row_matmul.py;
+    the fused q/k/v kernel's instead of q's, k's and v's, and the tied embedding table's as the LM head). Without
+    them each step program derives them again in its body (same values, so the same bits), and copying weights is
+    slow on XLA:CPU (~20% of a 4-step speculative chain for the q/k/v concatenation alone).
+
+    A `Generator` holds them on the model it is given, so that its programs (and those of every other generator of
+    that model) read them. A snapshot: the weights must be final (the target's are never trained). Under a
+    model-sharded mesh the projections stay split dots, and nothing is held. Not `nnx.Param`s: checkpoints
+    (`nnx.state(model, nnx.Param)`) leave them out. What they cost in memory: the q/k/v kernels once more, or with
+    the row kernel every matmul's weight once more (float32), which `--memory-report` counts as the target's."""
+    numerics = model.numerics
+    if numerics is None or model_sharded():
+        return
+    nodes = [node for _, node in nnx.iter_graph(model)]
+    fused = set()
+    for attn in (n for n in nodes if isinstance(n, Attention)):
+        if not numerics.fused_qkv:
+            break
+        fused.update(id(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if numerics.row_kernel and attn.qkv_panels is None:
+            kernel, bias, scale = attn.fused_qkv_weights()
+            attn.qkv_panels = nnx.data((pack_panels(kernel), bias, scale))
+        elif not numerics.row_kernel and attn.qkv_fused is None:
+            attn.qkv_fused = nnx.data(attn.fused_qkv_weights())
+    if not numerics.row_kernel:
+        return
+    for linear in (n for n in nodes if isinstance(n, Linear) and id(n) not in fused):
+        if linear.panels is None:
+            linear.panels = nnx.data(pack_panels(linear.kernel[...]))
+    if model.lm_head is None and model.head_panels is None:
+        model.head_panels = nnx.data(pack_panels(model.embed_tokens[...], out_in=True))
+
+
+def without_held_weights(model):
+    """A copy of `model` sharing its weights, without what `hold_step_weights` held on it."""
+    copy = nnx.merge(*nnx.split(model))
+    drop_held_weights(copy)
+    return copy
 
 
 class TargetOutput(NamedTuple):
@@ -309,32 +374,20 @@ class LlamaModel(nnx.Module):
         self.lm_head = nnx.data(
             None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+        self.head_panels = nnx.data(None)  # the tied table as the CPU row kernel's panels (`hold_step_weights`)
 
     def invariant_numerics(self, kernels: str | None = None) -> Numerics:
         """`default_numerics` of this backend (kernels: the user's choice)."""
         return default_numerics(kernels=kernels)
 
-    def hold_fused_qkv(self) -> LlamaModel:
-        """Compute each layer's side-by-side q/k/v kernel (`Numerics.fused_qkv`) once, for every call that follows,
-        unless it is held already; returns self. Without it each call concatenates them again (same values, so the
-        same bits). A `Generator` holds it on the model it is given, so that its programs (and those of every other
-        generator of that model) read it; a step program given an unheld model holds it before its loop, once per
-        call (`Generator.chunk_steps` steps; the concatenation copies the q/k/v weights, which XLA:CPU does slowly:
-        ~20% of a 4-step speculative chain). A snapshot: the weights must be final (the target's are never trained).
-        Under a model-sharded mesh the projections stay separate dots, and nothing is held. The held arrays are not
-        `nnx.Param`s: checkpoints (`nnx.state(model, nnx.Param)`) leave them out."""
-        if self.numerics is not None and self.numerics.fused_qkv and not model_sharded():
-            for layer in self.layers:
-                if layer.self_attn.qkv_fused is None:
-                    layer.self_attn.qkv_fused = nnx.data(layer.self_attn.fused_qkv_weights())
+    def hold_step_weights(self) -> LlamaModel:
+        """Hold what decode and verify steps derive from the weights (`hold_step_weights` below); returns self."""
+        hold_step_weights(self)
         return self
 
-    def without_held_qkv(self) -> LlamaModel:
-        """A copy sharing this model's weights, without the side-by-side q/k/v kernels held on it."""
-        copy = nnx.merge(*nnx.split(self))
-        for layer in copy.layers:
-            layer.self_attn.qkv_fused = None
-        return copy
+    def without_held_weights(self) -> LlamaModel:
+        """A copy sharing this model's weights, without what `hold_step_weights` held on it."""
+        return without_held_weights(self)
 
     def init_cache(self, batch: int, capacity: int) -> kvc.KVCache:
         """An empty cache; under a mesh whose model axis is wider than the KV heads, each KV head repeated so that
@@ -355,7 +408,8 @@ class LlamaModel(nnx.Module):
         """The LM head alone (the tied embedding table when there is none) on states already normed [..., H] →
         float32 logits [..., V]: what a drafter that shares the target's head (DFlash) reads after its own norm.
         numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed)."""
-        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate)
+        logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate,
+                             self.head_panels)
         return logits.astype(jnp.float32)
 
     def __call__(

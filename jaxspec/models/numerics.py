@@ -13,7 +13,10 @@ gives each row the same bits wherever the row sits and whatever its neighbours h
 reduction of the target is built from those two:
 - matmuls run on fixed tiles of `row_tile` rows (`tiled_matmul`), one dot shape for every call, and long inputs
   also on tiles of `wide_row_tile` rows where a measurement on this machine shows that shape gives a row the same
-  bits (`wide_tiles_agree`: on some CPUs XLA's one-row dot and its dots of 61 or more rows share one order);
+  bits (`wide_tiles_agree`: on some CPUs XLA's one-row dot and its dots of 61 or more rows share one order); on
+  CPU, where one-row tiles made a verify of T tokens pay T weight passes, decode and verify matmuls run instead on
+  jaxspec's row kernel (`panel_matmul`, pallas_kernels/row_matmul.py), whose every row is the same bits at any
+  row count by construction, for about one weight pass per call;
 - sums over a feature axis (RMSNorm, softmax denominators) are pairwise halvings of elementwise adds
   (`halving_sum`), which have no shape-dependent order at all;
 - attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
@@ -40,7 +43,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
 
+from pallas_kernels import row_matmul as row_kernel
 from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
 from pallas_kernels.mesh_axes import DATA, MODEL
 from pallas_kernels.primitives import exact_mul, fenced, halving_max, halving_sum, held_dtype  # noqa: F401
@@ -58,6 +64,7 @@ class Numerics:
     kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
     prefill_row_tile: int | None = None  # a prefill's rows, all of them, on [prefill_row_tile, K] dots; None: as above
     fused_qkv: bool = False  # q, k and v projected by one dot over the three kernels side by side (CPU; see below)
+    row_kernel: bool = False  # decode and verify matmuls on the CPU row kernel (`panel_matmul`), not on row tiles
 
     def __post_init__(self):
         if self.kernels not in IMPLEMENTATIONS:
@@ -108,7 +115,8 @@ class Numerics:
         overhead-bound, and side-by-side kernels would cost a prefill their concatenation), else these numerics."""
         if self.prefill_row_tile is None:
             return self
-        return dataclasses.replace(self, row_tile=self.prefill_row_tile, wide_row_tile=None, fused_qkv=False)
+        return dataclasses.replace(self, row_tile=self.prefill_row_tile, wide_row_tile=None, fused_qkv=False,
+                                   row_kernel=False)
 
 
 def default_numerics(backend: str | None = None, kernels: str | None = None) -> Numerics:
@@ -131,12 +139,17 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
     A CPU prefill runs all its rows on 64-row tiles (`Numerics.for_prefill`), whether or not they give the one-row
     bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where 64-row dots do not agree
     with one-row ones, so wide tiles were off): 64 tokens 368 ms on one-row tiles, 176 ms on 64-row tiles; 128
-    tokens 709 ms and 422 ms."""
+    tokens 709 ms and 422 ms.
+
+    Where the CPU row kernel builds (pallas_kernels/row_matmul.py: a C++ compiler on the machine; on by default,
+    JAXSPEC_CPU_ROW_KERNEL=off), decode and verify matmuls run on it instead of one-row tiles (`row_kernel`,
+    `panel_matmul`): each row gets the same bits at any row count, so a verify of T tokens streams the weights once
+    instead of T times. Prefills keep their 64-row tiles (the same speed there)."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
         return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE, prefill_row_tile=CPU_PREFILL_ROW_TILE,
-                        kernels=impl, fused_qkv=True)
+                        kernels=impl, fused_qkv=True, row_kernel=row_kernel.available())
     return Numerics(row_tile=64, kernels=impl)
 
 
@@ -170,6 +183,47 @@ def contract(x: jax.Array, w: jax.Array, dims, scale: jax.Array | None = None) -
     wide = held_dtype(x.dtype)
     y = jax.lax.dot_general(x.astype(wide), w.astype(wide), (dims, ((), ())), preferred_element_type=jnp.float32)
     return exact_mul(y, scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, n: int, bias: jax.Array | None = None,
+                 scale: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ a weight held as row-kernel panels [P, K, 16] (`row_kernel.pack_panels`; n: its real columns)
+    (+ bias) → [..., n] in x's dtype, as `contract` computes it: the dot in float32 on the weight's values (a 16-bit
+    x widened, an 8-bit weight's values held as floats), an 8-bit weight's `scale` [n] applied to that result, then
+    rounded to x's dtype, then the bias. Each row's bits are its own (pallas_kernels/row_matmul.py), so no tiles.
+    On a data mesh each device runs its own rows (the weight replicated); never under a `model` axis, whose split
+    weights `tiled_matmul` handles."""
+    shards = data_shards()
+    lead, k = x.shape[:-1], x.shape[-1]
+
+    def dot(a, p, *s):  # a [shards, rows, K] in x's dtype → [shards, rows, n] in x's dtype
+        a = a.astype(jnp.float32)
+        if shards == 1:
+            y = row_kernel.row_matmul(a, p, n)
+        else:
+            y = jax.shard_map(lambda b, q: row_kernel.row_matmul(b, q, n), out_specs=PartitionSpec(DATA),
+                              in_specs=(PartitionSpec(DATA), PartitionSpec()), check_vma=False)(a, p)
+        if s:
+            y = exact_mul(y, s[0].astype(jnp.float32))
+        return y.astype(x.dtype)
+
+    # fenced, with the casts inside: XLA may otherwise drop a 16-bit rounding between the cast and its neighbours
+    # (excess precision), program by program (seen in bfloat16: rows of a 2-row batch off a decode's bits)
+    y = fenced(dot, x.reshape(shards, math.prod(lead) // shards, k), panels, *(() if scale is None else (scale,)))
+    y = y.reshape(*lead, n)
+    return y if bias is None else y + bias.astype(x.dtype)
+
+
+HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels")  # what llama.hold_step_weights holds
+
+
+def drop_held_weights(model) -> None:
+    """Forget, in place, what `llama.hold_step_weights` held on `model`'s modules (side-by-side q/k/v kernels,
+    row-kernel panels): after its weights changed (quantization), or for a copy that must not carry them."""
+    for _, node in list(nnx.iter_graph(model)):
+        for name in HELD_ATTRIBUTES:
+            if getattr(node, name, None) is not None:
+                setattr(node, name, None)
 
 
 def data_shards() -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
+from jaxspec.models.numerics import drop_held_weights
 
 MODES = ("int8", "fp8")
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -81,8 +82,9 @@ def quantized_linears(model):
 
 def quantize_target(model, mode: str):
     """Quantize `model`'s decoder matmuls in place (`mode`: one of MODES) and return it. A model built for shapes
-    only (`rngs=None`, as `--compiled-cost` builds one) gets int8 and scale shapes. Side-by-side q/k/v kernels held
-    on the model (`LlamaModel.hold_fused_qkv`) are dropped, since they were made from the float kernels."""
+    only (`rngs=None`, as `--compiled-cost` builds one) gets int8 and scale shapes. What is held on the model for its
+    steps (`llama.hold_step_weights`: side-by-side q/k/v kernels, row-kernel panels) is dropped, since it was made
+    from the float kernels."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
     if model.config.gemma is not None:
@@ -93,7 +95,6 @@ def quantize_target(model, mode: str):
                            "would stay in the compute dtype); run the target unquantized (drop --quantize)")
     for linear in quantized_linears(model):
         linear.quantize(mode)
-    for layer in model.layers:
-        layer.self_attn.qkv_fused = None
+    drop_held_weights(model)
     model.quantization = mode
     return model

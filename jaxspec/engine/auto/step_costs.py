@@ -74,7 +74,7 @@ def time_forwards(
     own numerics, timed in interleaved rounds (`best_seconds_interleaved`). A DFlash drafter's step is its
     proposer's whole draft (the pending context written, one forward over the block, the longest chain's logits),
     a P-EAGLE head's likewise (one forward over the pending pairs and the mask slots)."""
-    tg, tp = nnx.split(model.hold_fused_qkv())  # as its generators run it (Generator.__init__ holds the same)
+    tg, tp = nnx.split(model.hold_step_weights())  # as its generators run it (Generator.__init__ holds the same)
 
     options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
 

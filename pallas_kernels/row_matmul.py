@@ -1,0 +1,201 @@
+"""The CPU row matmul: x [R, K] @ w [K, N] with every row's bits independent of R, at about one weight pass for any R.
+
+Why it exists. Batch-invariant numerics need a token's logits to be the same bits whether it is decoded alone or
+verified among K+1 (numerics.py). XLA:CPU cannot give that cheaply: its one-row dot is a matrix-vector product of
+its own, and every dot of 2 or more rows goes to another library (YNNPACK, or Eigen's GEMM) that sums in another
+order (measured, SmolLM2's shapes, JAX 0.10, an AVX-512 CPU: rows of 2-32-row dots agree with each other, never
+with the one-row dot). So the target ran every matmul on one-row tiles, and a verify of T tokens paid T weight
+passes: 3.5 decode steps for a chain of 5 drafts, more than speculation can win back on a CPU.
+
+This kernel computes each output as one left-to-right chain over k of rounded products, `acc = acc + x[r, k] *
+w[k, n]` from 0 (cpu_rows.cc), so a row's bits are a function of its own values alone, by construction: the same
+for R = 1 and R = 64, on any thread, with any instruction set. It streams the weights once per call, holding up to
+8 rows x 48 columns of sums in registers, so R rows cost about what one costs while memory is the bound (measured
+in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each panel's K rows
+contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama).
+
+`row_matmul_reference` is the same chain in jax.numpy (a scan over k of rounded products): the same bits, slowly;
+the tests compare the two bit for bit.
+
+How it is built. An XLA FFI custom call (`jax.ffi`), compiled from cpu_rows.cc on first use with the machine's C++
+compiler (`$CXX`, else c++/g++/clang++) against `jax.ffi.include_dir()`, for this machine's processor
+(-march=native) and without FMA contraction, into $XDG_CACHE_HOME/jaxspec/kernels/ keyed by the source, compiler,
+flags, jaxlib version and processor. Where no compiler works, `available()` is False (`unavailable_reason()` says
+why) and the target keeps XLA's one-row tiles. JAXSPEC_CPU_ROW_KERNEL=off turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.primitives import exact_mul
+
+LANES = 16  # columns per panel (cpu_rows.cc kLanes)
+TARGET = "jaxspec_row_matmul"
+ENV_VAR = "JAXSPEC_CPU_ROW_KERNEL"
+SOURCE = Path(__file__).with_name("cpu_rows.cc")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
+
+
+def pack_panels(w: jax.Array, *, out_in: bool = False) -> jax.Array:
+    """w [K, N] (or [N, K] with out_in: a tied embedding table used as the LM head) → float32 panels [P, K, 16],
+    P = ceil(N / 16), the columns zero-padded to whole panels: panel p holds columns 16p .. 16p+15, row k of them
+    at [p, k]."""
+    w = w.astype(jnp.float32)
+    if out_in:
+        w = w.T
+    k, n = w.shape
+    p = -(-n // LANES)
+    w = jnp.pad(w, ((0, 0), (0, p * LANES - n)))
+    return w.reshape(k, p, LANES).transpose(1, 0, 2)
+
+
+def row_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [..., K] float32 times the weight held as `panels` [P, K, 16] → float32 [..., n] (n ≤ 16P: the weight's
+    real columns), on the kernel. Every row's bits are `row_matmul_reference`'s for that row alone."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, panels.shape[0] * LANES), jnp.float32))
+    y = call(x.reshape(rows, k).astype(jnp.float32), panels)
+    return y[:, :n].reshape(*lead, n)
+
+
+def row_matmul_reference(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """jax.numpy specification of `row_matmul`: the chain over k of rounded products, the same bits."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xs = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
+    w = panels.transpose(1, 0, 2).reshape(k, -1)  # [K, 16P]
+
+    def step(acc, kw):
+        xk, wk = kw  # [R], [16P]
+        return acc + exact_mul(xk[:, None], wk[None, :]), None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((xs.shape[0], w.shape[1]), jnp.float32), (xs.T, w))
+    return acc[:, :n].reshape(*lead, n)
+
+
+def enabled() -> bool:
+    """Whether the user left the kernel on (JAXSPEC_CPU_ROW_KERNEL is not 'off' / '0')."""
+    return os.environ.get(ENV_VAR, "").strip().lower() not in ("off", "0", "false", "no")
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA in this process (building it on first call); False
+    when turned off or when it cannot be built here (`unavailable_reason`)."""
+    return enabled() and _load()[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False, in one line; None when it is True."""
+    if not enabled():
+        return f"{ENV_VAR}=off"
+    ok, reason = _load()
+    return None if ok else reason
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    try:
+        library = build()
+    except BuildError as e:
+        return False, str(e)
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxspecRowMatmul), platform="cpu")
+    return True, ""
+
+
+class BuildError(RuntimeError):
+    """cpu_rows.cc could not be compiled here (no compiler, or the compiler refused it)."""
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """The compiled kernel library for this machine, compiled first if the cache does not hold it yet. One
+    process compiles at a time (a file lock); the library is written to a temporary name and renamed, so a reader
+    never sees half of it."""
+    from filelock import FileLock  # jaxspec's dependency; imported here so that the module imports without it
+
+    compiler = _compiler()
+    if compiler is None:
+        raise BuildError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+    version = _run([compiler, "--version"]).splitlines()[0] if _run([compiler, "--version"]) else compiler
+    flags = FLAGS + _arch_flags(compiler)
+    key = hashlib.sha256("\n".join([
+        SOURCE.read_text(), compiler, version, " ".join(flags), jax.__version__, _jaxlib_version(), _processor(),
+    ]).encode()).hexdigest()[:16]
+    cache_dir = cache_dir or _cache_dir()
+    out = cache_dir / f"cpu_rows-{key}.so"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if out.exists():
+            return out
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
+            raise BuildError(f"{Path(compiler).name} could not compile {SOURCE.name}: {first}")
+        os.replace(tmp, out)
+    return out
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.cache
+def _arch_flags(compiler: str) -> tuple[str, ...]:
+    """-march=native where the compiler takes it (GCC and Clang on x86 and Arm Linux), else nothing."""
+    probe = subprocess.run([compiler, "-march=native", "-x", "c++", "-fsyntax-only", "-"], input="", text=True,
+                           capture_output=True)
+    return ("-march=native",) if probe.returncode == 0 else ()
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def _processor() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (Linux), else what platform says."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    lines = [line for line in info.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return f"{platform.machine()} " + " ".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxspec" / "kernels"
+
+
+if __name__ == "__main__":  # python -m pallas_kernels.row_matmul: build it and say where, or why not
+    print(build() if available() else f"unavailable: {unavailable_reason()}", file=sys.stderr)

@@ -1,0 +1,118 @@
+"""The CPU row kernel (pallas_kernels/row_matmul.py, cpu_rows.cc): the kernel equals its jax.numpy reference bit for
+bit at ragged shapes (rows 1..70 across its 8-row register tiles, columns off whole panels, contractions of 1 to
+1,536, columns enough to split over threads); a row's bits do not depend on the rows beside it or their number; the
+model's use of it (`numerics.panel_matmul`: 16-bit activations, 8-bit scales, biases, a data mesh) computes what
+`contract` computes; and it can be turned off or fail to build with a one-line reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models.numerics import contract, default_numerics, panel_matmul
+from pallas_kernels import row_matmul as rk
+
+pytestmark = pytest.mark.skipif(not rk.available(), reason=f"row kernel unavailable: {rk.unavailable_reason()}")
+
+kernel = jax.jit(rk.row_matmul, static_argnums=2)
+reference = jax.jit(rk.row_matmul_reference, static_argnums=2)
+
+
+def _weights(k: int, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((k, n), dtype=np.float32)
+
+
+@pytest.mark.parametrize("rows,k,n", [
+    (1, 576, 960), (2, 64, 16), (7, 37, 50), (8, 96, 64), (9, 1, 3), (16, 1536, 576), (70, 200, 1000),
+    (3, 64, 49152 // 16),  # enough columns for several chunks per thread
+])
+def test_kernel_equals_reference_bit_for_bit(rows, k, n):
+    w = _weights(k, n)
+    x = np.random.default_rng(1).standard_normal((rows, k), dtype=np.float32)
+    panels = rk.pack_panels(jnp.asarray(w))
+    got, want = np.asarray(kernel(jnp.asarray(x), panels, n)), np.asarray(reference(jnp.asarray(x), panels, n))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, x @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))  # and it is the product
+
+
+def test_a_rows_bits_are_its_own():
+    """Row r alone, among 5 or 69 others, at another position, with other neighbours: the same bits."""
+    k, n = 576, 1536
+    panels = rk.pack_panels(jnp.asarray(_weights(k, n)))
+    x = np.random.default_rng(2).standard_normal((70, k), dtype=np.float32)
+    alone = np.stack([np.asarray(kernel(jnp.asarray(x[i : i + 1]), panels, n))[0] for i in range(0, 70, 9)])
+    for rows in (6, 17, 70):
+        shuffled = np.random.default_rng(rows).permutation(70)[:rows]
+        block = x[shuffled].copy()
+        got = np.asarray(kernel(jnp.asarray(block), panels, n))
+        for j, i in enumerate(shuffled):
+            if i % 9 == 0:
+                np.testing.assert_array_equal(got[j], alone[i // 9], err_msg=f"row {i} at {j} of {rows}")
+
+
+def test_tied_table_panels():
+    """A [V, H] table packed as the LM head (out_in) gives table-transposed products."""
+    table = _weights(97, 64, seed=3)  # [V, H]
+    x = np.random.default_rng(4).standard_normal((5, 64), dtype=np.float32)
+    got = np.asarray(kernel(jnp.asarray(x), rk.pack_panels(jnp.asarray(table), out_in=True), 97))
+    np.testing.assert_array_equal(got, np.asarray(reference(jnp.asarray(x), rk.pack_panels(jnp.asarray(table.T)), 97)))
+    np.testing.assert_allclose(got, x @ table.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_panel_matmul_is_contract_with_bias_and_scale(dtype):
+    """The model's call: activations in the model dtype widened to float32, an 8-bit weight's scale applied to the
+    float32 sums, rounded to the dtype, then the bias — to the rounding of `contract`'s dot; leading dims kept."""
+    k, n = 96, 40
+    w = jnp.asarray(np.round(_weights(k, n, 5) * 20))  # int8-like values held as floats
+    scale = jnp.asarray(np.random.default_rng(6).uniform(0.01, 0.02, n).astype(np.float32))
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal(n).astype(np.float32)).astype(dtype)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 3, k), dtype=np.float32)).astype(dtype)
+    got = jax.jit(lambda x, p: panel_matmul(x, p, n, bias, scale))(x, rk.pack_panels(w))
+    want = contract(x, w, ((2,), (0,)), scale) + bias
+    assert got.shape == (2, 3, n) and got.dtype == jnp.dtype(dtype)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+def test_panel_matmul_on_a_data_mesh_keeps_each_rows_bits():
+    """Under a data mesh each device runs its own rows: the bits of one device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec import sharding
+
+    k, n = 64, 96
+    panels = rk.pack_panels(jnp.asarray(_weights(k, n, 9)))
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((4, 3, k), dtype=np.float32))
+    want = np.asarray(jax.jit(lambda x, p: panel_matmul(x, p, n))(x, panels))
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=4, model=1))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+        got = np.asarray(jax.jit(lambda x, p: panel_matmul(x, p, n))(xs, panels))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
+    """JAXSPEC_CPU_ROW_KERNEL=off: the CPU numerics keep their one-row tiles, with the reason said; a machine
+    without a compiler gets a one-line BuildError, not a traceback from the compiler."""
+    monkeypatch.setenv(rk.ENV_VAR, "off")
+    assert not rk.available() and rk.unavailable_reason() == f"{rk.ENV_VAR}=off"
+    assert default_numerics("cpu").row_kernel is False
+    assert default_numerics("cpu") == dataclasses.replace(default_numerics("cpu"), row_kernel=False)
+    monkeypatch.delenv(rk.ENV_VAR)
+    assert default_numerics("cpu").row_kernel is True and default_numerics("gpu").row_kernel is False
+
+    monkeypatch.setattr(rk, "_compiler", lambda: None)
+    with pytest.raises(rk.BuildError, match="no C.. compiler found"):
+        rk.build(tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setattr(rk, "SOURCE", tmp_path / "broken.cc")
+    (tmp_path / "broken.cc").write_text("this is not C++\n")
+    with pytest.raises(rk.BuildError, match="could not compile broken.cc") as e:
+        rk.build(tmp_path / "cache")
+    assert "\n" not in str(e.value)
