@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ngram = ngram_proposer(args)
     drafter = None
     if not args.also_draft:  # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model
-        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+        drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle, mesh) if draft else load_draft_model(
             args, model, tokenizer)
     if args.also_draft:  # auto among both drafters, each over a view of the target with its own feature layers
         generator = auto_among_drafters(

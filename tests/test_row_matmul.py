@@ -116,3 +116,35 @@ def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
     with pytest.raises(rk.BuildError, match="could not compile broken.cc") as e:
         rk.build(tmp_path / "cache")
     assert "\n" not in str(e.value)
+
+
+def test_drafters_run_on_the_kernel_and_targets_train_through_plain_calls():
+    """A loaded drafter's plain matmuls run on its held panels (`hold_draft_weights`; values of the plain dot); a
+    target's own panels (`hold_step_weights`) serve its numerics and a drafter's `drafting` read of its LM head,
+    never a plain call, so gradients through the target's head (DFlash training) still flow."""
+    from flax import nnx
+
+    from jaxspec.config import TargetConfig
+    from jaxspec.models.llama import LlamaModel, hold_draft_weights
+
+    cfg = TargetConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, tie_word_embeddings=False)
+    target = LlamaModel(cfg, rngs=nnx.Rngs(0))
+    drafter = LlamaModel(cfg, rngs=nnx.Rngs(1), numerics=None)  # any module of Linears
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((3, 64), dtype=np.float32))
+    plain = drafter.layers[0].mlp.up_proj(x)
+    hold_draft_weights(drafter, target)
+    up = drafter.layers[0].mlp.up_proj
+    assert up.draft_panels is not None
+    assert "ffi_call" in str(jax.make_jaxpr(lambda a: up(a))(x))
+    np.testing.assert_allclose(np.asarray(up(x)), np.asarray(plain), rtol=1e-5, atol=1e-5)
+
+    target.hold_step_weights()
+    assert target.lm_head.panels is not None and target.lm_head.draft_panels is None
+    drafting = str(jax.make_jaxpr(lambda a: target.vocab_logits(a, drafting=True))(x))
+    assert "ffi_call" in drafting and "ffi_call" not in str(jax.make_jaxpr(lambda a: target.vocab_logits(a))(x))
+    grad = jax.grad(lambda a: target.vocab_logits(a).sum())(x)  # plain: differentiable
+    assert grad.shape == x.shape and bool(jnp.all(jnp.isfinite(grad)))
+    plain_target = LlamaModel(cfg, rngs=nnx.Rngs(0), numerics=None)
+    hold_draft_weights(plain_target.layers[0], plain_target)  # a target on plain numerics holds nothing
+    assert plain_target.layers[0].mlp.up_proj.draft_panels is None

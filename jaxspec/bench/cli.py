@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=checked.tokenizer, quantize=args.quantize,
     )
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
-    head = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+    head = load_draft_for(draft, model, args.dtype, args.allow_pickle, mesh) if draft else load_draft_model(
         args, model, tokenizer)
     draft = draft or (str(Path(args.draft_model).expanduser()) if head is not None else None)
     from jaxspec.models.dflash import DFlashDrafter

@@ -255,21 +255,29 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
     )
 
 
-def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool):
+def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool, mesh=None):
     """What a --draft directory holds, loaded for this target: a Gemma 4 assistant, a DFlash block drafter (z-lab's
-    layout; checked to read features the target returns) or an EAGLE-3 head."""
+    layout; checked to read features the target returns) or an EAGLE-3 head. A head's or a DFlash drafter's
+    matmuls run on the CPU row kernel where the target's do (`llama.hold_draft_weights`), unless a model axis of
+    `mesh` splits them."""
+    from jaxspec.models.llama import hold_draft_weights
+    from pallas_kernels.mesh_axes import MODEL
+
     if is_assistant_draft(draft):
         from jaxspec.checkpoints.gemma4_assistant import load_assistant
         from jaxspec.engine.generation import default_dtype
 
         return load_assistant(draft, target.config, dtype=dtype or default_dtype())
     if not is_dflash_draft(draft):
-        return load_head_for(draft, target, dtype, allow_pickle)
-    from jaxspec.checkpoints.dflash import check_drafter_fits, load_dflash
-    from jaxspec.engine.generation import default_dtype
+        drafter = load_head_for(draft, target, dtype, allow_pickle)
+    else:
+        from jaxspec.checkpoints.dflash import check_drafter_fits, load_dflash
+        from jaxspec.engine.generation import default_dtype
 
-    drafter = load_dflash(draft, target.config, dtype=dtype or default_dtype())
-    check_drafter_fits(drafter.config, target.config)  # and the target returns the features it reads
+        drafter = load_dflash(draft, target.config, dtype=dtype or default_dtype())
+        check_drafter_fits(drafter.config, target.config)  # and the target returns the features it reads
+    if mesh is None or mesh.shape[MODEL] == 1:
+        hold_draft_weights(drafter, target)
     return drafter
 
 
@@ -331,7 +339,7 @@ def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtyp
     generators = []
     for path, ids in zip(drafts, aux_ids):
         view = with_aux_layers(model, model.config.aux_layer_ids if ids is None else ids)
-        drafter = load_draft_for(path, view, dtype, allow_pickle)
+        drafter = load_draft_for(path, view, dtype, allow_pickle, mesh)
         gen = draft_generator(view, drafter, path, AUTO, None, batch_size=batch_size, mesh=mesh, kernels=kernels,
                               store=store)
         if not isinstance(gen, AutoSpeculativeGenerator):

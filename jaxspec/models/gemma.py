@@ -344,10 +344,11 @@ class GemmaModel(nnx.Module):
         nm = None if self.numerics is None else self.numerics.narrow()
         return self.vocab_logits(self.norm(hidden, nm is not None), nm)
 
-    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
-        """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states."""
+    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None, drafting: bool = False) -> jax.Array:
+        """The LM head (the tied embedding table when there is none) and tanh soft-capping on normed states;
+        drafting as LlamaModel.vocab_logits."""
         logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate,
-                             self.head_panels)  # [..., V]
+                             self.head_panels, drafting)  # [..., V]
         cap = self.config.gemma.final_logit_softcapping
         if cap is not None:  # in the model dtype, as transformers caps them
             logits = jnp.tanh(logits / cap) * jnp.asarray(cap, logits.dtype)

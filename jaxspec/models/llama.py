@@ -51,6 +51,7 @@ class Linear(nnx.Module):
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
         self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an 8-bit kernel (models/quantize.py)
         self.panels = nnx.data(None)  # the kernel as the CPU row kernel's panels, held once (`hold_step_weights`)
+        self.draft_panels = nnx.data(None)  # the same, for a drafter's plain calls (`hold_draft_weights`)
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
         # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
         self.accumulate = None
@@ -80,6 +81,9 @@ class Linear(nnx.Module):
                 return panel_matmul(x, panels, kernel.shape[1], bias, scale)
             return tiled_matmul(x, kernel, numerics.row_tile, bias, wide_row_tile=numerics.wide_tile(x, kernel),
                                 scale=scale)
+        if self.draft_panels is not None and not model_sharded():
+            # a drafter's matmul held on the row kernel (`hold_draft_weights`): drafts only change speed
+            return panel_matmul(x, self.draft_panels, self.kernel.shape[1], bias, scale)
         if self.accumulate is not None and scale is not None:
             # a quantized target in a 16-bit training step (frozen: nothing differentiates its weights): the narrow
             # dot's float32 sums meet the scale before they are rounded, as in inference (`contract`)
@@ -273,18 +277,25 @@ class DecoderLayer(nnx.Module):
 
 
 def head_logits(table: jax.Array, lm_head: Linear | None, normed: jax.Array,
-                numerics: Numerics | None = None, accumulate=None, table_panels: jax.Array | None = None) -> jax.Array:
+                numerics: Numerics | None = None, accumulate=None, table_panels: jax.Array | None = None,
+                drafting: bool = False) -> jax.Array:
     """normed [..., H] through the LM head, or the tied embedding table [V, H] without one → logits [..., V] in
     normed's dtype. numerics: the target's row tiles, the table contracted in its stored layout (`tiled_matmul`'s
     w_out_in); None: one plain dot. accumulate: the tied table's dot as an untied head's Linear computes it in a
     mixed-precision training step (16-bit products, float32 sums: train/precision.py), None its own result dtype.
     table_panels: the tied table as the CPU row kernel's panels (`hold_step_weights`), which numerics with
-    `row_kernel` read (packing the table in the program where none are held)."""
+    `row_kernel` read (packing the table in the program where none are held); drafting: a drafter's plain read
+    of the head (DFlash's slots), on those held panels when there are any."""
+    on_panels = drafting and numerics is None and not model_sharded()
     if lm_head is not None:
+        if on_panels and lm_head.panels is not None:
+            return panel_matmul(normed, lm_head.panels, lm_head.kernel.shape[1])
         return lm_head(normed, numerics)
     if numerics is not None and numerics.row_kernel and not model_sharded():
         panels = table_panels if table_panels is not None else pack_panels(table, out_in=True)
         return panel_matmul(normed, panels, table.shape[0])
+    if on_panels and table_panels is not None:
+        return panel_matmul(normed, table_panels, table.shape[0])
     if numerics is not None:
         return tiled_matmul(normed, table, numerics.row_tile, w_out_in=True)
     if accumulate is not None:
@@ -326,6 +337,23 @@ def hold_step_weights(model) -> None:
             linear.panels = nnx.data(pack_panels(linear.kernel[...]))
     if model.lm_head is None and model.head_panels is None:
         model.head_panels = nnx.data(pack_panels(model.embed_tokens[...], out_in=True))
+
+
+def hold_draft_weights(drafter, target) -> None:
+    """Hold every matmul weight of a drafter (an EAGLE-3 head, a DFlash drafter) as the CPU row kernel's panels, in
+    place, where the target's numerics run on that kernel: the drafter's plain matmuls then run there too (`Linear`
+    with panels and no numerics), at one weight pass for all the rows a step drafts (a tree level's nodes, a
+    block's slots) where XLA:CPU's multi-row dots cost ~1.7 passes. Drafts only change speed, so any numerics serve.
+    Not for a drafter being trained (the kernel has no gradient): the CLIs hold it on the drafters they load, apart
+    from the panels a target holds for its own numerics (`hold_step_weights`), which its plain calls never read.
+
+    What it cost and bought is in BENCHMARKS.md ("The CPU row kernel")."""
+    numerics = getattr(target, "numerics", None)
+    if numerics is None or not numerics.row_kernel:
+        return
+    for linear in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Linear)]:
+        if linear.draft_panels is None:
+            linear.draft_panels = nnx.data(pack_panels(linear.kernel[...]))
 
 
 def without_held_weights(model):
@@ -404,12 +432,13 @@ class LlamaModel(nnx.Module):
         nm = None if self.numerics is None else self.numerics.narrow()  # wide tiles measure [K, N] weights only
         return self.vocab_logits(self.norm(hidden, nm is not None), nm)
 
-    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None) -> jax.Array:
+    def vocab_logits(self, normed: jax.Array, numerics: Numerics | None = None, drafting: bool = False) -> jax.Array:
         """The LM head alone (the tied embedding table when there is none) on states already normed [..., H] →
         float32 logits [..., V]: what a drafter that shares the target's head (DFlash) reads after its own norm.
-        numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed)."""
+        numerics: the target's tiles (its own logits); None, plain XLA (a drafter's, which only changes speed);
+        drafting: a drafter's proposal, not training: on the row kernel's panels where the target holds them."""
         logits = head_logits(self.embed_tokens[...], self.lm_head, normed, numerics, self.accumulate,
-                             self.head_panels)
+                             self.head_panels, drafting)
         return logits.astype(jnp.float32)
 
     def __call__(

@@ -214,7 +214,7 @@ def panel_matmul(x: jax.Array, panels: jax.Array, n: int, bias: jax.Array | None
     return y if bias is None else y + bias.astype(x.dtype)
 
 
-HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels")  # what llama.hold_step_weights holds
+HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels", "draft_panels")  # llama.hold_*_weights
 
 
 def drop_held_weights(model) -> None:

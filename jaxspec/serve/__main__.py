@@ -130,7 +130,7 @@ def build_server(args):
     context = model.config.context_length
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     # an EAGLE-3 head or a DFlash drafter (--draft), or a small draft model (--proposer draft-model)
-    drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle) if draft else load_draft_model(
+    drafter = load_draft_for(draft, model, args.dtype, args.allow_pickle, mesh) if draft else load_draft_model(
         args, model, tokenizer)
     drafting_rows = None  # every step drafts (with a proposer)
     if drafter is not None:

@@ -124,7 +124,7 @@ class DFlashProposer(ChainDrafts):
         block = jnp.full((b, self.block_size), self.mask_token_id, jnp.int32).at[:, 0].set(view.last_token)
         block_positions = cache.lengths[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)  # [B, B_s]
         states = drafter(target.embed(block), block_positions, cache)  # [B, B_s, H]
-        logits = target.vocab_logits(states[:, 1 : self.num_draft + 1])  # [B, K, V] slot k drafts position m + k
+        logits = target.vocab_logits(states[:, 1 : self.num_draft + 1], drafting=True)  # [B, K, V] slot k: m + k
         if self.tree is not None:
             dt = draft_tree(_BlockSlots(logits), None, logits[:, 0], jnp.zeros((b, 1), jnp.float32), cache, self.tree)
             return Proposal(dt.tokens, dt, None, dt.candidates), st._replace(cache=cache)
