@@ -137,7 +137,7 @@ def _add_numerics_args(parser: argparse.ArgumentParser, numerics: str, numerics_
     parser.add_argument(
         "--kernels", choices=("auto", "pallas", "reference", "interpret"), default="auto",
         help="Pallas kernels or jax.numpy references for attention and draft verification (same output either way); "
-        "auto (default): the kernels on backends where they have been validated on the chip (none yet), else the "
+        "auto (default): the kernels on backends where they have been validated on the chip (GPU), else the "
         "references; pallas on CPU runs them in interpret mode (slow), as interpret does anywhere. JAXSPEC_KERNELS sets "
         "what auto means",
     )
