@@ -1,7 +1,9 @@
 // The CPU row matmul (pallas_kernels/row_matmul.py says why it exists and how it is built and called).
 //
 // y[r, n] = sum over k of x[r, k] * w[k, n], for x [R, K] float32 and w given as panels [P, K, 16]: w's columns
-// 16 at a time, each panel's K rows contiguous (`pack_panels`). Every output is one left-to-right chain over k of
+// 16 at a time, each panel's K rows contiguous (`pack_panels`), in float32 or in bfloat16 (a weight whose values
+// are all bfloat16 values: each is widened exactly as it is loaded, so the sums are those of its float32 panels,
+// from half the bytes). Every output is one left-to-right chain over k of
 // rounded products, starting from 0:
 //     acc = 0;  for k in 0 .. K-1:  acc = acc + (x[r, k] * w[k, n])      (two roundings a step, never an FMA)
 // so its bits depend on row r's values and column n's alone: not on R, on where the row sits, on how the columns
@@ -9,9 +11,10 @@
 // everywhere). That is the batch invariance the target needs, by construction, and `row_matmul_reference` in
 // jax.numpy computes the same bits.
 //
-// Speed: the panels are streamed once per call whatever R is (a tile holds up to 8 rows x 48 columns of sums in
-// registers; longer inputs loop over row groups while a panel group stays in cache), so R rows cost about what one
-// row costs until the multiplies catch up with memory. Work is split over XLA's intra-op threads by chunks of
+// Speed: the panels are streamed once per call whatever R is (a tile's sums stay in registers: up to 8 rows x 48
+// columns with AVX-512, 6 x 16 with AVX2 or NEON, sized to the register file because a tile that spills is several
+// times slower; longer inputs loop over row groups while a group of 3 panels stays in cache), so R rows cost about
+// what one row costs until the multiplies catch up with memory. Work is split over XLA's intra-op threads by chunks of
 // panels, claimed from a shared counter by the caller and the helpers it schedules; the caller waits only for
 // chunks a running thread has claimed, so a helper that never gets a thread cannot stall it.
 //
@@ -35,45 +38,75 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;  // columns per panel
+// The machine's vectors: kWidth floats, kRegisters of them.
+#if defined(__AVX512F__)
+constexpr int kWidth = 16, kRegisters = 32;
+#elif defined(__AVX__)
+constexpr int kWidth = 8, kRegisters = 16;
+#elif defined(__aarch64__)
+constexpr int kWidth = 4, kRegisters = 32;  // NEON
+#else
+constexpr int kWidth = 4, kRegisters = 16;  // SSE
+#endif
+constexpr int kSub = kLanes / kWidth;  // vectors per panel row
+constexpr int kPanels = 3;             // panels per group: the columns a row group sweeps while they stay in cache
+// A register tile of MR rows x tile_panels<MR>() panels holds its sums and the panels' current row in registers,
+// two spare (for a row's broadcast value): up to 8 rows x 3 panels with AVX-512, 6 x 1 .. 1 x 3 with AVX2 or NEON.
+template <int MR>
+constexpr int tile_panels() {
+  return std::max(1, std::min(kPanels, (kRegisters - 2) / ((MR + 1) * kSub)));
+}
+constexpr int kRows = std::min(8, (kRegisters - 2) / kSub - 1);  // rows per register tile (a one-panel tile's most)
 
-constexpr int kLanes = 16;    // columns per panel
-constexpr int kPanels = 3;    // panels per register tile
-constexpr int kRows = 8;      // rows per register tile
+typedef float vf __attribute__((vector_size(4 * kWidth)));
+typedef float vfu __attribute__((vector_size(4 * kWidth), aligned(4)));
+typedef uint16_t vhu __attribute__((vector_size(2 * kWidth), aligned(2)));
+typedef uint32_t vw __attribute__((vector_size(4 * kWidth)));
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+// kWidth bfloat16 values (their bits) widened to float32: the same values, their mantissas extended with zeros
+inline vf load(const uint16_t* p) {
+  const vw bits = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vw) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 // Rows [0, MR) of x (row stride K) times panels p0 .. p0+V-1 → y (row stride N).
-template <int MR, int V>
-inline void tile(const float* x, int64_t K, const float* panels, float* y, int64_t N, int64_t p0) {
-  v16 acc[MR][V];
+template <int MR, int V, typename W>
+inline void tile(const float* x, int64_t K, const W* panels, float* y, int64_t N, int64_t p0) {
+  constexpr int S = V * kSub;  // vectors of sums per row
+  vf acc[MR][S];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = v16{};
-  const float* w[V];
+    for (int s = 0; s < S; ++s) acc[m][s] = vf{};
+  const W* w[V];
   for (int v = 0; v < V; ++v) w[v] = panels + (p0 + v) * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
-    v16 wk[V];
-    for (int v = 0; v < V; ++v) wk[v] = load(w[v] + k * kLanes);
+    vf wk[S];
+    for (int s = 0; s < S; ++s) wk[s] = load(w[s / kSub] + k * kLanes + (s % kSub) * kWidth);
     for (int m = 0; m < MR; ++m) {
-      const float s = x[m * K + k];
-      for (int v = 0; v < V; ++v) acc[m][v] = acc[m][v] + s * wk[v];
+      const float a = x[m * K + k];
+      for (int s = 0; s < S; ++s) acc[m][s] = acc[m][s] + a * wk[s];
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) store(y + m * N + (p0 + v) * kLanes, acc[m][v]);
+    for (int s = 0; s < S; ++s) store(y + m * N + p0 * kLanes + s * kWidth, acc[m][s]);
 }
 
-template <int MR>
-inline void row_group(const float* x, int64_t K, const float* panels, float* y, int64_t N, int64_t p, int v) {
-  if (v == kPanels) tile<MR, kPanels>(x, K, panels, y, N, p);
-  else if (v == 2) tile<MR, 2>(x, K, panels, y, N, p);
-  else tile<MR, 1>(x, K, panels, y, N, p);
+// Rows [0, MR) times the v ≤ kPanels panels from p, in tiles as wide as the registers allow.
+template <int MR, typename W>
+inline void row_group(const float* x, int64_t K, const W* panels, float* y, int64_t N, int64_t p, int v) {
+  constexpr int T = tile_panels<MR>();
+  for (; v >= T; v -= T, p += T) tile<MR, T>(x, K, panels, y, N, p);
+  if (v == 2) tile<MR, 2>(x, K, panels, y, N, p);
+  else if (v == 1) tile<MR, 1>(x, K, panels, y, N, p);
 }
 
 // Every row of x times panels [pa, pb): panel groups outside, row groups inside (a group's panels stay in cache).
-void panel_range(const float* x, int64_t R, int64_t K, const float* panels, float* y, int64_t N, int64_t pa,
+template <typename W>
+void panel_range(const float* x, int64_t R, int64_t K, const W* panels, float* y, int64_t N, int64_t pa,
                  int64_t pb) {
   for (int64_t p = pa; p < pb; p += kPanels) {
     const int v = static_cast<int>(std::min<int64_t>(kPanels, pb - p));
@@ -88,17 +121,18 @@ void panel_range(const float* x, int64_t R, int64_t K, const float* panels, floa
         case 5: row_group<5>(xr, K, panels, yr, N, p, v); break;
         case 6: row_group<6>(xr, K, panels, yr, N, p, v); break;
         case 7: row_group<7>(xr, K, panels, yr, N, p, v); break;
-        default: row_group<8>(xr, K, panels, yr, N, p, v); break;
+        default: row_group<kRows>(xr, K, panels, yr, N, p, v); break;
       }
     }
   }
 }
 
 // The work of one call, shared with the helpers by pointer: it outlives the call if a helper starts late.
+template <typename W>
 struct Job {
   const float* x;
   int64_t R, K;
-  const float* panels;
+  const W* panels;
   float* y;
   int64_t N, P, chunk, chunks;
   unsigned csr;  // the caller's floating-point control word (x86 MXCSR): every thread rounds and flushes alike
@@ -121,23 +155,23 @@ struct Job {
 };
 
 // Split into chunks of whole register tiles, about 4 per thread, none under ~64 KB of weights.
-int64_t chunk_panels(int64_t P, int64_t K, int threads) {
-  const int64_t min_panels = std::max<int64_t>(1, (64 * 1024) / (K * kLanes * 4));
+int64_t chunk_panels(int64_t P, int64_t K, int threads, int64_t weight_bytes) {
+  const int64_t min_panels = std::max<int64_t>(1, (64 * 1024) / (K * kLanes * weight_bytes));
   int64_t chunk = std::max<int64_t>(min_panels, (P + 4 * threads - 1) / (4 * threads));
   return (chunk + kPanels - 1) / kPanels * kPanels;
 }
 
-ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                     ffi::ResultBuffer<ffi::F32> y) {
+template <typename W, typename Panels>
+ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels panels, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = panels.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kLanes || wd[1] != xd[1])
     return ffi::Error::InvalidArgument("row_matmul expects x [R, K] and panels [P, K, 16]");
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
   job->R = xd[0];
   job->K = xd[1];
-  job->panels = panels.typed_data();
+  job->panels = reinterpret_cast<const W*>(panels.untyped_data());
   job->y = y->typed_data();
   job->P = wd[0];
   job->N = wd[0] * kLanes;
@@ -152,7 +186,7 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::Success();
   }
   const int threads = std::max<int64_t>(1, pool.num_threads());
-  job->chunk = chunk_panels(job->P, job->K, threads);
+  job->chunk = chunk_panels(job->P, job->K, threads, sizeof(W));
   job->chunks = (job->P + job->chunk - 1) / job->chunk;
   const int64_t helpers = std::min<int64_t>(threads, job->chunks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
@@ -165,11 +199,28 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error RowMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return RowMatmul<float>(pool, x, panels, y);
+}
+
+ffi::Error RowMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  return RowMatmul<uint16_t>(pool, x, panels, y);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmul, RowMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmul, RowMatmulF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmulBF16, RowMatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

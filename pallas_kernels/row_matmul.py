@@ -9,10 +9,13 @@ passes: 3.5 decode steps for a chain of 5 drafts, more than speculation can win 
 
 This kernel computes each output as one left-to-right chain over k of rounded products, `acc = acc + x[r, k] *
 w[k, n]` from 0 (cpu_rows.cc), so a row's bits are a function of its own values alone, by construction: the same
-for R = 1 and R = 64, on any thread, with any instruction set. It streams the weights once per call, holding up to
-8 rows x 48 columns of sums in registers, so R rows cost about what one costs while memory is the bound (measured
-in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each panel's K rows
-contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama).
+for R = 1 and R = 64, on any thread, with any instruction set. It streams the weights once per call, holding a tile
+of sums in registers (8 rows x 48 columns with AVX-512, 6 x 16 to 1 x 48 with AVX2: sized to the register file,
+since a tile that spills runs several times slower), so R rows cost about what one costs while memory is the bound
+(measured in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each panel's K rows
+contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama): in bfloat16
+where the weight's values all are bfloat16 values (a bfloat16 target, a head trained in bfloat16), widened
+exactly in the kernel, so the same sums from half the bytes.
 
 `row_matmul_reference` is the same chain in jax.numpy (a scan over k of rounded products): the same bits, slowly;
 the tests compare the two bit for bit.
@@ -42,33 +45,49 @@ import jax.numpy as jnp
 from pallas_kernels.primitives import exact_mul
 
 LANES = 16  # columns per panel (cpu_rows.cc kLanes)
-TARGET = "jaxspec_row_matmul"
+TARGET = "jaxspec_row_matmul"  # float32 panels; TARGET + "_bf16": bfloat16 panels
 ENV_VAR = "JAXSPEC_CPU_ROW_KERNEL"
 SOURCE = Path(__file__).with_name("cpu_rows.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 
 
-def pack_panels(w: jax.Array, *, out_in: bool = False) -> jax.Array:
-    """w [K, N] (or [N, K] with out_in: a tied embedding table used as the LM head) → float32 panels [P, K, 16],
-    P = ceil(N / 16), the columns zero-padded to whole panels: panel p holds columns 16p .. 16p+15, row k of them
-    at [p, k]."""
+def pack_panels(w: jax.Array, *, out_in: bool = False, dtype=jnp.float32) -> jax.Array:
+    """w [K, N] (or [N, K] with out_in: a tied embedding table used as the LM head) → panels [P, K, 16] in `dtype`
+    (float32, or bfloat16 for a weight whose values all are bfloat16 values: `exact_panel_dtype`), P = ceil(N / 16),
+    the columns zero-padded to whole panels: panel p holds columns 16p .. 16p+15, row k of them at [p, k]."""
     w = w.astype(jnp.float32)
     if out_in:
         w = w.T
     k, n = w.shape
     p = -(-n // LANES)
     w = jnp.pad(w, ((0, 0), (0, p * LANES - n)))
-    return w.reshape(k, p, LANES).transpose(1, 0, 2)
+    return w.reshape(k, p, LANES).transpose(1, 0, 2).astype(dtype)
+
+
+def exact_panel_dtype(w: jax.Array):
+    """bfloat16 where every value of the (concrete) weight w is a bfloat16 value — a bfloat16 model's weights held
+    as float32 on CPU, a head trained in bfloat16 — else float32. The kernel widens bfloat16 panels exactly as it
+    loads them, so both give the same sums, the bfloat16 ones from half the bytes. Inside a trace (a step program
+    holding its own weights) the values are not known: float32."""
+    if isinstance(w, jax.core.Tracer):
+        return jnp.float32
+    w = jnp.asarray(w)
+    if w.dtype == jnp.bfloat16:
+        return jnp.bfloat16
+    narrow = w.astype(jnp.bfloat16).astype(w.dtype)
+    return jnp.bfloat16 if bool(jnp.all((narrow == w) | jnp.isnan(w))) else jnp.float32
 
 
 def row_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """x [..., K] float32 times the weight held as `panels` [P, K, 16] → float32 [..., n] (n ≤ 16P: the weight's
-    real columns), on the kernel. Every row's bits are `row_matmul_reference`'s for that row alone."""
+    """x [..., K] float32 times the weight held as `panels` [P, K, 16] (float32 or bfloat16) → float32 [..., n]
+    (n ≤ 16P: the weight's real columns), on the kernel. Every row's bits are `row_matmul_reference`'s for that
+    row alone."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
         rows *= d
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, panels.shape[0] * LANES), jnp.float32))
+    target = TARGET + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, panels.shape[0] * LANES), jnp.float32))
     y = call(x.reshape(rows, k).astype(jnp.float32), panels)
     return y[:, :n].reshape(*lead, n)
 
@@ -77,7 +96,7 @@ def row_matmul_reference(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     """jax.numpy specification of `row_matmul`: the chain over k of rounded products, the same bits."""
     lead, k = x.shape[:-1], x.shape[-1]
     xs = x.reshape(-1, k).astype(jnp.float32)  # [R, K]
-    w = panels.transpose(1, 0, 2).reshape(k, -1)  # [K, 16P]
+    w = panels.transpose(1, 0, 2).reshape(k, -1).astype(jnp.float32)  # [K, 16P]
 
     def step(acc, kw):
         xk, wk = kw  # [R], [16P]
@@ -114,6 +133,7 @@ def _load() -> tuple[bool, str]:
         return False, str(e)
     lib = ctypes.cdll.LoadLibrary(str(library))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxspecRowMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET + "_bf16", jax.ffi.pycapsule(lib.JaxspecRowMatmulBF16), platform="cpu")
     return True, ""
 
 
@@ -121,17 +141,18 @@ class BuildError(RuntimeError):
     """cpu_rows.cc could not be compiled here (no compiler, or the compiler refused it)."""
 
 
-def build(cache_dir: Path | None = None) -> Path:
+def build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled kernel library for this machine, compiled first if the cache does not hold it yet. One
     process compiles at a time (a file lock); the library is written to a temporary name and renamed, so a reader
-    never sees half of it."""
+    never sees half of it. `extra_flags` (e.g. -mno-avx512f) build it for a narrower instruction set: the tests
+    check every register tiling this machine can run."""
     from filelock import FileLock  # jaxspec's dependency; imported here so that the module imports without it
 
     compiler = _compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found ($CXX, c++, g++ or clang++)")
     version = _run([compiler, "--version"]).splitlines()[0] if _run([compiler, "--version"]) else compiler
-    flags = FLAGS + _arch_flags(compiler)
+    flags = FLAGS + _arch_flags(compiler) + tuple(extra_flags)
     key = hashlib.sha256("\n".join([
         SOURCE.read_text(), compiler, version, " ".join(flags), jax.__version__, _jaxlib_version(), _processor(),
     ]).encode()).hexdigest()[:16]

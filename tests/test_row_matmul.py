@@ -1,8 +1,9 @@
 """The CPU row kernel (pallas_kernels/row_matmul.py, cpu_rows.cc): the kernel equals its jax.numpy reference bit for
-bit at ragged shapes (rows 1..70 across its 8-row register tiles, columns off whole panels, contractions of 1 to
-1,536, columns enough to split over threads); a row's bits do not depend on the rows beside it or their number; the
-model's use of it (`numerics.panel_matmul`: 16-bit activations, 8-bit scales, biases, a data mesh) computes what
-`contract` computes; and it can be turned off or fail to build with a one-line reason."""
+bit at ragged shapes (rows 1..70 across its register tiles, columns off whole panels, contractions of 1 to 1,536,
+columns enough to split over threads), with bfloat16 panels, and built for each narrower x86 instruction set (each
+its own tiling); a row's bits do not depend on the rows beside it or their number; the model's use of it
+(`numerics.panel_matmul`: 16-bit activations, 8-bit scales, biases, a data mesh) computes what `contract` computes;
+and it can be turned off or fail to build with a one-line reason."""
 
 from __future__ import annotations
 
@@ -148,3 +149,59 @@ def test_drafters_run_on_the_kernel_and_targets_train_through_plain_calls():
     plain_target = LlamaModel(cfg, rngs=nnx.Rngs(0), numerics=None)
     hold_draft_weights(plain_target.layers[0], plain_target)  # a target on plain numerics holds nothing
     assert plain_target.layers[0].mlp.up_proj.draft_panels is None
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (9, 37, 50), (16, 1536, 576)])
+def test_bfloat16_panels_give_the_float32_panels_bits(rows, k, n):
+    """A weight whose values are bfloat16 values, held as bfloat16 panels: each value widened exactly in the
+    kernel, so the sums of its float32 panels (and of the reference), from half the bytes."""
+    w = jnp.asarray(_weights(k, n, 12)).astype(jnp.bfloat16).astype(jnp.float32)
+    x = jnp.asarray(np.random.default_rng(13).standard_normal((rows, k), dtype=np.float32))
+    half = rk.pack_panels(w, dtype=jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16 and half.nbytes * 2 == rk.pack_panels(w).nbytes
+    got = np.asarray(kernel(x, half, n))
+    np.testing.assert_array_equal(got, np.asarray(kernel(x, rk.pack_panels(w), n)))
+    np.testing.assert_array_equal(got, np.asarray(reference(x, half, n)))
+
+
+def test_panels_are_bfloat16_only_where_no_value_changes():
+    exact = jnp.asarray(_weights(8, 16, 14)).astype(jnp.bfloat16).astype(jnp.float32)
+    assert rk.exact_panel_dtype(exact) == jnp.bfloat16
+    assert rk.exact_panel_dtype(exact.at[3, 4].add(1e-4)) == jnp.float32  # one value off the bfloat16 grid
+    assert rk.exact_panel_dtype(jnp.clip(jnp.round(exact * 100), -127, 127)) == jnp.bfloat16  # int8 values
+    seen = []  # inside a trace the values are unknown: float32, and no error
+    jax.jit(lambda w: seen.append(rk.exact_panel_dtype(w)) or w)(exact)
+    assert seen == [jnp.float32]
+
+
+def _instruction_set_builds(tmp_path):
+    """The kernel built for each narrower x86 instruction set this machine also runs (AVX2 without AVX-512, SSE
+    without AVX): each has its own register tiling (cpu_rows.cc kWidth, kRegisters), whatever CI's CPU is."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    return [(flags, rk.build(tmp_path, extra_flags=flags)) for flags in [("-mno-avx512f",), ("-mno-avx",)]]
+
+
+def test_every_instruction_sets_tiling_gives_the_reference_bits(tmp_path):
+    import ctypes
+
+    builds = _instruction_set_builds(tmp_path)
+    if not builds:
+        pytest.skip("narrower builds are x86 only")
+    cases = [(1, 37, 16 * 7 + 3), (2, 64, 16 * 5), (5, 96, 16 * 4 + 1), (6, 576, 960), (7, 1, 40), (13, 200, 300)]
+    for i, (flags, library) in enumerate(builds):
+        lib = ctypes.cdll.LoadLibrary(str(library))
+        name = f"jaxspec_row_matmul_test_{i}"
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.JaxspecRowMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(name + "_bf16", jax.ffi.pycapsule(lib.JaxspecRowMatmulBF16), platform="cpu")
+        for rows, k, n in cases:
+            w = jnp.asarray(_weights(k, n, 20)).astype(jnp.bfloat16).astype(jnp.float32)
+            x = jnp.asarray(np.random.default_rng(21).standard_normal((rows, k), dtype=np.float32))
+            for panels in (rk.pack_panels(w), rk.pack_panels(w, dtype=jnp.bfloat16)):
+                target = name + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+                out = jax.ShapeDtypeStruct((rows, panels.shape[0] * rk.LANES), jnp.float32)
+                got = np.asarray(jax.jit(jax.ffi.ffi_call(target, out))(x, panels))[:, :n]
+                np.testing.assert_array_equal(got, np.asarray(reference(x, panels, n)),
+                                              err_msg=f"{flags} rows={rows} k={k} n={n} {panels.dtype}")

@@ -39,7 +39,7 @@ from jaxspec.models.numerics import drop_held_weights
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
 from pallas_kernels.invariant_attention import invariant_attend
-from pallas_kernels.row_matmul import pack_panels
+from pallas_kernels.row_matmul import exact_panel_dtype, pack_panels
 
 
 class Linear(nnx.Module):
@@ -315,7 +315,8 @@ def hold_step_weights(model) -> None:
     that model) read them. A snapshot: the weights must be final (the target's are never trained). Under a
     model-sharded mesh the projections stay split dots, and nothing is held. Not `nnx.Param`s: checkpoints
     (`nnx.state(model, nnx.Param)`) leave them out. What they cost in memory: the q/k/v kernels once more, or with
-    the row kernel every matmul's weight once more (float32), which `--memory-report` counts as the target's."""
+    the row kernel every matmul's weight once more (float32, or bfloat16 where its values are: `held_panels`), which
+    `--memory-report` counts as the target's."""
     numerics = model.numerics
     if numerics is None or model_sharded():
         return
@@ -327,16 +328,16 @@ def hold_step_weights(model) -> None:
         fused.update(id(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         if numerics.row_kernel and attn.qkv_panels is None:
             kernel, bias, scale = attn.fused_qkv_weights()
-            attn.qkv_panels = nnx.data((pack_panels(kernel), bias, scale))
+            attn.qkv_panels = nnx.data((held_panels(kernel), bias, scale))
         elif not numerics.row_kernel and attn.qkv_fused is None:
             attn.qkv_fused = nnx.data(attn.fused_qkv_weights())
     if not numerics.row_kernel:
         return
     for linear in (n for n in nodes if isinstance(n, Linear) and id(n) not in fused):
         if linear.panels is None:
-            linear.panels = nnx.data(pack_panels(linear.kernel[...]))
+            linear.panels = nnx.data(held_panels(linear.kernel[...]))
     if model.lm_head is None and model.head_panels is None:
-        model.head_panels = nnx.data(pack_panels(model.embed_tokens[...], out_in=True))
+        model.head_panels = nnx.data(held_panels(model.embed_tokens[...], out_in=True))
 
 
 def hold_draft_weights(drafter, target) -> None:
@@ -353,7 +354,13 @@ def hold_draft_weights(drafter, target) -> None:
         return
     for linear in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Linear)]:
         if linear.draft_panels is None:
-            linear.draft_panels = nnx.data(pack_panels(linear.kernel[...]))
+            linear.draft_panels = nnx.data(held_panels(linear.kernel[...]))
+
+
+def held_panels(w: jax.Array, out_in: bool = False) -> jax.Array:
+    """A weight held as the row kernel's panels: in bfloat16 when its values all are bfloat16 values (the same sums
+    from half the bytes, `exact_panel_dtype`), else float32."""
+    return pack_panels(w, out_in=out_in, dtype=exact_panel_dtype(w))
 
 
 def without_held_weights(model):
