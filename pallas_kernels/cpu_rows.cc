@@ -154,7 +154,7 @@ struct Job {
   }
 };
 
-// Split into chunks of whole register tiles, about 4 per thread, none under ~64 KB of weights.
+// Split into chunks of whole panel groups (kPanels), about 4 per thread, none under ~64 KB of weights.
 int64_t chunk_panels(int64_t P, int64_t K, int threads, int64_t weight_bytes) {
   const int64_t min_panels = std::max<int64_t>(1, (64 * 1024) / (K * kLanes * weight_bytes));
   int64_t chunk = std::max<int64_t>(min_panels, (P + 4 * threads - 1) / (4 * threads));

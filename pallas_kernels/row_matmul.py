@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.primitives import exact_mul
 
@@ -66,16 +67,17 @@ def pack_panels(w: jax.Array, *, out_in: bool = False, dtype=jnp.float32) -> jax
 
 def exact_panel_dtype(w: jax.Array):
     """bfloat16 where every value of the (concrete) weight w is a bfloat16 value — a bfloat16 model's weights held
-    as float32 on CPU, a head trained in bfloat16 — else float32. The kernel widens bfloat16 panels exactly as it
-    loads them, so both give the same sums, the bfloat16 ones from half the bytes. Inside a trace (a step program
-    holding its own weights) the values are not known: float32."""
-    if isinstance(w, jax.core.Tracer):
+    as float32 on CPU, int8 or fp8 values (`quantize.held_dtype_for`), a head trained in bfloat16 — else float32:
+    the low 16 bits of every float32 are zero, which is what widening a bfloat16 gives (the kernel widens bfloat16
+    panels exactly as it loads them, so both give the same sums, the bfloat16 ones from half the bytes). Checked on
+    the host, in numpy, so no compiler can fold the test away; inside a trace (a step program holding its own
+    weights), or spread over processes (not all on this host), the values are not read: float32."""
+    if isinstance(w, jax.core.Tracer) or not getattr(w, "is_fully_addressable", True):
         return jnp.float32
-    w = jnp.asarray(w)
     if w.dtype == jnp.bfloat16:
         return jnp.bfloat16
-    narrow = w.astype(jnp.bfloat16).astype(w.dtype)
-    return jnp.bfloat16 if bool(jnp.all((narrow == w) | jnp.isnan(w))) else jnp.float32
+    bits = np.asarray(w, dtype=np.float32).view(np.uint32)
+    return jnp.float32 if np.any(bits & 0xFFFF) else jnp.bfloat16
 
 
 def row_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
