@@ -12,10 +12,10 @@ w[k, n]` from 0 (cpu_rows.cc), so a row's bits are a function of its own values 
 for R = 1 and R = 64, on any thread, with any instruction set. It streams the weights once per call, holding a tile
 of sums in registers (8 rows x 48 columns with AVX-512, 6 x 16 to 1 x 48 with AVX2: sized to the register file,
 since a tile that spills runs several times slower), so R rows cost about what one costs while memory is the bound
-(measured in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each panel's K rows
-contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama): in bfloat16
-where the weight's values all are bfloat16 values (a bfloat16 target, a head trained in bfloat16), widened
-exactly in the kernel, so the same sums from half the bytes.
+(measured in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each
+panel's K rows contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama):
+in bfloat16 where the weight's values all are bfloat16 values (a bfloat16 or 8-bit quantized target, a head
+trained in bfloat16), widened exactly in the kernel, so the same sums from half the bytes.
 
 `row_matmul_reference` is the same chain in jax.numpy (a scan over k of rounded products): the same bits, slowly;
 the tests compare the two bit for bit.
