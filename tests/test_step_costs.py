@@ -32,3 +32,26 @@ def test_rounds_call_every_function_in_turn_and_keep_each_ones_best(monkeypatch)
 def test_every_name_gets_a_time(repeats):
     best = step_costs.best_seconds_interleaved({t: (lambda x: x, (t,)) for t in (1, 2, 6)}, repeats=repeats)
     assert set(best) == {1, 2, 6} and all(0 <= v < 1 for v in best.values())
+
+
+def test_a_carried_call_is_handed_back_the_state_it_returned():
+    seen: list[int] = []
+
+    def fn(state, x):
+        seen.append(state)
+        return state * 10 + x, state + 1
+
+    call = step_costs.Carried(fn, 0, 5)
+    assert [call(), call(), call()] == [5, 15, 25]
+    assert seen == [0, 1, 2]
+
+
+def test_a_carried_jitted_call_donates_its_state_as_the_engine_does():
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(lambda state, x: (state.sum(), state + x), donate_argnums=0)
+    first = jnp.zeros(4)
+    call = step_costs.Carried(fn, first, 1.0)
+    assert [float(call()) for _ in range(3)] == [0.0, 4.0, 8.0]
+    assert first.is_deleted()  # written in place, not copied: what a timed forward must cost

@@ -31,7 +31,26 @@ from jaxspec.engine.proposers.dflash import DFlashProposer, DFlashState
 from jaxspec.engine.tree import TreeConfig, draft_tree
 
 ROUNDS = 5  # timed rounds per measurement (`best_seconds_interleaved`)
-TIMING = f"best of {ROUNDS} interleaved rounds"  # how costs are timed: part of a stored entry's key (`step_cost_store`)
+TIMING = f"best of {ROUNDS} interleaved rounds, caches donated"  # how costs are timed: part of a stored entry's key
+# (`step_cost_store`); entries timed before the caches were donated have other keys and are timed again
+
+
+class Carried:
+    """A call that donates its state and is handed back the state it returned, as the engine threads its state from
+    step to step: fn(state, *args) -> (out, state), fn jitted with the state donated.
+
+    Why: a forward whose KV cache is not donated cannot write its new keys and values in place, so XLA copies the
+    whole cache first, and on CPU that copy's fresh buffer is page-faulted in on every call (glibc maps buffers
+    over 32 MB anew each time). Timed that way, SmolLM2's decode at 1,024 slots cost 46.3 ms where the engine's
+    donated step costs 33.8 ms (2,048 slots: 74.4 against 49.6; 512: 28.7 against 27.9), the same ~12-25 ms on
+    every verify length too, which made a verify look cheaper against a decode than it is (2026-12-02)."""
+
+    def __init__(self, fn, state, *args):
+        self.fn, self.state, self.args = fn, state, args
+
+    def __call__(self):
+        out, self.state = self.fn(self.state, *self.args)
+        return out
 
 
 def best_seconds_interleaved(calls: dict, repeats: int = ROUNDS) -> dict:
@@ -78,15 +97,17 @@ def time_forwards(
 
     options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
 
-    @functools.partial(jax.jit, compiler_options=options or None)
-    def target_forward(params, cache, tokens):  # [B, T]
+    @functools.partial(jax.jit, donate_argnums=0, compiler_options=options or None)
+    def target_forward(cache, params, tokens):  # [B, T]
         m = nnx.merge(tg, params)
         positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         out = m(tokens, positions, cache, return_aux=head is not None)
-        return out.logits, out.aux
+        return (out.logits, out.aux), out.cache._replace(lengths=cache.lengths)  # the same half-full cache again
 
-    cache = kvc.advance(model.init_cache(batch, capacity), capacity // 2)
-    calls = {t: (target_forward, (tp, cache, jnp.zeros((batch, t), jnp.int32))) for t in lengths}
+    def half_full():  # each call its own cache: a donated one is gone
+        return kvc.advance(model.init_cache(batch, capacity), capacity // 2)
+
+    calls = {t: (Carried(target_forward, half_full(), tp, jnp.zeros((batch, t), jnp.int32)), ()) for t in lengths}
     if isinstance(head, DFlashDrafter):
         if time_draft:
             calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
@@ -97,17 +118,19 @@ def time_forwards(
         hg, hp = nnx.split(head)
         table = model.embed_tokens[...]
 
-        @jax.jit
-        def head_step(params, cache, tokens, state):  # one new token per row
+        @functools.partial(jax.jit, donate_argnums=0)
+        def head_step(cache, params, tokens, state):  # one new token per row
             h = nnx.merge(hg, params)
-            return h(tokens, state, cache.lengths[:, None], cache, table)[:2]
+            logits, state, new = h(tokens, state, cache.lengths[:, None], cache, table)
+            return (logits, state), new._replace(lengths=cache.lengths)
 
         hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
         state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
         if time_draft and is_parallel(head):  # P-EAGLE: a chain's drafts from one head forward
             calls["head"] = _parallel_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
         elif time_draft:
-            calls["head"] = (head_step, (hp, hcache, jnp.zeros((batch, 1), jnp.int32), state))
+            fresh = kvc.advance(head.init_cache(batch, capacity), capacity // 2)  # donated: not the trees' hcache
+            calls["head"] = (Carried(head_step, fresh, hp, jnp.zeros((batch, 1), jnp.int32), state), ())
         for tree in trees:  # its expansion after the root, as the proposer runs it (step by step, P-EAGLE too)
             def expand(params, logits0, state0, cache, tree=tree):
                 dt = draft_tree(nnx.merge(hg, params), table, logits0, state0, cache, tree)
@@ -180,13 +203,14 @@ def _draft_model_step_call(draft: LlamaModel, batch: int, capacity: int) -> tupl
     proposer, params = DraftModelProposer.of(draft, 1)
     graphdef = proposer.draft_graphdef
 
-    @jax.jit
-    def draft_step(params, cache, tokens):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def draft_step(cache, params, tokens):
         m = nnx.merge(graphdef, params)
-        return m(tokens, cache.lengths[:, None], cache).logits
+        out = m(tokens, cache.lengths[:, None], cache)
+        return out.logits, out.cache._replace(lengths=cache.lengths)
 
     cache = kvc.advance(draft.init_cache(batch, capacity), capacity // 2)
-    return draft_step, (params, cache, jnp.zeros((batch, 1), jnp.int32))
+    return Carried(draft_step, cache, params, jnp.zeros((batch, 1), jnp.int32)), ()
 
 
 def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float],
