@@ -92,7 +92,10 @@ def time_forwards(
     {tree: seconds of its expansion}), at this batch size and cache capacity, the caches half full, with the model's
     own numerics, timed in interleaved rounds (`best_seconds_interleaved`). A DFlash drafter's step is its
     proposer's whole draft (the pending context written, one forward over the block, the longest chain's logits),
-    a P-EAGLE head's likewise (one forward over the pending pairs and the mask slots)."""
+    a P-EAGLE head's likewise (one forward over the pending pairs and the mask slots). The target's forwards, a
+    head's step and a draft model's step donate their caches (`Carried`); a whole block draft and a tree's expansion
+    do not (their state is the drafter's own one- or two-layer cache: a few MB copied at 1,024 slots), so they
+    carry that copy."""
     tg, tp = nnx.split(model.hold_step_weights())  # as its generators run it (Generator.__init__ holds the same)
 
     options = model.numerics.compiler_options() if model.numerics is not None else {}  # as Generator compiles
@@ -102,12 +105,12 @@ def time_forwards(
         m = nnx.merge(tg, params)
         positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         out = m(tokens, positions, cache, return_aux=head is not None)
-        return (out.logits, out.aux), out.cache._replace(lengths=cache.lengths)  # the same half-full cache again
+        return (out.logits, out.aux), out.cache  # the lengths unchanged (callers commit): half full again
 
-    def half_full():  # each call its own cache: a donated one is gone
-        return kvc.advance(model.init_cache(batch, capacity), capacity // 2)
-
-    calls = {t: (Carried(target_forward, half_full(), tp, jnp.zeros((batch, t), jnp.int32)), ()) for t in lengths}
+    calls = {  # each length its own cache: a donated one is gone
+        t: (Carried(target_forward, _half_full(model, batch, capacity), tp, jnp.zeros((batch, t), jnp.int32)), ())
+        for t in lengths
+    }
     if isinstance(head, DFlashDrafter):
         if time_draft:
             calls["head"] = _block_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
@@ -121,25 +124,29 @@ def time_forwards(
         @functools.partial(jax.jit, donate_argnums=0)
         def head_step(cache, params, tokens, state):  # one new token per row
             h = nnx.merge(hg, params)
-            logits, state, new = h(tokens, state, cache.lengths[:, None], cache, table)
-            return (logits, state), new._replace(lengths=cache.lengths)
+            logits, state, cache = h(tokens, state, cache.lengths[:, None], cache, table)
+            return (logits, state), cache
 
-        hcache = kvc.advance(head.init_cache(batch, capacity), capacity // 2)
         state = jnp.zeros((batch, 1, head.config.hidden_size), head.dtype)
         if time_draft and is_parallel(head):  # P-EAGLE: a chain's drafts from one head forward
             calls["head"] = _parallel_draft_call(model, tp, head, batch, capacity, max(lengths) - 1)
         elif time_draft:
-            fresh = kvc.advance(head.init_cache(batch, capacity), capacity // 2)  # donated: not the trees' hcache
-            calls["head"] = (Carried(head_step, fresh, hp, jnp.zeros((batch, 1), jnp.int32), state), ())
+            calls["head"] = (Carried(head_step, _half_full(head, batch, capacity), hp,
+                                     jnp.zeros((batch, 1), jnp.int32), state), ())
         for tree in trees:  # its expansion after the root, as the proposer runs it (step by step, P-EAGLE too)
             def expand(params, logits0, state0, cache, tree=tree):
                 dt = draft_tree(nnx.merge(hg, params), table, logits0, state0, cache, tree)
                 return dt.tokens, dt.mask
 
             logits0 = jax.random.normal(jax.random.key(0), (batch, head.config.draft_vocab_size), jnp.float32)
-            calls[tree] = (jax.jit(expand), (hp, logits0, state[:, 0], hcache))
+            calls[tree] = (jax.jit(expand), (hp, logits0, state[:, 0], _half_full(head, batch, capacity)))
     best = best_seconds_interleaved(calls, repeats)
     return {t: best[t] for t in lengths}, best.get("head", 0.0), {t: best[t] for t in trees}
+
+
+def _half_full(module, batch: int, capacity: int) -> kvc.KVCache:
+    """A target's, head's or draft model's cache with half its slots committed: where every forward is timed."""
+    return kvc.advance(module.init_cache(batch, capacity), capacity // 2)
 
 
 def _propose_call(model: LlamaModel, target_params, proposer, params, state, batch: int, capacity: int) -> tuple:
@@ -207,10 +214,9 @@ def _draft_model_step_call(draft: LlamaModel, batch: int, capacity: int) -> tupl
     def draft_step(cache, params, tokens):
         m = nnx.merge(graphdef, params)
         out = m(tokens, cache.lengths[:, None], cache)
-        return out.logits, out.cache._replace(lengths=cache.lengths)
+        return out.logits, out.cache
 
-    cache = kvc.advance(draft.init_cache(batch, capacity), capacity // 2)
-    return Carried(draft_step, cache, params, jnp.zeros((batch, 1), jnp.int32)), ()
+    return Carried(draft_step, _half_full(draft, batch, capacity), params, jnp.zeros((batch, 1), jnp.int32)), ()
 
 
 def _costs(seconds: dict[int, float], draft: float, expansions: dict[TreeConfig, float],
