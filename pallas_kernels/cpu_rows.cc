@@ -1,4 +1,5 @@
-// The CPU row matmul (pallas_kernels/row_matmul.py says why it exists and how it is built and called).
+// The CPU row matmul (pallas_kernels/row_matmul.py says why it exists and how it is called; it is built into one
+// library with the row attention, pallas_kernels/cpu_library.py).
 //
 // y[r, n] = sum over k of x[r, k] * w[k, n], for x [R, K] float32 and w given as panels [P, K, 16]: w's columns
 // 16 at a time, each panel's K rows contiguous (`pack_panels`), in float32 or in bfloat16 (a weight whose values

@@ -82,7 +82,8 @@ def test_a_head_for_another_target_is_refused_before_weights_load(models, tmp_pa
     tiny = models / "models" / "tiny"
     path = export_head(_head(OTHER), tmp_path / "other", layout="eagle", target=OTHER, dtype="float32",
                        verifier="org/other-model")
-    from jaxspec.checkpoints import heads
+    from jaxspec.checkpoints import dflash, heads  # noqa: F401  dflash imported first: a module that binds
+    # heads.read_tensors by name while the patch is on would keep the lambda for every later test of the process
 
     monkeypatch.setattr(heads, "read_tensors", lambda *_: pytest.fail("head weights were read"))
     want = ("draft head was exported for the verifier 'org/other-model' with hidden size 48, vocabulary 120, 8 layers, "

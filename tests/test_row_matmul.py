@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models.numerics import contract, default_numerics, panel_matmul
+from pallas_kernels import cpu_library
 from pallas_kernels import row_matmul as rk
 
 pytestmark = pytest.mark.skipif(not rk.available(), reason=f"row kernel unavailable: {rk.unavailable_reason()}")
@@ -103,16 +104,17 @@ def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
     without a compiler gets a one-line BuildError, not a traceback from the compiler."""
     monkeypatch.setenv(rk.ENV_VAR, "off")
     assert not rk.available() and rk.unavailable_reason() == f"{rk.ENV_VAR}=off"
-    assert default_numerics("cpu").row_kernel is False
-    assert default_numerics("cpu") == dataclasses.replace(default_numerics("cpu"), row_kernel=False)
+    off = default_numerics("cpu")
     monkeypatch.delenv(rk.ENV_VAR)
-    assert default_numerics("cpu").row_kernel is True and default_numerics("gpu").row_kernel is False
+    on = default_numerics("cpu")
+    assert on.row_kernel and on.row_attention and off == dataclasses.replace(on, row_kernel=False, row_attention=False)
+    assert default_numerics("gpu").row_kernel is False and default_numerics("gpu").row_attention is False
 
-    monkeypatch.setattr(rk, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_library, "_compiler", lambda: None)
     with pytest.raises(rk.BuildError, match="no C.. compiler found"):
         rk.build(tmp_path)
     monkeypatch.undo()
-    monkeypatch.setattr(rk, "SOURCE", tmp_path / "broken.cc")
+    monkeypatch.setattr(cpu_library, "SOURCES", (tmp_path / "broken.cc",))
     (tmp_path / "broken.cc").write_text("this is not C++\n")
     with pytest.raises(rk.BuildError, match="could not compile broken.cc") as e:
         rk.build(tmp_path / "cache")

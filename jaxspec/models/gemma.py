@@ -59,6 +59,7 @@ from jaxspec.models.llama import (
 )
 from jaxspec.models.numerics import (
     Numerics,
+    attend,
     default_numerics,
     exact_mul,
     held_dtype,
@@ -66,7 +67,6 @@ from jaxspec.models.numerics import (
     normal_weight,
 )
 from jaxspec.sharding import cache_kv_heads
-from pallas_kernels.invariant_attention import invariant_attend
 
 
 def gemma_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float, invariant: bool = False,
@@ -161,10 +161,10 @@ class GemmaAttention(nnx.Module):
             v_cache = kvc.write_block(v_cache, v, lengths)
         if inv:
             bk = numerics.key_block
-            out = invariant_attend(
-                q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
-                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels, scale=self.scale,
-                window=self.window, softcap=self.softcap,
+            out = attend(
+                numerics, q, k_cache, v_cache, lengths, positions, ancestors,
+                num_blocks=-(-t // bk) if empty_cache else None, scale=self.scale, window=self.window,
+                softcap=self.softcap,
             )
         else:
             k_win, v_win = kvc.read_window(k_cache, lengths, t), kvc.read_window(v_cache, lengths, t)

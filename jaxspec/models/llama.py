@@ -25,6 +25,7 @@ from jaxspec.models.attention import masked_attention
 from jaxspec.models.layers import accumulating_matmul, apply_rope, rms_norm, rope_cos_sin
 from jaxspec.models.numerics import (
     Numerics,
+    attend,
     contract,
     default_numerics,
     exact_mul,
@@ -38,7 +39,6 @@ from jaxspec.models.numerics import (
 from jaxspec.models.numerics import drop_held_weights
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
-from pallas_kernels.invariant_attention import invariant_attend
 from pallas_kernels.row_matmul import exact_panel_dtype, pack_panels
 
 
@@ -145,9 +145,9 @@ class Attention(nnx.Module):
         v_cache = kvc.write_block(v_cache, v, lengths + write_offset)
         if numerics is not None:  # keys read back from the cache in position order (write before read)
             bk = numerics.key_block
-            out = invariant_attend(
-                q, k_cache, v_cache, lengths, positions, ancestors, key_block=bk,
-                num_blocks=-(-t // bk) if empty_cache else None, impl=numerics.kernels,
+            out = attend(
+                numerics, q, k_cache, v_cache, lengths, positions, ancestors,
+                num_blocks=-(-t // bk) if empty_cache else None,
             ).reshape(b, t, cfg.num_heads * cfg.head_dim)
             return self.o_proj(out, numerics), k_cache, v_cache
         if isinstance(write_offset, int) and write_offset == 0 and mask.shape[-1] == t:  # the window is the new tokens

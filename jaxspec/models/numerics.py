@@ -20,6 +20,8 @@ reduction of the target is built from those two:
 - sums over a feature axis (RMSNorm, softmax denominators) are pairwise halvings of elementwise adds
   (`halving_sum`), which have no shape-dependent order at all;
 - attention (pallas_kernels/invariant_attention.py) reduces over keys in absolute position order in fixed blocks;
+  on CPU, where that compiles into ~22 small kernels a layer, it runs instead on jaxspec's row attention (`attend`,
+  pallas_kernels/row_attention.py: one call per layer, each query row's keys in position order, its own bits);
 - no product meets an add inside one fusion (`exact_mul`), since XLA contracts those into FMAs program by program;
   dots are fenced by optimization barriers (`fenced`) against algebraic rewrites, and each weight is contracted in
   its stored layout (`tiled_matmul`'s w_out_in), never through a transpose XLA may fold in one program only.
@@ -46,8 +48,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from pallas_kernels import row_attention
 from pallas_kernels import row_matmul as row_kernel
-from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
+from pallas_kernels.dispatch import IMPLEMENTATIONS, on_mesh, resolve_kernels
+from pallas_kernels.invariant_attention import invariant_attend
 from pallas_kernels.mesh_axes import DATA, MODEL
 from pallas_kernels.primitives import exact_mul, fenced, halving_max, halving_sum, held_dtype  # noqa: F401
 
@@ -65,6 +69,7 @@ class Numerics:
     prefill_row_tile: int | None = None  # a prefill's rows, all of them, on [prefill_row_tile, K] dots; None: as above
     fused_qkv: bool = False  # q, k and v projected by one dot over the three kernels side by side (CPU; see below)
     row_kernel: bool = False  # decode and verify matmuls on the CPU row kernel (`panel_matmul`), not on row tiles
+    row_attention: bool = False  # the target's attention on the CPU row attention (`attend`), not the block fold
 
     def __post_init__(self):
         if self.kernels not in IMPLEMENTATIONS:
@@ -144,17 +149,41 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
     Where the CPU row kernel builds (pallas_kernels/row_matmul.py: a C++ compiler on the machine; on by default,
     JAXSPEC_CPU_ROW_KERNEL=off), decode and verify matmuls run on it instead of one-row tiles (`row_kernel`,
     `panel_matmul`): each row gets the same bits at any row count, so a verify of T tokens streams the weights once
-    instead of T times. Prefills keep their 64-row tiles (the same speed there)."""
+    instead of T times. Prefills keep their 64-row tiles (the same speed there). Attention, prefills' too, runs on
+    the row attention built into the same library (`row_attention`, pallas_kernels/row_attention.py: one call per
+    layer over the keys each token sees)."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
+        built = row_kernel.available()
         return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE, prefill_row_tile=CPU_PREFILL_ROW_TILE,
-                        kernels=impl, fused_qkv=True, row_kernel=row_kernel.available())
+                        kernels=impl, fused_qkv=True, row_kernel=built, row_attention=built)
     return Numerics(row_tile=64, kernels=impl)
 
 
 CPU_WIDE_ROW_TILE = 64
 CPU_PREFILL_ROW_TILE = 64
+
+
+def attend(numerics: Numerics, q, k_cache, v_cache, lengths, positions, ancestors, *, num_blocks: int | None,
+           scale: float | None = None, window: int | None = None, softcap: float | None = None) -> jax.Array:
+    """The target's attention under `numerics` → [B, T, Hq, D] in q's dtype: the CPU row attention where
+    `row_attention` is set and it takes the layer (float32 or bfloat16 caches, no soft-capping:
+    pallas_kernels/row_attention.py), else the block-fold attention (`invariant_attend`: accelerators, Gemma 2's
+    capped layers). Either way a row's bits are its own. On a (data, model) mesh the row attention runs
+    per shard (rows over data, KV heads over model), as the kernels do."""
+    if numerics.row_attention and row_attention.supports(k_cache, softcap):
+        fn = functools.partial(row_attention.row_attention, scale=scale, window=window)
+        if not on_mesh():
+            return fn(q, k_cache, v_cache, lengths, positions, ancestors)
+        q_heads, kv_heads = PartitionSpec(DATA, None, MODEL, None), PartitionSpec(DATA, MODEL)
+        rows = PartitionSpec(DATA)
+        specs = (q_heads, kv_heads, kv_heads, rows, rows) + (() if ancestors is None else (rows,))
+        sharded = jax.shard_map(lambda *a: fn(*a) if ancestors is not None else fn(*a, None), in_specs=specs,
+                                out_specs=q_heads, check_vma=False)
+        return sharded(q, k_cache, v_cache, lengths, positions, *(() if ancestors is None else (ancestors,)))
+    return invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, key_block=numerics.key_block,
+                            num_blocks=num_blocks, impl=numerics.kernels, scale=scale, window=window, softcap=softcap)
 
 
 def normal_weight(rngs, shape: tuple[int, ...], dtype) -> jax.Array | jax.ShapeDtypeStruct:
