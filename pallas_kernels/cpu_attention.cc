@@ -25,23 +25,18 @@
 // threads when there is enough work. Built with -ffp-contract=off (no FMA contraction).
 
 #include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define JAXSPEC_X86 1
-#endif
-
-#include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using namespace jaxspec_cpu;  // the machine's vectors (kWidth, vf, load, store, widen), run_shared
 
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kC1 = 0.693359375f;
@@ -70,13 +65,6 @@ inline float exp_c(float x) {
   return x < kExpFloor ? 0.0f : y * scale;
 }
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 // e rounded to the cache's dtype (bfloat16: to nearest, ties to even), as a float
 inline float round_to(float e, const float*) { return e; }
 inline float round_to(float e, const uint16_t*) {
@@ -87,28 +75,6 @@ inline float round_to(float e, const uint16_t*) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-
-// The machine's vectors (as in cpu_rows.cc): kWidth floats.
-#if defined(__AVX512F__)
-constexpr int kWidth = 16;
-#elif defined(__AVX__)
-constexpr int kWidth = 8;
-#else
-constexpr int kWidth = 4;  // SSE, NEON
-#endif
-typedef float vf __attribute__((vector_size(4 * kWidth)));
-typedef float vfu __attribute__((vector_size(4 * kWidth), aligned(4)));
-typedef uint16_t vhu __attribute__((vector_size(2 * kWidth), aligned(2)));
-typedef uint32_t vw __attribute__((vector_size(4 * kWidth)));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-inline vf load(const uint16_t* p) {  // bfloat16 bits widened exactly
-  const vw bits = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vw) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 // The halving sum of one vector's lanes: lane i meets lane i + half, down to lane 0.
 inline float halving_lanes(vf x) {
@@ -151,23 +117,25 @@ struct Job {
   int64_t B, T, Hq, H, S, D, A, G, Dp;
   float scale;
   int64_t window;  // 0: none
-  unsigned csr;
-  int64_t units;   // B·H·T
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  struct Scratch {  // a thread's buffers: a row's scores, the scalar path's products, the token's key slots
+    std::vector<float> scores, buf;
+    std::vector<int64_t> slots;
+  };
 
   int64_t slot(int64_t b, int64_t t, int64_t P, int64_t L) const {
     if (anc == nullptr || P < L) return P;
     return L + anc[(b * T + t) * A + (P - L)];
   }
 
-  void unit(int64_t u, std::vector<float>& scores, std::vector<float>& buf, std::vector<int64_t>& slots) const {
+  // Work item u: token t of sequence b against KV head h, u = (b·H + h)·T + t.
+  void run(int64_t u, Scratch& scratch) const {
+    std::vector<float>& scores = scratch.scores;
+    std::vector<int64_t>& slots = scratch.slots;
     const int64_t t = u % T, h = (u / T) % H, b = u / (T * H);
     const int64_t p = pos[b * T + t], L = lengths[b];
     float* o = out + ((b * T + t) * Hq + h * G) * D;
-    int64_t hi = p;
-    if (anc == nullptr) hi = std::min<int64_t>(p, S - 1);
-    else hi = std::min<int64_t>(p, L + A - 1);
+    // the last position seen: the token's own, within the cache (a chain) or within its ancestors (a tree)
+    const int64_t hi = std::min<int64_t>(p, anc == nullptr ? S - 1 : L + A - 1);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
     if (p < 0 || hi < lo) {
       std::memset(o, 0, sizeof(float) * G * D);
@@ -186,7 +154,7 @@ struct Job {
       case 8: rows<8>(qb, kb, vb, slots.data(), n, o, scores); break;
       case 16: rows<16>(qb, kb, vb, slots.data(), n, o, scores); break;
       case 32: rows<32>(qb, kb, vb, slots.data(), n, o, scores); break;
-      default: rows_scalar(qb, kb, vb, slots.data(), n, o, scores, buf); break;
+      default: rows_scalar(qb, kb, vb, slots.data(), n, o, scores, scratch.buf); break;
     }
   }
 
@@ -251,21 +219,6 @@ struct Job {
     }
   }
 
-  void work() {
-#ifdef JAXSPEC_X86
-    const unsigned saved = _mm_getcsr();
-    _mm_setcsr(csr);
-#endif
-    std::vector<float> scores, buf;
-    std::vector<int64_t> slots;
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      unit(u, scores, buf, slots);
-      done.fetch_add(1, std::memory_order_release);
-    }
-#ifdef JAXSPEC_X86
-    _mm_setcsr(saved);
-#endif
-  }
 };
 
 template <typename KV, typename Cache>
@@ -293,28 +246,16 @@ ffi::Error RowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, Cache k, 
   job->Dp = dp;
   job->scale = scale;
   job->window = window;
-#ifdef JAXSPEC_X86
-  job->csr = _mm_getcsr();
-#else
-  job->csr = 0;
-#endif
-  job->units = job->B * job->H * job->T;
-  if (job->units == 0 || job->D == 0) return ffi::Error::Success();
+  const int64_t units = job->B * job->H * job->T;
+  if (units == 0 || job->D == 0) return ffi::Error::Success();
   if (job->S == 0) {
     std::memset(job->out, 0, sizeof(float) * job->B * job->T * job->Hq * job->D);
     return ffi::Error::Success();
   }
-  // helpers only where a unit's keys are worth a thread's start (~a few µs): rows x keys x D products in all
-  const int64_t work = job->units * job->G * job->S * job->D;
+  // helpers only where there is work enough for a thread's start (~a few µs): rows x capacity x D products at most
+  const int64_t work = units * job->G * job->S * job->D;
   const int threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = work < (int64_t{1} << 18) ? 0 : std::min<int64_t>(threads, job->units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->units) {
-#ifdef JAXSPEC_X86
-    _mm_pause();
-#endif
-  }
+  run_shared(pool, job, units, work < (int64_t{1} << 18) ? 0 : std::min<int64_t>(threads, units) - 1);
   return ffi::Error::Success();
 }
 

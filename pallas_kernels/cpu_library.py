@@ -1,6 +1,6 @@
 """jaxspec's CPU kernels as one library: the row matmul (cpu_rows.cc, `row_matmul.py`) and the row attention
-(cpu_attention.cc, `row_attention.py`), XLA FFI custom calls (`jax.ffi`) that give each row the same bits at any
-row count, by construction, where XLA:CPU's own dots and reductions do not.
+(cpu_attention.cc, `row_attention.py`), sharing cpu_common.h (vectors, threads): XLA FFI custom calls (`jax.ffi`)
+that give each row the same bits at any row count, by construction, where XLA:CPU's own dots and reductions do not.
 
 How they are built. Compiled together on first use with the machine's C++ compiler (`$CXX`, else c++/g++/clang++)
 against `jax.ffi.include_dir()`, for this machine's processor (-march=native) and without FMA contraction, into
@@ -25,6 +25,7 @@ import jax
 
 ENV_VAR = "JAXSPEC_CPU_ROW_KERNEL"
 SOURCES = (Path(__file__).with_name("cpu_rows.cc"), Path(__file__).with_name("cpu_attention.cc"))
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)  # what the sources include: part of the build's key
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 TARGETS = {  # XLA FFI target name -> the library's handler symbol
     "jaxspec_row_matmul": "JaxspecRowMatmul",  # float32 panels
@@ -82,7 +83,7 @@ def build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> P
     version = _run([compiler, "--version"]).splitlines()[0] if _run([compiler, "--version"]) else compiler
     flags = FLAGS + _arch_flags(compiler) + tuple(extra_flags)
     key = hashlib.sha256("\n".join([
-        *(source.read_text() for source in SOURCES), compiler, version, " ".join(flags), jax.__version__,
+        *(source.read_text() for source in SOURCES + HEADERS), compiler, version, " ".join(flags), jax.__version__,
         _jaxlib_version(), _processor(),
     ]).encode()).hexdigest()[:16]
     cache_dir = cache_dir or _cache_dir()

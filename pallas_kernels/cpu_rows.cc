@@ -23,33 +23,19 @@
 // extensions give AVX-512, AVX2, SSE or NEON code from the same source.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define JAXSPEC_X86 1
-#endif
-
-#include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jaxspec_cpu;  // the machine's vectors (kWidth, kRegisters, vf, load, store), run_shared
+
 constexpr int kLanes = 16;  // columns per panel
-// The machine's vectors: kWidth floats, kRegisters of them.
-#if defined(__AVX512F__)
-constexpr int kWidth = 16, kRegisters = 32;
-#elif defined(__AVX__)
-constexpr int kWidth = 8, kRegisters = 16;
-#elif defined(__aarch64__)
-constexpr int kWidth = 4, kRegisters = 32;  // NEON
-#else
-constexpr int kWidth = 4, kRegisters = 16;  // SSE
-#endif
 constexpr int kSub = kLanes / kWidth;  // vectors per panel row
 constexpr int kPanels = 3;             // panels per group: the columns a row group sweeps while they stay in cache
 // A register tile of MR rows x tile_panels<MR>() panels holds its sums and the panels' current row in registers,
@@ -59,21 +45,6 @@ constexpr int tile_panels() {
   return std::max(1, std::min(kPanels, (kRegisters - 2) / ((MR + 1) * kSub)));
 }
 constexpr int kRows = std::min(8, (kRegisters - 2) / kSub - 1);  // rows per register tile (a one-panel tile's most)
-
-typedef float vf __attribute__((vector_size(4 * kWidth)));
-typedef float vfu __attribute__((vector_size(4 * kWidth), aligned(4)));
-typedef uint16_t vhu __attribute__((vector_size(2 * kWidth), aligned(2)));
-typedef uint32_t vw __attribute__((vector_size(4 * kWidth)));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-// kWidth bfloat16 values (their bits) widened to float32: the same values, their mantissas extended with zeros
-inline vf load(const uint16_t* p) {
-  const vw bits = __builtin_convertvector(*reinterpret_cast<const vhu*>(p), vw) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 // Rows [0, MR) of x (row stride K) times panels p0 .. p0+V-1 → y (row stride N).
 template <int MR, int V, typename W>
@@ -128,31 +99,17 @@ void panel_range(const float* x, int64_t R, int64_t K, const W* panels, float* y
   }
 }
 
-// The work of one call, shared with the helpers by pointer: it outlives the call if a helper starts late.
+// The work of one call: chunk c is panels [c·chunk, (c + 1)·chunk) for every row (`run_shared` runs the chunks).
 template <typename W>
 struct Job {
+  struct Scratch {};
   const float* x;
   int64_t R, K;
   const W* panels;
   float* y;
-  int64_t N, P, chunk, chunks;
-  unsigned csr;  // the caller's floating-point control word (x86 MXCSR): every thread rounds and flushes alike
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t N, P, chunk;
 
-  void work() {
-#ifdef JAXSPEC_X86
-    const unsigned saved = _mm_getcsr();
-    _mm_setcsr(csr);
-#endif
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      panel_range(x, R, K, panels, y, N, c * chunk, std::min(P, (c + 1) * chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-#ifdef JAXSPEC_X86
-    _mm_setcsr(saved);
-#endif
-  }
+  void run(int64_t c, Scratch&) const { panel_range(x, R, K, panels, y, N, c * chunk, std::min(P, (c + 1) * chunk)); }
 };
 
 // Split into chunks of whole panel groups (kPanels), about 4 per thread, none under ~64 KB of weights.
@@ -176,11 +133,6 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels panel
   job->y = y->typed_data();
   job->P = wd[0];
   job->N = wd[0] * kLanes;
-#ifdef JAXSPEC_X86
-  job->csr = _mm_getcsr();
-#else
-  job->csr = 0;
-#endif
   if (job->R == 0 || job->P == 0) return ffi::Error::Success();
   if (job->K == 0) {
     std::memset(job->y, 0, sizeof(float) * job->R * job->N);
@@ -188,15 +140,8 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels panel
   }
   const int threads = std::max<int64_t>(1, pool.num_threads());
   job->chunk = chunk_panels(job->P, job->K, threads, sizeof(W));
-  job->chunks = (job->P + job->chunk - 1) / job->chunk;
-  const int64_t helpers = std::min<int64_t>(threads, job->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) {
-#ifdef JAXSPEC_X86
-    _mm_pause();
-#endif
-  }
+  const int64_t chunks = (job->P + job->chunk - 1) / job->chunk;
+  run_shared(pool, job, chunks, std::min<int64_t>(threads, chunks) - 1);
   return ffi::Error::Success();
 }
 

@@ -715,6 +715,13 @@ def invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, *, key_
         invariant_attention, key_block=key_block, num_blocks=num_blocks, scale=scale, window=window, softcap=softcap,
         interpret=impl == "interpret",
     )
+    return per_shard(fn, q, k_cache, v_cache, lengths, positions, ancestors)
+
+
+def per_shard(fn, q, k_cache, v_cache, lengths, positions, ancestors):
+    """fn(q, k_cache, v_cache, lengths, positions, ancestors) → [B, T, Hq, D], an attention kernel XLA cannot
+    partition (a Pallas or FFI call), run per shard in `jax.shard_map` under a (data, model) mesh: rows over data,
+    KV heads (and their query heads) over model, so no collective; called directly without one."""
     if not on_mesh():
         return fn(q, k_cache, v_cache, lengths, positions, ancestors)
     rows, q_heads, kv_heads = P(DATA), P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)

@@ -1,12 +1,13 @@
-"""The CPU row attention: the target's attention for decode and verify steps on CPU, one custom call per layer, each
-query row's bits its own by construction (cpu_attention.cc), reading only the keys each token sees.
+"""The CPU row attention: the target's attention on CPU (decode, verify and prefill), one custom call per layer,
+each query row's bits its own by construction (cpu_attention.cc), reading only the keys each token sees.
 
 Why it exists. The invariant attention (`invariant_attention_reference`) compiles on XLA:CPU into ~22 small kernels
 per layer (the blocks' dots, their halving maxima and sums, exponentials, the fold), each a few microseconds of
-dispatch for a few thousand values: measured on SmolLM2 (30 layers, 9 query / 3 KV heads) at 256 slots, attention
-took 4.5 ms of a 23.3 ms decode and 8.4 ms of a 27.4 ms verify of 3 tokens, and it reads every key block up to the
-cache's capacity, seen or not. On CPU that fixed cost is what a verify adds to a decode besides its rows' share of
-the weights, so it is what speculation must win back.
+dispatch for a few thousand values, and it reads every key block up to the cache's capacity, seen or not: alone at
+SmolLM2's shapes (9 query / 3 KV heads) 103 / 156 µs a layer for 1 / 6 tokens at 256 slots, 511 / 937 µs at 1,024.
+On CPU that fixed cost is most of what a verify adds to a decode besides its rows' share of the weights, so it is
+what speculation must win back (BENCHMARKS.md, "The CPU row attention": the target's forward at 256 slots 23.6 ->
+19.4 ms a decode and 26.1 -> 20.2 ms a verify of 3 tokens, interleaved).
 
 What it computes, per (sequence, KV head, token) and each of the G query heads of that KV head: the scores of the
 keys the token sees, in position order (a tree node's ancestors past the committed length gathered by its

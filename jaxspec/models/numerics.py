@@ -50,8 +50,8 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import row_attention
 from pallas_kernels import row_matmul as row_kernel
-from pallas_kernels.dispatch import IMPLEMENTATIONS, on_mesh, resolve_kernels
-from pallas_kernels.invariant_attention import invariant_attend
+from pallas_kernels.dispatch import IMPLEMENTATIONS, resolve_kernels
+from pallas_kernels.invariant_attention import invariant_attend, per_shard
 from pallas_kernels.mesh_axes import DATA, MODEL
 from pallas_kernels.primitives import exact_mul, fenced, halving_max, halving_sum, held_dtype  # noqa: F401
 
@@ -170,18 +170,11 @@ def attend(numerics: Numerics, q, k_cache, v_cache, lengths, positions, ancestor
     """The target's attention under `numerics` → [B, T, Hq, D] in q's dtype: the CPU row attention where
     `row_attention` is set and it takes the layer (float32 or bfloat16 caches, no soft-capping:
     pallas_kernels/row_attention.py), else the block-fold attention (`invariant_attend`: accelerators, Gemma 2's
-    capped layers). Either way a row's bits are its own. On a (data, model) mesh the row attention runs
-    per shard (rows over data, KV heads over model), as the kernels do."""
+    capped layers). Either way a row's bits are its own. On a (data, model) mesh both kernels run per shard
+    (`per_shard`: rows over data, KV heads over model)."""
     if numerics.row_attention and row_attention.supports(k_cache, softcap):
         fn = functools.partial(row_attention.row_attention, scale=scale, window=window)
-        if not on_mesh():
-            return fn(q, k_cache, v_cache, lengths, positions, ancestors)
-        q_heads, kv_heads = PartitionSpec(DATA, None, MODEL, None), PartitionSpec(DATA, MODEL)
-        rows = PartitionSpec(DATA)
-        specs = (q_heads, kv_heads, kv_heads, rows, rows) + (() if ancestors is None else (rows,))
-        sharded = jax.shard_map(lambda *a: fn(*a) if ancestors is not None else fn(*a, None), in_specs=specs,
-                                out_specs=q_heads, check_vma=False)
-        return sharded(q, k_cache, v_cache, lengths, positions, *(() if ancestors is None else (ancestors,)))
+        return per_shard(fn, q, k_cache, v_cache, lengths, positions, ancestors)
     return invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, key_block=numerics.key_block,
                             num_blocks=num_blocks, impl=numerics.kernels, scale=scale, window=window, softcap=softcap)
 
