@@ -80,6 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.mesh_axes import DATA
 from pallas_kernels.dispatch import on_mesh
+from pallas_kernels.primitives import first_argmax
 from pallas_kernels.variants import kernel_variant, prefetch_next_then_wait, tpu_interpret
 
 Mode = Literal["greedy", "tree", "chain"]
@@ -123,7 +124,7 @@ def _prepare(tokens, parents, probs, uniforms, q, mode: Mode):
     parent = jnp.maximum(parents, 0)
     nonroot = jnp.arange(tokens.shape[1])[None] > 0
     if mode == "greedy":
-        best = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        best = first_argmax(probs)  # jnp.argmax's index, faster on CPU
         return nonroot & (tokens == jnp.take_along_axis(best, parent, axis=1)), best
     best = jnp.zeros(tokens.shape, jnp.int32)
     node_p = _node_values(probs, parents, tokens)
@@ -167,7 +168,7 @@ def _scores(weight, inv_noise):
 def _race(weight, p, inv_noise):
     """The token drawn from `weight`, or from p if no weight is positive ([B, V] → [B])."""
     s_w, s_p = _scores(weight, inv_noise), _scores(p, inv_noise)
-    return jnp.where(jnp.max(s_w, axis=-1) > NEG_INF, jnp.argmax(s_w, axis=-1), jnp.argmax(s_p, axis=-1))
+    return jnp.where(jnp.max(s_w, axis=-1) > NEG_INF, first_argmax(s_w), first_argmax(s_p))
 
 
 def _with_token(emitted, a, token):

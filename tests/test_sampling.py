@@ -8,6 +8,7 @@ from scipy import stats
 
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingConfig, filtered_logits, sample
+from pallas_kernels.primitives import first_argmax
 
 
 def reference_filter(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
@@ -40,6 +41,31 @@ def test_filter_matches_reference(t, k, p):
 def test_greedy_is_argmax():
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 20)), jnp.float32)
     np.testing.assert_array_equal(sample(logits, SamplingConfig(), jax.random.key(0)), np.argmax(logits, -1))
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 5, 16384), (2, 1), (4, 7)])
+def test_first_argmax_is_jnp_argmax(shape):
+    """The CPU's two-pass argmax gives jnp.argmax's index bit for bit: random rows (ties made likely by rounding
+    to few values), rows with NaN (the first NaN), infinities, all -inf, and signed zeros; jitted and not."""
+    x = np.round(np.asarray(jax.random.normal(jax.random.key(len(shape)), shape)) * 2) / 2  # many ties
+    x = np.asarray(x, np.float32)
+    flat = x.reshape(-1, shape[-1])
+    n = shape[-1]
+    flat[0, n // 2] = np.nan
+    if flat.shape[0] > 1:
+        flat[1, :] = -np.inf
+    if flat.shape[0] > 2:
+        flat[2, : min(n, 3)] = [0.0, -0.0, 0.0][: min(n, 3)]
+        flat[2, 3:] = -1.0
+    if flat.shape[0] > 3:
+        flat[3, n - 1] = np.inf
+        flat[3, 0] = np.inf
+        flat[3, n // 2] = np.nan
+    x = flat.reshape(shape)
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(first_argmax(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), want)
+    assert first_argmax(x).dtype == jnp.int32
 
 
 def test_samples_follow_the_filtered_distribution():

@@ -128,9 +128,9 @@ class DFlashProposer(ChainDrafts):
         if self.tree is not None:
             dt = draft_tree(_BlockSlots(logits), None, logits[:, 0], jnp.zeros((b, 1), jnp.float32), cache, self.tree)
             return Proposal(dt.tokens, dt, None, dt.candidates), st._replace(cache=cache)
-        drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K]
-        tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)  # [B, K+1], root set by the engine
         best = jax.lax.top_k(logits, min(TELEMETRY_TOP_K, logits.shape[-1]))[1].astype(jnp.int32)  # [B, K, C]
+        drafts = best[..., 0]  # [B, K] the argmax (top_k breaks ties toward the lower index, as argmax does)
+        tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), drafts], axis=1)  # [B, K+1], root set by the engine
         # node j's candidates are those of the slot that drafted node j + 1; the last node has none
         candidates = jnp.concatenate([best, jnp.full_like(best[:, :1], -1)], axis=1)  # [B, K+1, C]
         return Proposal(tokens, None, None, candidates), st._replace(cache=cache)

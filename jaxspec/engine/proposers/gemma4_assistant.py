@@ -72,9 +72,9 @@ class AssistantProposer(ChainDrafts):
         for _ in range(self.num_draft):
             inputs = jnp.concatenate([target.embed(token[:, None]), hidden.astype(target.dtype)], axis=-1)
             logits, hidden = assistant(inputs, positions, cache_k, cache_v, view.committed)  # [B, 1, V], [B, 1, Hb]
-            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            drafts.append(token)
             best.append(jax.lax.top_k(logits[:, 0], min(TELEMETRY_TOP_K, logits.shape[-1]))[1].astype(jnp.int32))
+            token = best[-1][:, 0]  # the argmax (top_k breaks ties toward the lower index, as argmax does)
+            drafts.append(token)
         tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.stack(drafts, axis=1)], axis=1)  # [B, K+1]
         candidates = jnp.stack(best + [jnp.full_like(best[0], -1)], axis=1)  # [B, K+1, C]
         return Proposal(tokens, None, None, candidates), state
