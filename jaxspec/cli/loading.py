@@ -219,6 +219,9 @@ def load_target_and_tokenizer(
 
 
 def load_head_for(draft: str, target, dtype: str | None, allow_pickle: bool):
+    """An EAGLE-3 head for `target` in `dtype` (None: the default), as stored: its matmuls are plain XLA dots.
+    Generation wants `load_draft_for`, which also holds them on the CPU row kernel where the target's run there
+    (on CPU the head's step then costs about half: BENCHMARKS.md, "The CPU's argmax")."""
     from jaxspec.checkpoints.heads import load_head
     from jaxspec.engine.generation import default_dtype
 
