@@ -55,7 +55,7 @@ def test_first_argmax_is_jnp_argmax(shape):
     if flat.shape[0] > 1:
         flat[1, :] = -np.inf
     if flat.shape[0] > 2:
-        flat[2, : min(n, 3)] = [0.0, -0.0, 0.0][: min(n, 3)]
+        flat[2, :3] = [-0.0, 0.0, -0.0]  # the first zero wins: argmax ties -0.0 with +0.0
         flat[2, 3:] = -1.0
     if flat.shape[0] > 3:
         flat[3, n - 1] = np.inf
