@@ -17,6 +17,9 @@
 #             written there, if any (DIR/smollm2-chat-prompts-4.jsonl, DIR/smollm2-selfdistill-chat-4: move them
 #             into data/ as they are); then score the head with `python -m train.heldout`
 #
+# DRAFTER=dflash trains a fresh DFlash block drafter instead (configs/smollm2-dflash.yaml: 2 layers, blocks of 8),
+# scored at each evaluation by the teacher-forced replay on the held-out MT-Bench and GSM8K answers, and it comes
+# back as DIR/drafter-zlab; LR then defaults to 6e-4, the config's.
 # train's settings (environment): PARTS ("chat train" by default; "train" skips the chat data), CHAT_COUNT (2048),
 # CHAT_PART / CHAT_SEED (4 / 3: the README's next chat part), CHAT_BATCH / CHAT_GEN_BATCH (256 / 64),
 # CHAT_PROMPT_SECONDS / CHAT_GEN_SECONDS (75 each: what is written by then is used), STEPS (5000: ~5 epochs of the
@@ -137,12 +140,20 @@ train() {
             fi
             { echo "== chat"; tail -n 5 "$WORK/chat-prompts.log" "$WORK/chat-gen.log" 2>/dev/null; } >>"$OUT/logs.txt" ;;
         train)
-            local run=$WORK/run steps=${STEPS:-5000}
-            local args=(--config configs/smollm2-eagle3.yaml "head.init_from=$HEAD" "out=$run" train.seed=21
-                train.eval_every="${EVAL_EVERY:-1250}" train.eval_prompts=null train.checkpoint_every=500
-                train.keep_checkpoints=2 train.log_every=10 optim.learning_rate="${LR:-0.0003}"
-                optim.warmup_steps="${WARMUP:-200}" train.teacher_temperature="${TEACHER_TEMPERATURE:-1.0}"
-                "data=[$(IFS=,; echo "${mix[*]}")]")
+            local run=$WORK/run steps=${STEPS:-5000} exported args
+            local common=("out=$run" train.seed=21 train.eval_every="${EVAL_EVERY:-1250}" train.eval_prompts=null
+                train.checkpoint_every=500 train.keep_checkpoints=2 train.log_every=10
+                optim.warmup_steps="${WARMUP:-200}" "data=[$(IFS=,; echo "${mix[*]}")]")
+            case $DRAFTER in
+            eagle3)  # from the shipped head; held-out replay on the config's eval_data
+                exported=$run/head-speculators
+                args=(--config configs/smollm2-eagle3.yaml "head.init_from=$HEAD" "${common[@]}"
+                    optim.learning_rate="${LR:-0.0003}" train.teacher_temperature="${TEACHER_TEMPERATURE:-1.0}") ;;
+            dflash)  # a fresh block drafter (the config's recipe), replayed on the held-out answers
+                exported=$run/drafter-zlab
+                args=(--config configs/smollm2-dflash.yaml "${common[@]}" optim.learning_rate="${LR:-0.0006}"
+                    "train.eval_data=[data/smollm2-heldout/mt_bench,data/smollm2-heldout/gsm8k]") ;;
+            esac
             rm -rf "$run"  # a warm machine keeps an earlier call's run: this one starts afresh
             # the limit leaves 60 s for the launcher to finish its step after the interrupt and 90 s to export;
             # --foreground: the interrupt goes to the launcher alone, once (timeout also signals its process group
@@ -164,10 +175,11 @@ train() {
             fi
             { echo "== train"; tail -n 30 "$WORK/train.log"; } >>"$OUT/logs.txt"
             cp "$run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
-            if [ -f "$run/head-speculators/model.safetensors" ]; then
-                cp "$run/head-speculators/config.json" "$OUT/head-config.json"
-                split -b 15M -d -a 1 "$run/head-speculators/model.safetensors" "$OUT/head.safetensors.part-"
-                (cd "$run/head-speculators" && sha256sum model.safetensors) | tee -a "$OUT/summary.txt"
+            if [ -f "$exported/model.safetensors" ]; then
+                cp "$exported/config.json" "$OUT/head-config.json"
+                echo "$DRAFTER" >"$OUT/drafter.txt"
+                split -b 15M -d -a 1 "$exported/model.safetensors" "$OUT/head.safetensors.part-"
+                (cd "$exported" && sha256sum model.safetensors) | tee -a "$OUT/summary.txt"
             else
                 failed=1
             fi ;;
@@ -177,19 +189,23 @@ train() {
     [ "${failed:-0}" -eq 0 ] || { echo "no head was exported" >&2; exit 1; }
 }
 
-unpack() {  # FILES_AT DIR: the head (and the chat part) that came back, put together and checked
+unpack() {  # FILES_AT DIR: the head or drafter (and the chat part) that came back, put together and checked
     local from=$1 dir=$2
     [ -f "$from/head-config.json" ] || die "$from holds no head-config.json: the train call exported no head"
-    mkdir -p "$dir/head-speculators"
-    cat "$from"/head.safetensors.part-* >"$dir/head-speculators/model.safetensors"
-    cp "$from/head-config.json" "$dir/head-speculators/config.json"
+    local name=head-speculators
+    [ "$(cat "$from/drafter.txt" 2>/dev/null)" = dflash ] && name=drafter-zlab
+    mkdir -p "$dir/$name"
+    cat "$from"/head.safetensors.part-* >"$dir/$name/model.safetensors"
+    cp "$from/head-config.json" "$dir/$name/config.json"
     local want; want=$(grep -E '  model.safetensors$' "$from/summary.txt" | tail -1 | cut -d' ' -f1)
-    (cd "$dir/head-speculators" && echo "$want  model.safetensors" | sha256sum -c --quiet) || die "the head's checksum differs"
+    (cd "$dir/$name" && echo "$want  model.safetensors" | sha256sum -c --quiet) || die "the checksum of $name differs"
     cp "$from/metrics.jsonl" "$dir/" 2>/dev/null
     [ -f "$from/chat.tar.gz" ] && tar -xzf "$from/chat.tar.gz" -C "$dir"
     echo "unpacked into $dir: $(ls "$dir" | tr '\n' ' ')"
 }
 
+DRAFTER=${DRAFTER:-eagle3}
+case $DRAFTER in eagle3|dflash) ;; *) die "DRAFTER=$DRAFTER: eagle3 (the default) or dflash" ;; esac
 case ${1:-} in
 stage) stage ;;
 receive) receive ;;

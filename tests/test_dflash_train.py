@@ -63,6 +63,74 @@ def test_the_objective_drafts_each_block_as_inference_does(setup):
             np.testing.assert_array_equal(np.asarray(labels[row, j]), want)
 
 
+def test_held_out_replay_scores_every_anchor_as_one_forward_does(setup, monkeypatch):
+    """train.heldout's DFlash replay: drafted in chunks of rows and anchors (padding anchors, a last partial group),
+    step k is right exactly where slot k's argmax over one forward of the sequence's every anchor is the data's
+    token (only anchors whose x_{j+k} is a response token count), and the chains are replayed from those runs. On a
+    text whose every response token past the first is the drafter's own first draft, every first draft is right."""
+    from jaxspec.checkpoints.hf import load_target
+    from jaxspec.config import DFlashConfig
+    from jaxspec.models.dflash import DFlashDrafter
+    from train import heldout
+    from train.data import read_shards
+    from train.dflash import block_logits
+
+    cfg0 = DFlashConfig.for_target(load_target(setup / "target").config, num_layers=2, block_size=4)
+    target = load_target(setup / "target", aux_layer_ids=cfg0.aux_layer_ids)
+    target.numerics = None
+    drafter = DFlashDrafter(cfg0, rngs=nnx.Rngs(3))
+    sequences = [s[:2] for s in read_shards(setup / "data")]
+
+    def features(ids):  # [1, n] -> the target's features at the drafter's layers
+        n = ids.shape[1]
+        return target(ids, jnp.arange(n)[None], target.init_cache(1, n), return_aux=True, empty_cache=True).aux
+
+    @jax.jit
+    def all_drafts(ids, anchors):  # one sequence [1, 32] (causal: the padding after it changes nothing), [1, 32]
+        return jnp.argmax(block_logits(drafter, target, features(ids), ids, anchors)[0][0, :, 1:], axis=-1)
+
+    right, counted, runs = np.zeros(3), np.zeros(3), []
+    for tokens, mask in sequences:
+        n, p = len(tokens), int(np.argmax(mask > 0))
+        anchors = np.arange(p, n - 1)
+        padded = np.zeros((2, 32), np.int32)
+        padded[0, :n], padded[1, : len(anchors)] = tokens, anchors
+        drafts = np.asarray(all_drafts(padded[:1], padded[1:]))[: len(anchors)]  # [A, 3]
+        run = np.zeros(n, np.int64)
+        for j, d in zip(anchors, drafts):
+            at = j + 1 + np.arange(3)
+            ok = (at < n) & (mask[np.minimum(at, n - 1)] > 0)
+            hit = ok & (d == tokens[np.minimum(at, n - 1)])
+            right += hit
+            counted += ok
+            run[j - 1] = np.cumprod(hit).sum()
+        runs.append(run)
+    whole = heldout.block_heldout_acceptance(target, drafter, sequences, 3)
+    monkeypatch.setattr(heldout, "ROWS", 5)  # 24 sequences: 4 full groups and one of 4
+    monkeypatch.setattr(heldout, "ANCHORS", 7)  # 6-23 anchors per sequence: 1-4 chunks, the last partly padding
+    chunked = heldout.block_heldout_acceptance(target, drafter, sequences, 3)
+    assert chunked == whole
+    assert whole["positions"] == counted[0] == sum(len(t) - 6 for t, _ in sequences)
+    assert whole["accuracy"] == pytest.approx(list(right / counted), abs=1e-4)
+    for k in (1, 2, 3):
+        assert whole[f"chain_{k}"] == pytest.approx(heldout.replay_chain(sequences, runs, k)[0], abs=1e-4)
+
+    own = []  # x_{j+1} = the first draft at anchor j: 15 response tokens, the first a given one
+    draft_of = jax.jit(lambda ids, j: jnp.argmax(block_logits(drafter, target, features(ids), ids, j[None, None])[0]
+                                                 [0, 0, 1]))
+    for tokens, _ in sequences[:3]:
+        ids = np.zeros(20, np.int32)
+        ids[:6] = tokens[:6]
+        for j in range(5, 19):
+            ids[j + 1] = draft_of(jnp.asarray(ids)[None], jnp.int32(j))
+        own.append((ids, (np.arange(20) >= 5).astype(np.int32)))
+    scored = heldout.block_heldout_acceptance(target, drafter, own, 3)
+    assert scored["accuracy"][0] == 1.0 and scored["positions"] == 3 * 14
+    assert scored["chain_1"] == 2.0  # 14 tokens after the prefill's, two per verify
+    with pytest.raises(JaxspecError, match="blocks of 4 drafts 1 to 3 tokens per step; got 4"):
+        heldout.block_heldout_acceptance(target, drafter, own, 4)
+
+
 def test_batches_are_a_function_of_seed_and_step(setup):
     from train.data import read_shards
 
@@ -169,7 +237,7 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
 
     monkeypatch.setattr(prompts_mod, "load_tokenizer", lambda _: ChatBytes())
     evals = {"eval_every": 3, "eval_prompts": str(setup / "prompts.jsonl"), "eval_num_prompts": 2,
-             "eval_max_new_tokens": 8}
+             "eval_max_new_tokens": 8, "eval_data": [str(setup / "data")]}
     class StopAfter:  # a stop request (Ctrl-C) that arrives during the given step
         def __init__(self, steps: int):
             self.left = steps
@@ -195,6 +263,8 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
     # the export: z-lab's layout with the acceptance it measured, and the target's own text with it
     from jaxspec import generate
     from jaxspec.checkpoints.verifier import head_record
+    from train import heldout
+    from train.data import read_shards
 
     drafter_dir = setup / "resumed" / "drafter-zlab"
     config = json.loads((drafter_dir / "config.json").read_text())
@@ -202,6 +272,21 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
     verifier, acceptance = head_record(config)
     assert verifier["num_hidden_layers"] == 4
     assert acceptance[0]["mean_accepted_length"] == max(1.0, last["eval_mean_accepted_length"])
+    # the held-out replay of the last evaluation (step 6; the resumed run's own), recorded beside the engine's
+    scored = last["heldout_data"]
+    assert scored["positions"] == sum(len(s[0]) - 6 for s in read_shards(setup / "data"))
+    assert acceptance[1]["measured_by"] == "train.heldout replay (teacher-forced) after step 6"
+    assert acceptance[1]["mean_accepted_length"] == max(1.0, scored["chain_3"])
+    # and the command scores the exported drafter the same way (its weights now bfloat16: the figures may move)
+    cli = ["--draft", str(drafter_dir), "--target", str(setup / "target"), "--data", str(setup / "data")]
+    assert heldout.main([*cli, "--num-draft", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["positions"] == scored["positions"] and len(out["accuracy"]) == 3 and out["chain_3"] >= 1.0
+    with pytest.raises(SystemExit) as exit_:
+        heldout.main([*cli, "--num-draft", "4"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: --num-draft 4: this DFlash drafter's blocks of 4 draft at "
+                                               "most 3 tokens per step; pass --num-draft 3 or less")
     common = ["--target", str(setup / "target"), "--raw", "--json", "--prompt", "hello", "--max-new-tokens", "10"]
     outs = {}
     # a fixed chain: with the acceptance this drafter records (random data), auto rightly runs target-only

@@ -224,7 +224,6 @@ def _check_dflash(cfg: RunConfig, raw: dict, where: str) -> None:
     unsupported = {
         "head": "head" in raw and "the head: section shapes an EAGLE-3 head; a DFlash drafter's is dflash:",
         "train.features": t.features != "online" and "offline features are EAGLE-3's; DFlash computes them online",
-        "train.eval_data": bool(t.eval_data) and "held-out replay is EAGLE-3's; evaluate with train.eval_prompts",
         "train.eval_trees": bool(t.eval_trees) and "a DFlash drafter's training evaluation runs chains",
         "train.trained_positions": bool(t.trained_positions) and "DFlash trains dflash.num_anchors blocks per row "
                                                                  "instead",

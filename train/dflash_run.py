@@ -4,9 +4,10 @@ The same run as an EAGLE-3 head's, with the drafter's own objective: self-distil
 with `dflash.num_anchors` blocks drawn in its responses (train/block_batches.py), the frozen target computing the
 drafter's features online in each step, the weighted block cross-entropy (train/dflash.py), orbax checkpoints (a
 killed run resumes exactly: the batch of step s is a pure function of the seed and s), metrics in
-<out>/metrics.jsonl (and TensorBoard), the engine's mean accepted length on `eval_prompts` every `eval_every`
-steps, and the drafter exported in z-lab's layout (<out>/drafter-zlab: `jaxspec.generate --draft` loads it, as do
-z-lab's, vLLM's and SGLang's loaders) with the acceptance it measured.
+<out>/metrics.jsonl (and TensorBoard), every `eval_every` steps the engine's mean accepted length on `eval_prompts`
+and the chain replayed teacher-forced on each `eval_data` set (train/heldout.py), and the drafter exported in
+z-lab's layout (<out>/drafter-zlab: `jaxspec.generate --draft` loads it, as do z-lab's, vLLM's and SGLang's
+loaders) with the acceptance it measured.
 
 The drafter's embedding table and LM head are the target's (DFlash shares them), so only its own layers learn.
 """
@@ -18,6 +19,7 @@ import json
 import math
 import threading
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -30,6 +32,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models.dflash import DFlashDrafter
 from train.config import DFlashSection, RunConfig
 from train.dflash import block_loss
+from train.heldout import block_heldout_acceptance
 from train.precision import cast_floats, computing_in, resolve_compute_dtype
 from train.run_io import (
     RunInputs,
@@ -40,6 +43,7 @@ from train.run_io import (
     eval_on,
     eval_prompts,
     evaluations_before,
+    heldout_key,
     open_metrics,
     read_sequences,
     stop_on_nonfinite,
@@ -178,10 +182,14 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     step_fn = jax.jit(functools.partial(dflash_step, tgd, drafter_graphdef=step_dgd, tx=tx,
                                         loss_decay=cfg.dflash.loss_decay, compute_dtype=compute if mixed else None),
                       donate_argnames=("params", "opt_state"))
+    heldout = {d: read_sequences([Path(d).expanduser()]) for d in inputs.eval_dirs}  # scored at evaluations
+    for eval_dir, found in heldout.items():
+        if not found:
+            raise JaxspecError(f"the held-out shards in {eval_dir!r} (train.eval_data) hold no sequences")
     metrics_file, board = open_metrics(out)
     params, opt_state = state["params"], state["opt_state"]
     last, interrupted = {}, False
-    last_eval = evaluations_before(out / "metrics.jsonl", start, t)[0]
+    last_eval, last_heldout, _ = evaluations_before(out / "metrics.jsonl", start, t)
     for step in tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train", unit="step"):
         host = batches(step)
         batch = jax.device_put(BlockStep(host.ids, host.loss_mask, host.anchors, host.anchor_valid),
@@ -198,6 +206,13 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
         }
         evaluating = t.eval_every and (step + 1) % t.eval_every == 0
         if evaluating:
+            # scored in the target's dtype, as generation loads the exported drafter
+            scored_drafter = computing_in(nnx.merge(dgd, params), target.dtype)
+            for eval_dir, sequences in heldout.items():
+                scored = block_heldout_acceptance(target, scored_drafter, sequences, t.num_draft_steps)
+                record[heldout_key(eval_dir)] = scored
+                last_heldout[eval_dir] = (step + 1, scored)
+        if evaluating and t.eval_prompts:
             from jaxspec.prompts import load_tokenizer
 
             mean, rates = evaluate_dflash(target, nnx.merge(dgd, params), load_tokenizer(target_dir), target_dir, t)
@@ -209,7 +224,10 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
             metrics_file.flush()
             if board is not None:
                 for name, value in record.items():
-                    if name != "step" and isinstance(value, (int, float)):  # per-position lists stay in the JSONL
+                    if isinstance(value, dict):  # a held-out score: the replayed chain's tokens per verify
+                        k = t.num_draft_steps
+                        board.add_scalar(f"train/{name}_chain_{k}", value[f"chain_{k}"], step)
+                    elif name != "step" and isinstance(value, (int, float)):  # per-position lists stay in the JSONL
                         board.add_scalar(f"train/{name}", value, step)
                 board.flush()
         interrupted = stop is not None and stop.is_set()
@@ -227,7 +245,7 @@ def run_dflash(cfg: RunConfig, inputs: RunInputs, stop: threading.Event | None =
     drafter_dir = out / "drafter-zlab"
     export_dflash(nnx.merge(dgd, params), drafter_dir, target=target.config, dtype="bfloat16",
                   verifier=verifier_name(cfg.target.path, drafter_dir), quantization=cfg.target.quantize,
-                  acceptance=acceptance_records(t, last_eval))
+                  acceptance=acceptance_records(t, last_eval, last_heldout))
     say(f"exported the drafter to {drafter_dir}")
     return last
 

@@ -9,6 +9,12 @@ the token the target produced there (outside the draft vocabulary, never). From 
 drafts, greedy chain drafting is replayed verify step by verify step (`replay_chain`): on 8 MT-Bench prompts it
 gave the engine's own count (766 verify steps, the same acceptance per position; BENCHMARKS.md), at a few seconds
 per thousand tokens instead of ~25 s per prompt.
+
+A DFlash block drafter (`--draft` naming z-lab's layout) is replayed the same way: its drafts at an anchor depend
+only on the context before it and the anchor token (a block's slots never see each other's outputs), so every
+response position's block is drafted teacher-forced, in chunks of anchors per forward (`train.dflash.block_logits`,
+the objective's own forward, tested equal to drafting one block at a time), and its runs of right drafts are
+replayed as the engine would accept them (`block_heldout_acceptance`).
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.errors import JaxspecError
+from train.dflash import block_logits
 from train.packing import PackedBatches, layout
 from train.step import target_features
 from train.ttt import ttt_hits, ttt_logits
 
 ROWS = 4  # packed rows per evaluated batch
 ROW_LEN = 512
+ANCHORS = 32  # a DFlash drafter's blocks per row and forward: 4 rows x 32 blocks x 8 slots of float32 logits over
+# SmolLM2's 49,152 tokens are 200 MB
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "head_graphdef", "num_steps"))
@@ -91,7 +100,14 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
             for _, i, start, n in layout(members, batches.lengths):
                 inside = (b.trained[r] >= start) & (b.trained[r] < start + n)
                 runs[i][b.trained[r][inside] - start] = found[r][inside]
+    return scores(totals, sequences, runs)
+
+
+def scores(totals: np.ndarray, sequences, runs) -> dict:
+    """The result of a replay from its per-step sums totals [4, K] (right, counted, chained, reached) and the runs
+    of right drafts per sequence and position: the rates, tau and every chain_k up to K replayed."""
     right, counted, chained, reached = totals
+    num_steps = totals.shape[1]
     cond = chained / np.maximum(reached, 1)
     longest_chain = replay_chain(sequences, runs, num_steps)
     return {
@@ -105,6 +121,73 @@ def heldout_acceptance(target, head, sequences, num_steps: int) -> dict:
         f"chain_{num_steps}_acceptance_per_position": longest_chain[1],
         "sequences": len(sequences),
     }
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef",))
+def _context_features(target_graphdef, target_state, ids):
+    """The target's features at the drafter's layers [N, S, n_aux * H] of right-padded rows ids [N, S] (causal: the
+    padding after a row's tokens changes none of them)."""
+    return target_features(nnx.merge(target_graphdef, target_state), ids)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "num_steps"))
+def _block_drafts(target_graphdef, target_state, drafter_graphdef, drafter_state, features, ids, anchors, *,
+                  num_steps: int):
+    """[N, A, K] the greedy drafts of slots 1..K of each anchor's block (anchors [N, A] int32 < S)."""
+    target = nnx.merge(target_graphdef, target_state)
+    drafter = nnx.merge(drafter_graphdef, drafter_state)
+    logits, _ = block_logits(drafter, target, features, ids, anchors)  # [N, A, B, V]
+    return jnp.argmax(logits[:, :, 1 : num_steps + 1], axis=-1).astype(jnp.int32)
+
+
+def block_heldout_acceptance(target, drafter, sequences, num_steps: int) -> dict:
+    """`heldout_acceptance` for a DFlash block drafter drafting chains of `num_steps` <= block_size - 1 tokens: at
+    every anchor x_j of a response (j from its first token, which the prefill emits, to its second-to-last) the
+    block's greedy drafts of x_{j+1} .. x_{j+K}, right where they are the data's tokens. Step k's accuracy counts
+    the anchors whose x_{j+k} is a response token; a chain accepts the drafts in a row that are right (the same
+    keys as `heldout_acceptance`). One sequence per row (a block must not see another's text as context)."""
+    cfg = drafter.config
+    if not 1 <= num_steps <= cfg.block_size - 1:
+        raise JaxspecError(f"a DFlash drafter with blocks of {cfg.block_size} drafts 1 to {cfg.block_size - 1} "
+                           f"tokens per step; got {num_steps}")
+    sequences = [s[:2] for s in sequences]
+    if not sequences:
+        raise JaxspecError("the held-out shards hold no sequences")
+    longest = max(len(s[0]) for s in sequences)
+    row_len = max(ROW_LEN, 1 << int(np.ceil(np.log2(longest))))
+    tgd, tstate = nnx.split(target)
+    dgd, dstate = nnx.split(drafter)
+    k = num_steps
+    totals = np.zeros((4, k), np.int64)  # right, counted, chained, reached per step
+    runs = [np.zeros(len(s[0]), np.int64) for s in sequences]
+    for first in range(0, len(sequences), ROWS):
+        group = sequences[first : first + ROWS]
+        ids = np.zeros((ROWS, row_len), np.int32)
+        anchors = []  # per row: the anchors j (x_j the root, x_{j+1} a response token)
+        for r, (tokens, mask) in enumerate(group):
+            ids[r, : len(tokens)] = tokens
+            j = int(np.argmax(mask > 0))
+            anchors.append(np.arange(j, len(tokens) - 1) if mask[j] and j > 0 else np.zeros(0, np.int64))
+        features = _context_features(tgd, tstate, ids)
+        drafted = [np.zeros((len(a), k), np.int32) for a in anchors]
+        for c in range(0, max(len(a) for a in anchors), ANCHORS):
+            chunk = np.zeros((ROWS, ANCHORS), np.int32)  # padding anchors draft at 0 and are dropped
+            for r, a in enumerate(anchors):
+                chunk[r, : len(a[c : c + ANCHORS])] = a[c : c + ANCHORS]
+            got = np.asarray(_block_drafts(tgd, tstate, dgd, dstate, features, ids, chunk, num_steps=k))
+            for r, a in enumerate(anchors):
+                drafted[r][c : c + ANCHORS] = got[r, : len(a[c : c + ANCHORS])]
+        for r, (tokens, mask) in enumerate(group):
+            n = len(tokens)
+            for j, drafts in zip(anchors[r], drafted[r]):
+                at = j + 1 + np.arange(k)
+                counted = (at < n) & (mask[np.minimum(at, n - 1)] > 0)
+                right = counted & (drafts == tokens[np.minimum(at, n - 1)])
+                chain = np.cumprod(right).astype(bool)
+                reached = np.concatenate([[True], chain[:-1]]) & counted
+                totals += np.stack([right, counted, chain & reached, reached])
+                runs[first + r][j - 1] = int(chain.sum())  # replay_chain reads the run at x_j from row j - 1
+    return scores(totals, sequences, runs)
 
 
 def replay_chain(sequences, runs, k: int) -> tuple[float, list[float]]:
@@ -133,11 +216,13 @@ def replay_chain(sequences, runs, k: int) -> tuple[float, list[float]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.heldout",
-        description="Teacher-forced acceptance of a draft head on held-out shards (python -m train.data generate): "
-        "per-step accuracy and the chain's mean accepted length, over every response position.",
+        description="Teacher-forced acceptance of an EAGLE-3 head or a DFlash block drafter on held-out shards "
+        "(python -m train.data generate): per-step accuracy and the chain's mean accepted length, over every "
+        "response position.",
     )
     p.add_argument("--draft", required=True, metavar="DIR",
-                   help="the head's directory, any layout (required; no default)")
+                   help="the head's directory (any layout) or a DFlash drafter's (z-lab's layout) (required; no "
+                   "default)")
     p.add_argument("--data", required=True, nargs="+", metavar="DIR",
                    help="shard directories of held-out sequences, e.g. data/smollm2-heldout/mt_bench (required; no "
                    "default)")
@@ -147,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score against the target with its decoder weights quantized at load, as generate's "
                    "--quantize runs it (default: none, the checkpoint's weights)")
     p.add_argument("--num-draft", type=int, default=5, metavar="K",
-                   help="draft steps per chain: chain_1 .. chain_K are replayed (default: 5)")
+                   help="draft steps per chain: chain_1 .. chain_K are replayed (default: 5; a DFlash drafter's "
+                   "at most its block size - 1)")
     return p
 
 
@@ -157,9 +243,11 @@ def main(argv=None) -> int:
     @main_guard
     def run(argv):
         args = build_parser().parse_args(argv)
-        from jaxspec.checkpoints.heads import load_head
+        from jaxspec.checkpoints.dflash import dflash_config_from_hf, load_dflash
+        from jaxspec.checkpoints.heads import load_head, read_head_config
         from jaxspec.checkpoints.hf import load_target
-        from jaxspec.cli.loading import head_aux_layer_ids, resolve_target
+        from jaxspec.cli.loading import head_aux_layer_ids, is_dflash_draft, resolve_target
+        from jaxspec.config import load_target_config
         from jaxspec.engine.generation import default_dtype
         from jaxspec.engine.generator import check_head_fits
         from train.data import check_heldout_quantization, read_shards, require_shards
@@ -170,14 +258,25 @@ def main(argv=None) -> int:
             require_shards(Path(d), "held-out shards")
         check_heldout_quantization(args.data, args.quantize)
         target_dir = resolve_target(args.target)
-        # the target returns the layers this head reads (checked against both configs before any weights load)
+        # the target returns the layers this drafter reads (checked against both configs before any weights load)
         aux = head_aux_layer_ids(args.draft, target_dir)
+        block = is_dflash_draft(args.draft)
+        if block:
+            size = dflash_config_from_hf(read_head_config(args.draft), load_target_config(target_dir)).block_size
+            if args.num_draft > size - 1:
+                raise JaxspecError(f"--num-draft {args.num_draft}: this DFlash drafter's blocks of {size} draft at "
+                                   f"most {size - 1} tokens per step; pass --num-draft {size - 1} or less")
         target = load_target(target_dir, dtype=default_dtype(), aux_layer_ids=aux, quantize=args.quantize)
         target.numerics = None
-        head = load_head(Path(args.draft), target.config, dtype=target.dtype)
-        check_head_fits(target, head)
+        if block:
+            drafter = load_dflash(Path(args.draft), target.config, dtype=target.dtype)
+            score = functools.partial(block_heldout_acceptance, target, drafter)
+        else:
+            head = load_head(Path(args.draft), target.config, dtype=target.dtype)
+            check_head_fits(target, head)
+            score = functools.partial(heldout_acceptance, target, head)
         for d in args.data:
-            result = heldout_acceptance(target, head, read_shards(Path(d)), args.num_draft)
+            result = score(read_shards(Path(d)), args.num_draft)
             print(json.dumps({"data": str(d), "draft": str(args.draft), "quantize": args.quantize, **result}))
         return 0
 
