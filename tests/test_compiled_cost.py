@@ -6,8 +6,9 @@ compiled program, so a change that adds either shows here, on every machine, lon
 
 The wheels (jax-cuda12-plugin/pjrt at the installed jax's version, libtpu as `jax[tpu]` pins it) are installed into
 the user's cache directory on first use; where they cannot be (no network), the test skips and says why. Compiling
-a Llama-3.1-8B layer shape at 2 and 3 layers (per layer = the difference, extrapolated to 32 layers), batch 1,
-1,024 committed tokens, default numerics (invariant, kernels as `auto` resolves them), takes ~1-2 minutes on 2 cores.
+a Llama-3.1-8B layer shape at 2 and 3 layers (4 and 5 on a v5e; per layer = the difference, extrapolated to 32
+layers), batch 1, 1,024 committed tokens, default numerics (invariant, kernels as `auto` resolves them), takes ~1-2
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from jaxspec.errors import JaxspecError
 # rows of a call in one dot per key block, and an unfused in-place cache write charged its update, not its buffer)
 # 25 / 15.87, 25 / 16.16 and 223 / 15.89; now (2026-11-28: the GPU's default is the compiled Pallas kernels, and each
 # invariant RMSNorm's sum is written out by one more kernel instead of being recomputed in its consumer, which
-# `test_gpu_norms_do_not_recompute_their_sums` guards, since neither count shows recomputation):
+# `test_gpu_norms_do_not_recompute_their_sums` guards, since neither count shows recomputation) 21 / 15.66, 20 / 15.73
+# and 223 / 15.89; now (2026-12-04: the cache write a scatter of one [D] vector per row, head and slot, and a v5e
+# compiled at 4 and 5 layers, `Platform.layers`):
 BASELINES = {  # (platform, step): (kernels per layer, bytes per step)
-    ("h100", "decode"): (21, 15.66e9),
+    ("h100", "decode"): (19, 15.66e9),
     ("h100", "chain"): (20, 15.73e9),
-    ("v5e", "decode"): (223, 15.89e9),
+    ("v5e", "decode"): (217, 15.89e9),
+    ("v5e", "chain"): (149, 15.69e9),  # 161 / 16.80 with the straddling scatter (its layout copies), at 4 layers
 }
 GOALS = {"decode": 1.10, "chain": 1.15}  # issue 44: bytes per step over the weight + KV bytes the step must read
 BYTES_SLACK = 1.02

@@ -25,7 +25,10 @@ def tiny_dir(tmp_path_factory):
 
 def interrupt_when(cmd: list[str], marker: str, delay: float = 0.0, timeout: float = 300) -> tuple[int, str]:
     """Run cmd, send SIGINT `delay` seconds after `marker` appears on its stderr; (exit code, stderr)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # without the session's compilation cache (conftest.py): where another test compiled the same programs, they
+    # load in 0.2 + 0.1 s and the run can end before the signal (failed so in a full run), when this is about a compile
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     seen = ""
     deadline = time.monotonic() + timeout

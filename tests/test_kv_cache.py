@@ -103,3 +103,21 @@ def test_block_attention_mask_layout():
         [True, True, True, True, True, False],
     ]
     assert m[1, 0].tolist() == [True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_write_block_writes_each_rows_slots_and_drops_past_the_capacity(t):
+    """write_block against a loop: ragged starts, a row at slot 0, rows whose block runs past the capacity (those
+    slots drop, the rest are written) and one starting past it (nothing written); every other slot untouched."""
+    b, h, s, d = 4, 3, 8, 5
+    rng = np.random.default_rng(t)
+    cache = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    new = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    lengths = np.asarray([0, 3, s - 2, s + 1], np.int32)
+    want = cache.copy()
+    for row in range(b):
+        for j in range(t):
+            if lengths[row] + j < s:
+                want[row, :, lengths[row] + j] = new[row, j]
+    got = kvc.write_block(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(got), want)

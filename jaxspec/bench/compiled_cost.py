@@ -14,8 +14,9 @@ numerics a user gets on that chip (invariant numerics, kernels as `auto` resolve
 `engine.core._verify` passes them). Greedy acceptance, sampling and the head are not part of it. The cache holds
 `generation.capacity_bucket(length + T)` slots, as generation would allocate for `length` committed tokens.
 
-Layers: a model of L and one of L + 1 layers are compiled (default L = 2); each count is fixed + L × per layer, so
-per layer = count(L + 1) − count(L), exactly, and the real model's count = count(L) + (L_real − L) × per layer.
+Layers: a model of L and one of L + 1 layers are compiled (L = 2 on an H100, 4 on a v5e: `Platform.layers`); each
+count is fixed + L × per layer, so per layer = count(L + 1) − count(L), exactly, and the real model's count =
+count(L) + (L_real − L) × per layer.
 Temporaries are reported as measured at L + 1 layers (buffers are reused between layers, so they do not scale).
 
 Each platform runs in its own process (`python -m jaxspec.bench.compiled_cost`, JSON in and out): the CUDA plugin
@@ -46,7 +47,6 @@ H100_TARGET_CONFIG = Path(__file__).with_name("h100_target_config.txtpb")
 STEPS = {"decode": 1, "chain": 6, "tree": 16}  # tokens per row: one decode, a verify of K = 5 drafts, 16 tree nodes
 TREE_DEPTH = 5  # the tree's draft levels below the root (a 16,5,4 tree: `engine.tree.TreeConfig`)
 GOALS = {"decode": 1.10, "chain": 1.15}  # the issue's goals: bytes accessed / (weights + KV) a step must read
-DEFAULT_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +57,15 @@ class Platform:
     name: str
     backend: str  # what jax.default_backend() says on the chip
     description: str
+    # layers of the smaller compile: the fewest from which one more layer adds what every further one adds. On a
+    # v5e, memory-space assignment places a 2- or 3-layer program's KV caches unlike a longer one's (an in-place
+    # 6-slot cache write at 8,192 committed: +560 MB from 2 to 3 layers, +505 from 4 to 5, 8 to 9 and 9 to 12)
+    layers: int = 2
 
 
 PLATFORMS = {
     "h100": Platform("h100", "gpu", "NVIDIA H100 SXM (CUDA plugin, deviceless; heuristic GEMM tiles, no autotuning)"),
-    "v5e": Platform("v5e", "tpu", "TPU v5e, one chip of a v5e:2x2 topology (libtpu AOT)"),
+    "v5e": Platform("v5e", "tpu", "TPU v5e, one chip of a v5e:2x2 topology (libtpu AOT)", layers=4),
 }
 
 
@@ -76,7 +80,7 @@ class CostCase:
     length: int = 1024  # committed tokens in the cache
     numerics: str = "invariant"  # or "plain"
     kernels: str = "auto"  # auto / reference / pallas, resolved for the platform's backend
-    layers: int = DEFAULT_LAYERS  # compiled layers (and one more), extrapolated to the shape's
+    layers: int | None = None  # compiled layers (and one more), extrapolated to the shape's; None: the platform's
     quantize: str | None = None  # "int8": the decoder's matmul weights quantized (models/quantize.py)
 
     @property
@@ -88,6 +92,10 @@ class CostCase:
         from jaxspec.engine.generation import capacity_bucket
 
         return capacity_bucket(self.length + self.tokens, 1 << 30)
+
+    @property
+    def first_layers(self) -> int:
+        return self.layers if self.layers is not None else PLATFORMS[self.platform].layers
 
     def label(self) -> str:
         return f"{self.step} T={self.tokens}, batch {self.batch}, {self.length} committed"
@@ -177,10 +185,11 @@ def run_platforms(cases: list[CostCase], say=print) -> list[dict]:
     """Every case, each platform's in its own subprocess (this module's main), in order; the results as dicts."""
     results = []
     for platform in dict.fromkeys(c.platform for c in cases):
-        mine = [dataclasses.asdict(c) for c in cases if c.platform == platform]
+        mine = [c for c in cases if c.platform == platform]
         env = platform_env(platform)
-        say(f"compiling {len(mine)} case(s) for {PLATFORMS[platform].description}, each at {mine[0]['layers']} and "
-            f"{mine[0]['layers'] + 1} layers, in a subprocess")
+        say(f"compiling {len(mine)} case(s) for {PLATFORMS[platform].description}, each at {mine[0].first_layers} and "
+            f"{mine[0].first_layers + 1} layers, in a subprocess")
+        mine = [dataclasses.asdict(c) for c in mine]
         proc = subprocess.run(
             [sys.executable, "-m", "jaxspec.bench.compiled_cost"], input=json.dumps(mine), stdout=subprocess.PIPE,
             stderr=None, text=True, env=env, check=False,
@@ -585,7 +594,7 @@ def measure(case: CostCase, device, say=print) -> dict:
     begin = time.perf_counter()
     # whole periods of layers where layer types alternate (Gemma 4: one period of six, then two), else layers
     period = layer_period(real)
-    first = case.layers if period == 1 else period
+    first = case.first_layers if period == 1 else period
     (small, w_small), (big, w_big) = (compile_forward(case, n, device) for n in (first, first + period))
     trips = 1
     if real.moe is not None and case.numerics == "invariant":
