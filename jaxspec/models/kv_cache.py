@@ -110,13 +110,19 @@ def write_block(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Arr
     cache's minor dimension: XLA:TPU updates such a scatter in place in the cache's own layout. Indexed by (row,
     slot) with the heads as a window [Hkv, D] straddling the slot dimension, it copied each layer's K and V caches
     into an [S, Hkv, D] layout and back around the scatter (a 6-token verify of Llama-3.1-8B at 8,192 committed
-    on a v5e, `jaxspec.bench --compiled-cost`: 18.90 → 17.63 GB a step; BENCHMARKS.md). A decode's one slot
-    compiles to a dynamic-update-slice either way."""
-    b, t, h = new.shape[:3]
+    on a v5e, `jaxspec.bench --compiled-cost`: 18.90 → 17.63 GB a step; BENCHMARKS.md). Under a (data, model)
+    mesh the heads stay a window: XLA's partitioner then keeps each head's write on its model shard, where indices
+    over the heads made it gather the updates and indices over the model axis too."""
+    b, t = new.shape[:2]
+    new = new.astype(cache.dtype)
+    if on_mesh():
+        rows = jnp.arange(b)[:, None]  # [B, 1]
+        slots = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        return cache.at[rows, :, slots].set(new, mode="drop")
     rows = jnp.arange(b)[:, None, None]  # [B, 1, 1]
-    heads = jnp.arange(h)[None, :, None]  # [1, Hkv, 1]
+    heads = jnp.arange(cache.shape[1])[None, :, None]  # [1, Hkv, 1]
     slots = (lengths[:, None] + jnp.arange(t)[None, :])[:, None, :]  # [B, 1, T]
-    return cache.at[rows, heads, slots].set(new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
+    return cache.at[rows, heads, slots].set(new.transpose(0, 2, 1, 3), mode="drop")
 
 
 def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
