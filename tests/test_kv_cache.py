@@ -121,3 +121,30 @@ def test_write_block_writes_each_rows_slots_and_drops_past_the_capacity(t):
                 want[row, :, lengths[row] + j] = new[row, j]
     got = kvc.write_block(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(lengths))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_write_block_on_a_mesh_writes_per_shard_without_a_collective():
+    """Under a (data, model) mesh, rows split over data and heads over model as the cache is (sharding.CACHE_SPEC),
+    the write is each shard's own: the same values as on one device, the cache's sharding kept, and no collective
+    in the program (XLA's partitioner all-gathered a whole-array scatter's updates and indices)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxspec import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, model=2))
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((4, 4, 16, 8)).astype(np.float32)
+    new = rng.standard_normal((4, 3, 4, 8)).astype(np.float32)
+    lengths = np.asarray([0, 5, 14, 16], np.int32)  # the last two run past the capacity
+    want = np.asarray(kvc.write_block(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(lengths)))
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(cache, NamedSharding(mesh, sharding.CACHE_SPEC)),
+                jax.device_put(new, NamedSharding(mesh, P("data", None, "model"))),
+                jax.device_put(lengths, NamedSharding(mesh, P("data"))))
+        write = jax.jit(kvc.write_block)
+        got = write(*args)
+        program = write.lower(*args).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert got.sharding.spec == sharding.CACHE_SPEC
+    assert not any(op in program for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))

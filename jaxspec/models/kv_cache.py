@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.sharding import CACHE_SPEC
 from pallas_kernels.dispatch import on_mesh
-from pallas_kernels.mesh_axes import DATA
+from pallas_kernels.mesh_axes import DATA, MODEL
 
 
 class KVCache(NamedTuple):
@@ -111,18 +111,25 @@ def write_block(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Arr
     slot) with the heads as a window [Hkv, D] straddling the slot dimension, it copied each layer's K and V caches
     into an [S, Hkv, D] layout and back around the scatter (a 6-token verify of Llama-3.1-8B at 8,192 committed
     on a v5e, `jaxspec.bench --compiled-cost`: 18.90 → 17.63 GB a step; BENCHMARKS.md). Under a (data, model)
-    mesh the heads stay a window: XLA's partitioner then keeps each head's write on its model shard, where indices
-    over the heads made it gather the updates and indices over the model axis too."""
+    mesh it runs per shard in `jax.shard_map` (rows over data, heads over model, as the cache is split: no
+    collective), where XLA's partitioner all-gathered the updates and indices of a whole-array scatter."""
+    if not on_mesh():
+        return _write_block(cache, new, lengths)
+    mesh = jax.sharding.get_abstract_mesh()
+    if cache.shape[0] % mesh.shape[DATA] or cache.shape[1] % mesh.shape[MODEL]:  # not split evenly: XLA's way
+        return _write_block(cache, new, lengths)
+    new_spec = P(DATA, None, MODEL, None)  # [B, T, Hkv, D]
+    write = jax.shard_map(_write_block, in_specs=(CACHE_SPEC, new_spec, P(DATA)), out_specs=CACHE_SPEC,
+                          check_vma=False)
+    return write(cache, new, lengths)
+
+
+def _write_block(cache: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
     b, t = new.shape[:2]
-    new = new.astype(cache.dtype)
-    if on_mesh():
-        rows = jnp.arange(b)[:, None]  # [B, 1]
-        slots = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-        return cache.at[rows, :, slots].set(new, mode="drop")
     rows = jnp.arange(b)[:, None, None]  # [B, 1, 1]
     heads = jnp.arange(cache.shape[1])[None, :, None]  # [1, Hkv, 1]
     slots = (lengths[:, None] + jnp.arange(t)[None, :])[:, None, :]  # [B, 1, T]
-    return cache.at[rows, heads, slots].set(new.transpose(0, 2, 1, 3), mode="drop")
+    return cache.at[rows, heads, slots].set(new.transpose(0, 2, 1, 3).astype(cache.dtype), mode="drop")
 
 
 def compact(cache: KVCache, lengths: jax.Array, path: jax.Array) -> KVCache:
