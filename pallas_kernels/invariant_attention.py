@@ -195,6 +195,12 @@ def finish(state):
     return a * inv_l[..., None]
 
 
+# On a TPU, partials of more than FOLD_ALL_BYTES (a batch of 8 at 8k keys on Llama-3.1-8B: 69 MB a layer for a
+# decode, 138 for a verify of 6) go in groups of blocks of at most FOLD_GROUP_BYTES each, folded before the next
+# group's dots (`_attend_tokens`). Below it grouping cost bytes on a v5e (a verify of 6 at batch 1, 8k: 17 MB of
+# partials, 1.096x its weight + KV bytes at once, 1.181x in groups)
+FOLD_ALL_BYTES = 32 << 20
+FOLD_GROUP_BYTES = 2 << 20
 QUERY_CHUNK = 16  # query tokens per pass: bounds the per-token copies of the cache the batched dots read
 
 
@@ -212,12 +218,13 @@ def invariant_attention_reference(
     scale: float | None = None,  # the scores' scale; None: D^-½ (Gemma 4 norms q and k instead: 1.0)
     window: int | None = None,  # sliding window: a query at p sees keys at p - window < position <= p
     softcap: float | None = None,  # scores capped at softcap·tanh(s·scale / softcap) (Gemma 2)
+    fold_group: int | None = None,  # key blocks per group of partials (`_attend_tokens`); None: `fold_group_for`
 ) -> jax.Array:
     """→ [B, T, Hq, D] in q's dtype. More than QUERY_CHUNK tokens go QUERY_CHUNK at a time (a loop): each token's
     operations are the same, and memory stays O(QUERY_CHUNK · S) instead of O(T · S) for a long prefill."""
     t = q.shape[1]
     attend = functools.partial(_attend_tokens, key_block=key_block, num_blocks=num_blocks,
-                               scores=Scores.of(q.shape[-1], scale, softcap), window=window)
+                               scores=Scores.of(q.shape[-1], scale, softcap), window=window, fold_group=fold_group)
     if t <= QUERY_CHUNK:
         return attend(q, k_cache, v_cache, lengths, positions, ancestors)
     chunks = -(-t // QUERY_CHUNK)
@@ -234,8 +241,18 @@ def invariant_attention_reference(
     return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], chunks * QUERY_CHUNK, *q.shape[2:])[:, :t]
 
 
+def fold_group_for(partial_bytes: int, blocks: int, backend: str | None = None) -> int:
+    """Key blocks per group of partials: all of them, except on a TPU where they would take more than
+    FOLD_ALL_BYTES (`partial_bytes`, every block's a-partials): there XLA keeps them in HBM, written by the dots and
+    read back by the fold (a v5e, batch 8, 8k keys: 1.16 GB a layer of Llama-3.1-8B against the 0.70 it must read),
+    so groups of at most FOLD_GROUP_BYTES, each folded before the next group's dots (0.72 GB)."""
+    if (backend or jax.default_backend()) != "tpu" or partial_bytes <= FOLD_ALL_BYTES:
+        return blocks
+    return max(1, FOLD_GROUP_BYTES // max(1, partial_bytes // blocks))
+
+
 def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_block: int, num_blocks: int | None,
-                   scores: Scores, window: int | None):
+                   scores: Scores, window: int | None, fold_group: int | None = None):
     """invariant_attention_reference on one group of query tokens.
 
     Each KV head's T·G query rows are packed into R rows, whole tiles of `query_tile_rows(G)` (16 on most models:
@@ -246,7 +263,8 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
     write and read it 6 times over for a verify of 6 tokens, and then a copy per 16-row tile, materialized by
     XLA:GPU as a broadcast, twice (compiled for an H100 at 8k keys: 104 MB per layer of 296 for the attention).
     The partials keep the block axis where the dots put it ([B, H, N, R, ...]) and the fold reads the real rows
-    only."""
+    only. With `fold_group` < N (`fold_group_for`: large batches on a TPU), the dots meet the blocks a group at a
+    time, each group folded before the next: the same per-block dots and the same left fold, so the same bits."""
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -265,20 +283,26 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
     slots = jnp.arange(nb * bk, dtype=jnp.int32).reshape(nb, bk)
     visible = in_window(slots[None, None], row_pos[:, :, None, None], window)  # [B, R, N, Bk]; padding: nothing
     visible = visible.transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, R, Bk]
-    m, l, a = block_partial(
-        jnp.broadcast_to(qt, (b, hkv, nb, r, d)), k_blocks, v_blocks, visible, scores, per_row=True,
-        materialize=jax.default_backend() == "gpu",
-    )  # m, l [B, H, N, R]; a [B, H, N, R, D]
-
     def per_token(x):  # [B, H, N, R, ...] -> [B, H, N, T, G, ...] (the padding rows dropped)
-        return x[:, :, :, :rows].reshape(b, hkv, nb, t, g, *x.shape[4:])
+        return x[:, :, :, :rows].reshape(b, hkv, x.shape[2], t, g, *x.shape[4:])
 
-    m, l, a = per_token(m), per_token(l), per_token(a)
-    if ancestors is not None:
-        m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scores, window)
-    state = (m[:, :, 0], l[:, :, 0], a[:, :, 0])
-    for n in range(1, nb):  # fold the blocks in position order
-        state = merge(state, (m[:, :, n], l[:, :, n], a[:, :, n]), scores)
+    def partials(lo, hi):  # blocks lo .. hi - 1: m, l [B, H, n, T, G]; a [B, H, n, T, G, D]
+        m, l, a = block_partial(
+            jnp.broadcast_to(qt, (b, hkv, hi - lo, r, d)), k_blocks[:, :, lo:hi], v_blocks[:, :, lo:hi],
+            visible[:, :, lo:hi], scores, per_row=True, materialize=jax.default_backend() == "gpu",
+        )
+        return per_token(m), per_token(l), per_token(a)
+
+    # groups of blocks (`fold_group_for`): the same partials and the same left fold, so the same bits
+    group = nb if ancestors is not None else fold_group or fold_group_for(b * hkv * nb * r * d * 4, nb)
+    state = None
+    for lo in range(0, nb, group):
+        m, l, a = partials(lo, min(nb, lo + group))
+        if ancestors is not None:
+            m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scores, window)
+        for n in range(m.shape[2]):  # fold the blocks in position order
+            part = (m[:, :, n], l[:, :, n], a[:, :, n])
+            state = part if state is None else merge(state, part, scores)
     out = finish(state)  # [B, H, T, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
 

@@ -324,3 +324,34 @@ def test_a_sliding_window_kernel_equals_reference_and_masks_by_position(kind, dt
                 direct = (probs / probs.sum()) @ v_cache[i, h // g, slots]
                 tol = 2e-2 if dtype == "bfloat16" else 1e-5
                 np.testing.assert_allclose(np.asarray(want[i, j, h], np.float32), direct, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind,dtype,b,t,hq,hkv,d,s,lengths", [
+    ("chain", "bfloat16", 4, 1, 8, 2, 32, 448, (0, 64, 200, 447)),  # decodes of 4 rows; 7 key blocks
+    ("chain", "float32", 2, 6, 6, 2, 16, 400, (63, 300)),  # a verify of 6; a partial last block
+    ("prefill", "float32", 1, 100, 4, 2, 16, 256, (0,)),  # QUERY_CHUNK passes
+])
+def test_blocks_folded_in_groups_give_the_same_bits(kind, dtype, b, t, hq, hkv, d, s, lengths):
+    """The reference's partials a group of key blocks at a time (`fold_group`, what a TPU does for large batches,
+    `fold_group_for`), each group folded before the next, give the bits of all blocks at once: the same per-block
+    dots and the same left fold. Groups of 1, of 3 (not dividing the blocks) and of every block."""
+    args, num_blocks = make_inputs(f"fold-{kind}-{t}", kind, dtype, b, t, hq, hkv, d, s, lengths)
+    run = jax.jit(invariant_attention_reference, static_argnames=("key_block", "num_blocks", "fold_group"))
+    whole = run(*args, key_block=KEY_BLOCK, num_blocks=num_blocks, fold_group=None)
+    for group in (1, 3):
+        got = run(*args, key_block=KEY_BLOCK, num_blocks=num_blocks, fold_group=group)
+        np.testing.assert_array_equal(bits(got), bits(whole), err_msg=f"groups of {group}")
+
+
+def test_a_tpu_folds_large_partials_in_groups():
+    from pallas_kernels.invariant_attention import FOLD_GROUP_BYTES, fold_group_for
+
+    """Llama-3.1-8B's a-partials (8 KV heads, 16 query rows a decode, D 128, float32) over 132 key blocks (8k):
+    batch 8 on a TPU in groups of 4 blocks (2 MB each; a verify's 2), batch 1 at once; other backends at once."""
+    def partials(batch, rows=16):  # a verify of 6 tokens: 32 rows
+        return batch * 8 * 132 * rows * 128 * 4
+
+    assert fold_group_for(partials(8), 132, "tpu") == FOLD_GROUP_BYTES // (8 * 8 * 16 * 128 * 4) == 4
+    assert fold_group_for(partials(8, rows=32), 132, "tpu") == 2
+    assert fold_group_for(partials(1), 132, "tpu") == fold_group_for(partials(1, rows=32), 132, "tpu") == 132
+    assert fold_group_for(partials(8), 132, "gpu") == fold_group_for(partials(8), 132, "cpu") == 132
