@@ -291,15 +291,16 @@ def _attend_tokens(q, k_cache, v_cache, lengths, positions, ancestors, *, key_bl
             jnp.broadcast_to(qt, (b, hkv, hi - lo, r, d)), k_blocks[:, :, lo:hi], v_blocks[:, :, lo:hi],
             visible[:, :, lo:hi], scores, per_row=True, materialize=jax.default_backend() == "gpu",
         )
-        return per_token(m), per_token(l), per_token(a)
+        m, l, a = per_token(m), per_token(l), per_token(a)
+        if ancestors is not None:  # a tree's tail blocks, by absolute block index: one group of every block
+            m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scores, window)
+        return m, l, a
 
-    # groups of blocks (`fold_group_for`): the same partials and the same left fold, so the same bits
+    # groups of blocks (`fold_group_for`; a-partials are float32): the same partials and left fold, the same bits
     group = nb if ancestors is not None else fold_group or fold_group_for(b * hkv * nb * r * d * 4, nb)
     state = None
     for lo in range(0, nb, group):
         m, l, a = partials(lo, min(nb, lo + group))
-        if ancestors is not None:
-            m, l, a = _tree_tail(qg, k_cache, v_cache, lengths, positions, ancestors, (m, l, a), bk, scores, window)
         for n in range(m.shape[2]):  # fold the blocks in position order
             part = (m[:, :, n], l[:, :, n], a[:, :, n])
             state = part if state is None else merge(state, part, scores)

@@ -344,10 +344,10 @@ def test_blocks_folded_in_groups_give_the_same_bits(kind, dtype, b, t, hq, hkv, 
 
 
 def test_a_tpu_folds_large_partials_in_groups():
-    from pallas_kernels.invariant_attention import FOLD_GROUP_BYTES, fold_group_for
-
     """Llama-3.1-8B's a-partials (8 KV heads, 16 query rows a decode, D 128, float32) over 132 key blocks (8k):
     batch 8 on a TPU in groups of 4 blocks (2 MB each; a verify's 2), batch 1 at once; other backends at once."""
+    from pallas_kernels.invariant_attention import FOLD_GROUP_BYTES, fold_group_for
+
     def partials(batch, rows=16):  # a verify of 6 tokens: 32 rows
         return batch * 8 * 132 * rows * 128 * 4
 

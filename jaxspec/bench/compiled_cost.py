@@ -583,8 +583,8 @@ def inactive_expert_bytes(case: CostCase, cfg) -> float:
 
 def measure(case: CostCase, device, say=print) -> dict:
     """The case compiled at `case.first_layers` and one more layer, extrapolated to the shape's layers (module
-    docstring). A mixture-of-experts shape: the loop over each sparse layer's tiles counted `expected_tiles` times, and the
-    weights a step must read are those of the experts `expected_experts` says its tokens use."""
+    docstring). A mixture-of-experts shape: the loop over each sparse layer's tiles counted `expected_tiles` times,
+    and the weights a step must read are those of the experts `expected_experts` says its tokens use."""
     from pallas_kernels.dispatch import resolve_kernels
 
     from jaxspec.models.numerics import default_numerics
