@@ -70,6 +70,12 @@ class BuildError(RuntimeError):
     """The kernels' sources could not be compiled here (no compiler, or the compiler refused them)."""
 
 
+def sources_digest() -> str:
+    """A digest of the kernels' sources: what a timing of them depends on beyond the machine and the software
+    versions (automatic speculation's stored step costs, `step_cost_store.cost_key`, are timed again when it moves)."""
+    return hashlib.sha256("\n".join(source.read_text() for source in SOURCES + HEADERS).encode()).hexdigest()[:16]
+
+
 def build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled kernel library for this machine, compiled first if the cache does not hold it yet. One
     process compiles at a time (a file lock); the library is written to a temporary name and renamed, so a reader

@@ -142,3 +142,42 @@ def test_forced_acceptance_is_for_chains_only():
         SpeculativeGenerator(tiny_target(), random_head(), tree=TreeConfig(6, 3, 2), forced_accept_prob=0.5)
     with pytest.raises(JaxspecError, match=r"must be in \[0, 1\]"):
         SpeculativeGenerator(tiny_target(), random_head(), forced_accept_prob=1.5)
+
+
+def test_a_head_held_on_the_cpu_kernels_keeps_output_exact(reference):
+    """`hold_draft_weights`, as the CLIs load a head on CPU: its matmuls on the row kernel and its causal attention
+    (catch-up and chain steps) on the row attention. Drafts only change speed, so the text is target-only's; the
+    head's logits are its plain forward's to rounding, and the row attention is really what its forward calls."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.models import kv_cache as kvc
+    from jaxspec.models.llama import Attention, hold_draft_weights
+    from pallas_kernels import cpu_library
+
+    if not cpu_library.available():
+        pytest.skip(f"the CPU kernels do not build here: {cpu_library.unavailable_reason()}")
+    target, plain = tiny_target(), fitted_head()
+    held = nnx.merge(*nnx.split(plain))  # a copy: the cached head stays plain
+    hold_draft_weights(held, target)
+    assert all(a.draft_row_attention for _, a in nnx.iter_graph(held) if isinstance(a, Attention))
+
+    embed = target.embed_tokens[...] if plain.embed_tokens is None else None
+    rng = np.random.default_rng(3)
+    feats = jnp.asarray(rng.standard_normal((1, 9, plain.config.num_aux * 64), dtype=np.float32))
+    tokens = jnp.asarray(rng.integers(0, 101, (1, 9)), jnp.int32)
+
+    def forward(head):  # a prompt of 6 into an empty cache, then a catch-up of 3 behind it
+        cache = head.init_cache(1, 32)
+        _, _, cache = head(tokens[:, :6], head.project(feats[:, :6]), jnp.arange(6)[None], cache, embed,
+                           empty_cache=True)
+        cache = kvc.advance(cache, jnp.array([6]))
+        return head(tokens[:, 6:], head.project(feats[:, 6:]), 6 + jnp.arange(3)[None], cache, embed)[0]
+
+    np.testing.assert_allclose(np.asarray(forward(held)), np.asarray(forward(plain)), rtol=1e-4, atol=1e-4)
+    assert "jaxspec_row_attention" in str(jax.make_jaxpr(lambda: forward(held))())
+    assert "jaxspec_row_attention" not in str(jax.make_jaxpr(lambda: forward(plain))())
+
+    got = SpeculativeGenerator(target, held, num_draft=5, batch_size=1).generate(PROMPTS, max_new_tokens=30)
+    assert [c.token_ids for c in got] == reference
+    assert np.mean([c.stats["mean_accepted_length"] for c in got]) > 2

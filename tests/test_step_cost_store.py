@@ -60,6 +60,20 @@ def test_the_key_changes_with_shape_and_model_only():
     assert cost_key(model, head, 1, 256, 4, None, (TreeConfig(12, 5, 3),))[0] not in others | {key}
 
 
+def test_the_key_follows_the_cpu_kernels_code(monkeypatch):
+    """Costs timed with one version of jaxspec's CPU kernels are not reused by another: a faster kernel changes
+    what a verify costs against a decode, hence auto's choice."""
+    from pallas_kernels import cpu_library
+
+    if not cpu_library.available():
+        pytest.skip(f"the CPU kernels do not build here: {cpu_library.unavailable_reason()}")
+    model, head = tiny_target(), fitted_head()
+    key, parts = cost_key(model, head, 1, 256, 4, None)
+    assert parts["cpu_kernels"] == cpu_library.sources_digest()
+    monkeypatch.setattr(cpu_library, "sources_digest", lambda: "another version")
+    assert cost_key(model, head, 1, 256, 4, None)[0] != key
+
+
 def test_default_store_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(STORE_ENV, "off")
     assert default_store() is None

@@ -41,9 +41,12 @@ class Eagle3Layer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0, empty_cache=False):
+    def __call__(self, emb, state, cos, sin, k_cache, v_cache, lengths, mask, write_offset=0, empty_cache=False,
+                 positions=None):
         u, residual = self.attention_input(emb, state)
-        attn, k_cache, v_cache = self.self_attn(u, cos, sin, k_cache, v_cache, lengths, mask, write_offset, empty_cache)
+        attn, k_cache, v_cache = self.self_attn(
+            u, cos, sin, k_cache, v_cache, lengths, mask, write_offset, empty_cache, positions=positions
+        )
         return self.finish(residual, attn), k_cache, v_cache
 
     def attention_input(self, emb: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -133,17 +136,20 @@ class Eagle3Head(nnx.Module):
         b, t = tokens.shape
         table = self.embed_tokens[...] if self.embed_tokens is not None else embed_table
         emb = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        # a causal call writes token t at slot lengths + t, which is its position: the slots a row attention reads
+        slots = positions if block_mask is None and isinstance(write_offset, int) and write_offset == 0 else None
         if block_mask is None:
             block_mask = kvc.causal_block_mask(b, t)
         cos, sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.config)))
         out, k, v = self.midlayer(
             emb, state.astype(self.dtype), cos, sin, cache.k[0], cache.v[0], cache.lengths, block_mask, write_offset,
-            empty_cache,
+            empty_cache, positions=slots,
         )
         ks, vs = [k], [v]
         for i, layer in enumerate(self.later_layers, start=1):
             out, k, v = layer(
-                out, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, write_offset=write_offset
+                out, cos, sin, cache.k[i], cache.v[i], cache.lengths, block_mask, empty_cache, positions=slots,
+                write_offset=write_offset,
             )
             ks.append(k)
             vs.append(v)

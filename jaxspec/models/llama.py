@@ -28,6 +28,7 @@ from jaxspec.models.numerics import (
     attend,
     contract,
     default_numerics,
+    draft_attend,
     exact_mul,
     held_dtype,
     invariant_rms_norm,
@@ -39,6 +40,7 @@ from jaxspec.models.numerics import (
 from jaxspec.models.numerics import drop_held_weights
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
+from pallas_kernels.row_attention import CACHE_DTYPES as ROW_ATTENTION_DTYPES
 from pallas_kernels.row_matmul import exact_panel_dtype, pack_panels
 
 
@@ -121,6 +123,7 @@ class Attention(nnx.Module):
         self.k_norm = nnx.data(RMSNorm(d, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None)
         self.qkv_fused = nnx.data(None)  # (kernel, bias, scale) of `fused_qkv_weights`, held once (`hold_step_weights`)
         self.qkv_panels = nnx.data(None)  # that kernel as the CPU row kernel's panels, held likewise
+        self.draft_row_attention = False  # a drafter's causal calls on the CPU row attention (`hold_draft_weights`)
 
     def __call__(
         self,
@@ -134,7 +137,8 @@ class Attention(nnx.Module):
         write_offset: int | jax.Array = 0,  # the new tokens go to slots lengths + write_offset + t
         empty_cache: bool = False,  # nothing is committed (a prefill): attend to the new tokens only
         numerics: Numerics | None = None,  # batch-invariant numerics (the target); None: fastest (the head)
-        positions: jax.Array | None = None,  # [B, T] the new tokens' positions (invariant numerics)
+        positions: jax.Array | None = None,  # [B, T] the new tokens' positions (invariant numerics; a drafter's
+        # causal call with `draft_row_attention`: their slots)
         ancestors: jax.Array | None = None,  # [B, T, L] a tree's ancestors by depth (invariant numerics)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
@@ -150,6 +154,9 @@ class Attention(nnx.Module):
                 num_blocks=-(-t // bk) if empty_cache else None,
             ).reshape(b, t, cfg.num_heads * cfg.head_dim)
             return self.o_proj(out, numerics), k_cache, v_cache
+        if self.draft_row_attention and positions is not None and not model_sharded():
+            out = draft_attend(q, k_cache, v_cache, lengths, positions)  # causal, at the slots just written
+            return self.o_proj(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), k_cache, v_cache
         if isinstance(write_offset, int) and write_offset == 0 and mask.shape[-1] == t:  # the window is the new tokens
             k_win, v_win = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:  # a window of earlier uncommitted entries too (the head's tree levels)
@@ -355,6 +362,9 @@ def hold_draft_weights(drafter, target) -> None:
     for linear in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Linear)]:
         if linear.draft_panels is None:
             linear.draft_panels = nnx.data(held_panels(linear.kernel[...]))
+    if numerics.row_attention:  # and its causal attention (the calls that pass positions: an EAGLE-3 head's chain)
+        for attention in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Attention)]:
+            attention.draft_row_attention = any(drafter.dtype == d for d in ROW_ATTENTION_DTYPES)
 
 
 def held_panels(w: jax.Array, out_in: bool = False) -> jax.Array:

@@ -32,6 +32,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.engine.auto.config import StepCalibration, StepCosts, method_key, parse_method_key
 from jaxspec.engine.auto.step_costs import TIMING
 from jaxspec.engine.tree import TreeConfig
+from pallas_kernels import cpu_library
 
 STORE_ENV = "JAXSPEC_STEP_COSTS"
 CALIBRATION_SECONDS = 30.0  # a stored calibration weighs as much as this many seconds of this process's steps
@@ -148,7 +149,8 @@ def cost_key(
 ) -> tuple[str, dict]:
     """(key, its parts): what a step's cost depends on — this machine (backend, device kind and count, CPU model
     and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics), the shape (batch,
-    cache capacity, longest chain, the candidate trees, mesh) and how the costs were timed (`step_costs.TIMING`).
+    cache capacity, longest chain, the candidate trees, mesh), how the costs were timed (`step_costs.TIMING`) and,
+    on CPU, the code of jaxspec's CPU kernels where they run (a faster kernel changes what a verify costs).
     An entry holds the costs of the candidate trees worth timing there (`auto.config.tree_worth_timing`)."""
     device = jax.devices()[0]
     what = {
@@ -168,6 +170,8 @@ def cost_key(
         "mesh": dict(mesh.shape) if mesh is not None else None,
         "timing": TIMING,
     }
+    if what["backend"] == "cpu" and cpu_library.available():  # the CPU kernels' code: a change to it is re-timed
+        what["cpu_kernels"] = cpu_library.sources_digest()
     if model.quantization:  # absent unquantized, as above
         what["quantization"] = model.quantization
     if trees:  # absent without trees, so that entries stored before trees were candidates keep their keys
