@@ -100,14 +100,17 @@ def test_panel_matmul_on_a_data_mesh_keeps_each_rows_bits():
 
 
 def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
-    """JAXSPEC_CPU_ROW_KERNEL=off: the CPU numerics keep their one-row tiles, with the reason said; a machine
-    without a compiler gets a one-line BuildError, not a traceback from the compiler."""
+    """JAXSPEC_CPU_ROW_KERNEL=off: the CPU numerics keep their one-row tiles and one-pass prefills on 64-row tiles,
+    with the reason said; a machine without a compiler gets a one-line BuildError, not a traceback from the
+    compiler."""
     monkeypatch.setenv(rk.ENV_VAR, "off")
     assert not rk.available() and rk.unavailable_reason() == f"{rk.ENV_VAR}=off"
     off = default_numerics("cpu")
     monkeypatch.delenv(rk.ENV_VAR)
     on = default_numerics("cpu")
-    assert on.row_kernel and on.row_attention and off == dataclasses.replace(on, row_kernel=False, row_attention=False)
+    assert on.row_kernel and on.row_attention and on.prefill_chunk == 32
+    assert off == dataclasses.replace(on, row_kernel=False, row_attention=False, prefill_chunk=None)
+    assert off.for_prefill().row_kernel is False and on.for_prefill().row_kernel is True
     assert default_numerics("gpu").row_kernel is False and default_numerics("gpu").row_attention is False
 
     monkeypatch.setattr(cpu_library, "_compiler", lambda: None)

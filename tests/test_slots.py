@@ -1,10 +1,14 @@
 """Continuous batching (jaxspec/engine/slots.py): requests that join and leave slots between steps each get the
-output `Generator.generate` gives them alone, streamed as they go."""
+output `Generator.generate` gives them alone, streamed as they go; a prompt prefilled in chunks gets the bits of its
+whole prefill."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from spec_fixtures import PROMPTS, fitted_head, in_dtype, random_head, tiny_target
 
 from jaxspec.engine.generation import Generator
@@ -127,25 +131,83 @@ def test_joins_prefill_only_the_joining_rows_and_each_request_gets_its_own_outpu
 LONG = [int(x) for x in np.random.default_rng(0).integers(1, 100, 150)]  # five chunks of 32, the last short
 
 
-def _chunk_generator(kind: str, dtype, tmp_path) -> Generator:
+def _chunk_generator(kind: str, dtype, tmp_path, target_as=lambda target: target) -> Generator:
     """llama: the tiny target with an EAGLE-3 head; gemma2: a Gemma 2 target (a window of 8 and soft caps, so
-    chunks cross windows) alone; dflash: the tiny target with a DFlash drafter (its context from the features)."""
+    chunks cross windows) alone, gemma3 likewise without soft caps; dflash: the tiny target with a DFlash drafter
+    (its context from the features). target_as: applied to the target first (`one_pass`)."""
     if kind == "llama":
-        return SpeculativeGenerator(in_dtype(tiny_target(), dtype), in_dtype(random_head(), dtype), num_draft=3)
+        target = target_as(in_dtype(tiny_target(), dtype))
+        return SpeculativeGenerator(target, in_dtype(random_head(), dtype), num_draft=3)
     if kind == "dflash":
         from spec_fixtures import random_drafter
 
         from jaxspec.engine.proposers.dflash import DFlashProposer
 
-        target = tiny_target()
         proposer, params = DFlashProposer.of(random_drafter(), 3)
-        return Generator(in_dtype(target, dtype), proposer=proposer, proposer_params=params)
+        return Generator(target_as(in_dtype(tiny_target(), dtype)), proposer=proposer, proposer_params=params)
     from test_gemma2_3 import make_gemma
 
     from jaxspec.checkpoints.hf import load_target
 
-    make_gemma("gemma2", tmp_path)
-    return Generator(in_dtype(load_target(tmp_path), dtype))
+    if not (tmp_path / "config.json").exists():
+        make_gemma(kind, tmp_path)
+    return Generator(target_as(in_dtype(load_target(tmp_path), dtype)))
+
+
+def one_pass(target):
+    """The target with its whole prompts prefilled in one pass over the bucket (`Numerics.prefill_chunk` off)."""
+    target.numerics = dataclasses.replace(target.numerics, prefill_chunk=None)
+    return target
+
+
+@pytest.mark.parametrize("kind,dtype", [
+    pytest.param("llama", jnp.float32, marks=pytest.mark.slow), ("llama", jnp.bfloat16),
+    pytest.param("gemma3", jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param("dflash", jnp.float32, marks=pytest.mark.slow),
+])
+def test_a_prefill_looped_up_to_the_longest_prompt_gets_the_bits_of_one_pass(kind, dtype, tmp_path):
+    """On the CPU row kernel a whole prompt's prefill loops over chunks of 32 positions and stops after the chunk
+    holding the longest prompt's last token (engine.core._prefill_in_chunks): a ragged batch in a 256-wide bucket,
+    one prompt ending in the fifth chunk and one in the first (its rows run garbage chunks after it), gets one
+    pass's bits: each row's cache over its prompt, its first token, the drafter's cache built from the features.
+    Buckets of two chunks and Gemma 2's soft-capped layers (block-fold attention) keep one pass."""
+    from jaxspec.engine.core import looped_prefill_chunk
+
+    looped = _chunk_generator(kind, dtype, tmp_path)
+    target = nnx.merge(looped.graphdef, looped.params)
+    if looped_prefill_chunk(target, 256) != 32:
+        pytest.skip("no looped prefill here (the CPU kernels do not build)")
+    assert looped_prefill_chunk(target, 64) is None
+    if kind == "gemma3":
+        from test_gemma2_3 import make_gemma
+
+        from jaxspec.checkpoints.hf import load_target
+
+        make_gemma("gemma2", tmp_path / "gemma2")
+        assert looped_prefill_chunk(load_target(tmp_path / "gemma2"), 256) is None
+    whole = _chunk_generator(kind, dtype, tmp_path, target_as=one_pass)
+    lens = [len(LONG), 20]
+    prompt = np.zeros((2, 256), np.int32)
+    prompt[0, : lens[0]], prompt[1, : lens[1]] = LONG, LONG[::-1][: lens[1]]
+    args = (jnp.asarray(prompt), jnp.asarray(lens, jnp.int32), jnp.asarray([8, 8], jnp.int32),
+            jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), 2), None, None)
+    a = looped.prefill_program(args, 512)(*looped.program_params, *args)
+    b = whole.prefill_program(args, 512)(*whole.program_params, *args)
+    np.testing.assert_array_equal(np.asarray(a.last_token), np.asarray(b.last_token))
+    np.testing.assert_array_equal(np.asarray(a.cache.lengths), lens)
+    np.testing.assert_array_equal(np.asarray(b.cache.lengths), lens)
+    for row, n in enumerate(lens):
+        for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
+            np.testing.assert_array_equal(np.asarray(x[row, :, :n], np.float32), np.asarray(y[row, :, :n], np.float32))
+    if looped.proposer is None:
+        return
+    own_a, own_b = looped.proposer.kv_cache(a.proposer), whole.proposer.kv_cache(b.proposer)
+    np.testing.assert_array_equal(np.asarray(own_a.lengths), np.asarray(own_b.lengths))
+    for row in range(2):
+        n = int(own_a.lengths[row])
+        assert n > 0
+        for x, y in zip(own_a.k + own_a.v, own_b.k + own_b.v):
+            np.testing.assert_array_equal(np.asarray(x[row, :, :n], np.float32), np.asarray(y[row, :, :n], np.float32))
 
 
 @pytest.mark.parametrize("kind,dtype", [

@@ -19,6 +19,7 @@ capacity, chunk length, proposer config), never per prompt or step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -28,12 +29,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
+from jaxspec.models.llama import TargetOutput
+from jaxspec.models.numerics import model_sharded
 from jaxspec.sampling import (
     RowSampling, exponential_rows, filtered_logits, sample, split_rows, uniform_rows,
 )
 from jaxspec.engine import telemetry
 from jaxspec.engine.accept import forced_accept
 from jaxspec.engine.proposers.base import PrefillView, Proposal, Proposer, StepView, Verified
+from pallas_kernels import row_attention
 from pallas_kernels.dispatch import on_mesh
 from pallas_kernels.mesh_axes import DATA
 from pallas_kernels.rejection import chain_parents, verify_draft
@@ -176,7 +180,9 @@ def prefill(
 ) -> GenState:
     """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
     wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
-    so another --max-new-tokens in the same bucket runs the same compiled prefill and step.
+    so another --max-new-tokens in the same bucket runs the same compiled prefill and step. Where the target's
+    numerics set a `prefill_chunk` (the CPU row kernel), the prompt runs in chunks up to the longest prompt's last
+    token rather than over the whole bucket (`_prefill_in_chunks`), with the same bits.
 
     With `partial` (chunked prefill: `prefill_chunk` ran the prompt's positions [0, start)), the target runs the
     last `chunk` positions from `start` on, which hold every row's last prompt token, on the prefill's tiles; under
@@ -189,7 +195,12 @@ def prefill(
     last = jnp.maximum(prompt_lens - 1, 0)[:, None]  # [B, 1]
     wanted = dict(return_aux=proposer is not None and proposer.needs_aux,
                   return_hidden=proposer is not None and proposer.needs_hidden)
-    if partial is None:
+    looped = looped_prefill_chunk(target, t) if partial is None else None
+    if looped is not None:  # on the CPU row kernel: chunks up to the longest prompt, not the whole bucket
+        out = _prefill_in_chunks(target, prompt, prompt_lens, kvc.constrain(target.init_cache(b, capacity)), looped,
+                                 **wanted)
+        cache, aux = kvc.advance(out.cache, prompt_lens), out.aux
+    elif partial is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         out = target(prompt, positions, kvc.constrain(target.init_cache(b, capacity)), logit_indices=last,
                      empty_cache=True, **wanted)
@@ -278,6 +289,63 @@ def _chunk_pass(target, prompt: jax.Array, cache: kvc.KVCache, start: jax.Array,
     positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
     cache = cache._replace(lengths=jnp.full((b,), start, jnp.int32))
     return target(tokens, positions, cache, logit_indices=logit_indices, prompt_chunk=True, **wanted)
+
+
+def looped_prefill_chunk(target, prompt_width: int) -> int | None:
+    """The chunk a whole prompt's prefill loops over (`Numerics.prefill_chunk`), or None for one pass over the
+    bucket: plain numerics, a `model` mesh axis (whose matmuls run on 64-row tiles, not on the row kernel), a layer
+    that does not attend on the row attention (Gemma 2's soft caps: the block fold reads every key block up to the
+    cache's capacity, once per chunk), or a bucket of at most two chunks (its prompts, longer than half of it,
+    would run every chunk: the loop saves no row there and costs ~8 ms, measured at 56 tokens in a bucket of 64)."""
+    numerics = getattr(target, "numerics", None)
+    if numerics is None or numerics.prefill_chunk is None or model_sharded() or not numerics.row_attention:
+        return None
+    if prompt_width <= 2 * numerics.prefill_chunk:
+        return None
+    cache = jnp.zeros((0,), target.dtype)  # the dtype its caches have (`init_cache`)
+    if any(not row_attention.supports(cache, getattr(n, "softcap", None)) for _, n in nnx.iter_graph(target)):
+        return None
+    return numerics.prefill_chunk
+
+
+def _prefill_in_chunks(target, prompt: jax.Array, prompt_lens: jax.Array, cache: kvc.KVCache, chunk: int,
+                       **wanted) -> TargetOutput:
+    """The whole prompt's pass ([B, Tp], right-padded; `cache` empty) as a loop over chunks of `chunk` positions
+    that stops after the chunk holding the longest prompt's last token, each chunk run as chunked prefill runs it
+    (`_chunk_pass`: the prefill's numerics, the chunks before read from the cache) → its output as one pass gives
+    it: the logits (and hidden state) at each row's last prompt token, the features of every position (zeros past
+    the chunks run), the cache written (lengths 0).
+
+    Why: on the CPU row kernel a prefill is compute-bound, so it costs the rows it runs, and a prompt's bucket is
+    the next power of two (a GSM8K prompt of ~90 tokens prefilled 128 rows, one of 140 rows 256). The row kernel
+    and the row attention give a row the same bits in any chunk, so the loop changes no bit (tests/test_slots.py)."""
+    b, t = prompt.shape
+    last = jnp.maximum(prompt_lens - 1, 0)  # [B]
+
+    def run(start, cache):
+        return _chunk_pass(target, prompt, cache, start, chunk, jnp.clip(last - start, 0, chunk - 1)[:, None],
+                           **wanted)
+
+    shapes = jax.eval_shape(run, jnp.int32(0), cache)
+    zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype))
+    aux = None if shapes.aux is None else jnp.zeros(
+        (b, chunked_width(t, chunk), shapes.aux.shape[-1]), shapes.aux.dtype)
+
+    def body(i, carry):
+        cache, logits, hidden, aux = carry
+        start = i * chunk
+        out = run(start, cache)
+        here = ((last >= start) & (last < start + chunk))[:, None, None]  # the rows whose last token is here
+        logits = jnp.where(here, out.logits, logits)
+        hidden = None if hidden is None else jnp.where(here, out.hidden, hidden)
+        aux = None if aux is None else _chunk_features(aux, out.aux, start)
+        return kvc.constrain(out.cache), logits, hidden, aux
+
+    chunks = jnp.max(last) // chunk + 1
+    cache, logits, hidden, aux = jax.lax.fori_loop(
+        0, chunks, body, (cache, zeros(shapes.logits), zeros(shapes.hidden), aux))
+    return TargetOutput(logits, None if aux is None else aux[:, :t], cache._replace(lengths=jnp.zeros_like(last)),
+                        hidden)
 
 
 def _chunk_features(buffer: jax.Array, features: jax.Array, start: jax.Array) -> jax.Array:

@@ -31,7 +31,10 @@ rows only ever meet prompt rows. Target-only and speculative generation run the 
 keys and values are then the same bits in both; every generated token is decoded or verified, on the decode's
 tiles, after the same prompt keys and values. So a prompt row must get the same bits whatever the batch or padding
 around it (one tile shape: `for_prefill` drops the wide/narrow split), but need not get the bits a decode would have
-given it. On CPU that is the difference between one weight pass per prompt row and one per 64 (2x the prefill speed).
+given it. On CPU without the row kernel that is the difference between one weight pass per prompt row and one per
+64 (2x the prefill speed); with it, a prefill's matmuls run on the kernel (a prompt row then gets a decode's bits),
+and a whole prompt's prefill loops over chunks of `prefill_chunk` positions up to the longest prompt's last token,
+so it costs the prompt's rows rather than its bucket's (`engine.core.prefill`).
 
 The draft head does not use any of this: drafts only change speed, never output.
 """
@@ -70,6 +73,8 @@ class Numerics:
     fused_qkv: bool = False  # q, k and v projected by one dot over the three kernels side by side (CPU; see below)
     row_kernel: bool = False  # decode and verify matmuls on the CPU row kernel (`panel_matmul`), not on row tiles
     row_attention: bool = False  # the target's attention on the CPU row attention (`attend`), not the block fold
+    prefill_chunk: int | None = None  # a whole prompt's prefill runs as a loop over chunks of this many positions,
+    # up to the chunk holding the longest prompt's last token (`engine.core.prefill`); None: one pass over the bucket
 
     def __post_init__(self):
         if self.kernels not in IMPLEMENTATIONS:
@@ -117,9 +122,18 @@ class Numerics:
     def for_prefill(self) -> Numerics:
         """The numerics of a prefill's layers (the module docstring says why a prefill may have its own): every row
         on prefill_row_tile-row tiles where that is set, with separate q/k/v dots (a 64-row dot is not
-        overhead-bound, and side-by-side kernels would cost a prefill their concatenation), else these numerics."""
+        overhead-bound, and side-by-side kernels would cost a prefill their concatenation), else these numerics;
+        with the row kernel, these numerics' matmuls (fused q/k/v included), see below.
+
+        With the CPU row kernel a prefill's matmuls stay on it, so a prompt row gets the bits a decode would give it:
+        its rows are their own bits at any count, so a prefill can run in chunks of any size (`prefill_chunk`), where
+        a chunk on 64-row tiles pays for 64 rows. One pass over a bucket costs about what 64-row tiles cost
+        (BENCHMARKS.md, "Prefills on the row kernel, in chunks"). Matmuls the kernel does not run (a `model` mesh
+        axis, experts) keep prefill_row_tile-row tiles."""
         if self.prefill_row_tile is None:
             return self
+        if self.row_kernel:
+            return dataclasses.replace(self, row_tile=self.prefill_row_tile, wide_row_tile=None)
         return dataclasses.replace(self, row_tile=self.prefill_row_tile, wide_row_tile=None, fused_qkv=False,
                                    row_kernel=False)
 
@@ -141,28 +155,33 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
     with separate q/k/v dots, 22.0 ms with one (gate and up side by side gained nothing: 26.4 ms). Not measured on
     accelerators, where it stays off.
 
-    A CPU prefill runs all its rows on 64-row tiles (`Numerics.for_prefill`), whether or not they give the one-row
-    bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where 64-row dots do not agree
+    Without the row kernel a CPU prefill runs all its rows on 64-row tiles (`Numerics.for_prefill`), whether or not
+    they give the one-row bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where 64-row dots do not agree
     with one-row ones, so wide tiles were off): 64 tokens 368 ms on one-row tiles, 176 ms on 64-row tiles; 128
     tokens 709 ms and 422 ms.
 
     Where the CPU row kernel builds (pallas_kernels/row_matmul.py: a C++ compiler on the machine; on by default,
     JAXSPEC_CPU_ROW_KERNEL=off), decode and verify matmuls run on it instead of one-row tiles (`row_kernel`,
     `panel_matmul`): each row gets the same bits at any row count, so a verify of T tokens streams the weights once
-    instead of T times. Prefills keep their 64-row tiles (the same speed there). Attention, prefills' too, runs on
-    the row attention built into the same library (`row_attention`, pallas_kernels/row_attention.py: one call per
-    layer over the keys each token sees)."""
+    instead of T times, and so do prefills' (`for_prefill`), in chunks of CPU_PREFILL_CHUNK positions up to the
+    longest prompt (`prefill_chunk`). Attention, prefills' too, runs on the row attention built into the same
+    library (`row_attention`, pallas_kernels/row_attention.py: one call per layer over the keys each token sees)."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
     if backend == "cpu":
         built = row_kernel.available()
         return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE, prefill_row_tile=CPU_PREFILL_ROW_TILE,
-                        kernels=impl, fused_qkv=True, row_kernel=built, row_attention=built)
+                        kernels=impl, fused_qkv=True, row_kernel=built, row_attention=built,
+                        prefill_chunk=CPU_PREFILL_CHUNK if built else None)
     return Numerics(row_tile=64, kernels=impl)
 
 
 CPU_WIDE_ROW_TILE = 64
 CPU_PREFILL_ROW_TILE = 64
+# a prefill chunk costs ~9 ms besides its rows' ~1.55 ms each (SmolLM2, 2-core AVX-512 CPU): 32 positions waste
+# ~16 rows a prompt, 16 run twice the chunks, 64 waste twice the rows (BENCHMARKS.md, "Prefills on the row kernel,
+# in chunks")
+CPU_PREFILL_CHUNK = 32
 
 
 def attend(numerics: Numerics, q, k_cache, v_cache, lengths, positions, ancestors, *, num_blocks: int | None,
