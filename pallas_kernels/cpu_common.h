@@ -1,6 +1,6 @@
 // What jaxspec's CPU kernels (cpu_rows.cc, cpu_attention.cc; built by pallas_kernels/cpu_library.py) share: the
 // machine's vectors through GCC/Clang vector extensions (AVX-512, AVX2, SSE or NEON code from one source), exact
-// bfloat16 widening, and running a job's work items on XLA's intra-op threads with the caller's rounding mode.
+// bfloat16 and int8 widening, and running a job's work items on XLA's intra-op threads with the caller's rounding mode.
 
 #pragma once
 
@@ -34,7 +34,9 @@ constexpr int kWidth = 4, kRegisters = 16;  // SSE
 typedef float vf __attribute__((vector_size(4 * kWidth)));
 typedef float vfu __attribute__((vector_size(4 * kWidth), aligned(4)));
 typedef uint16_t vhu __attribute__((vector_size(2 * kWidth), aligned(2)));
+typedef int8_t vqi __attribute__((vector_size(kWidth), aligned(1)));
 typedef uint32_t vw __attribute__((vector_size(4 * kWidth)));
+typedef int32_t vi __attribute__((vector_size(4 * kWidth)));
 
 inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 // kWidth bfloat16 values (their bits) widened to float32: the same values, their mantissas extended with zeros
@@ -43,6 +45,21 @@ inline vf load(const uint16_t* p) {
   vf v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+// kWidth int8 values converted to float32: exact (every int8 is a float32). GCC 12 compiles the vector extensions'
+// int8 -> int32 conversion one lane at a time, so x86 sign-extends with its own instructions.
+inline vf load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#elif defined(JAXSPEC_X86) && defined(__SSE4_1__) && !defined(__AVX__)
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+#else
+  return __builtin_convertvector(__builtin_convertvector(*reinterpret_cast<const vqi*>(p), vi), vf);
+#endif
 }
 inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 

@@ -30,6 +30,7 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fas
 TARGETS = {  # XLA FFI target name -> the library's handler symbol
     "jaxspec_row_matmul": "JaxspecRowMatmul",  # float32 panels
     "jaxspec_row_matmul_bf16": "JaxspecRowMatmulBF16",  # bfloat16 panels
+    "jaxspec_row_matmul_s8": "JaxspecRowMatmulS8",  # int8 panels
     "jaxspec_row_attention": "JaxspecRowAttention",  # float32 caches
     "jaxspec_row_attention_bf16": "JaxspecRowAttentionBF16",  # bfloat16 caches
 }

@@ -2,10 +2,10 @@
 // library with the row attention, pallas_kernels/cpu_library.py).
 //
 // y[r, n] = sum over k of x[r, k] * w[k, n], for x [R, K] float32 and w given as panels [P, K, 16]: w's columns
-// 16 at a time, each panel's K rows contiguous (`pack_panels`), in float32 or in bfloat16 (a weight whose values
-// are all bfloat16 values: each is widened exactly as it is loaded, so the sums are those of its float32 panels,
-// from half the bytes). Every output is one left-to-right chain over k of
-// rounded products, starting from 0:
+// 16 at a time, each panel's K rows contiguous (`pack_panels`), in float32, in bfloat16 (a weight whose values
+// are all bfloat16 values) or in int8 (a weight whose values are all integers in [-128, 127]: an int8-quantized
+// target's): each value is widened exactly as it is loaded, so the sums are those of its float32 panels, from half
+// or a quarter of the bytes. Every output is one left-to-right chain over k of rounded products, starting from 0:
 //     acc = 0;  for k in 0 .. K-1:  acc = acc + (x[r, k] * w[k, n])      (two roundings a step, never an FMA)
 // so its bits depend on row r's values and column n's alone: not on R, on where the row sits, on how the columns
 // are tiled, on the thread that computes it, or on the instruction set (IEEE adds and multiplies round the same
@@ -38,11 +38,12 @@ using namespace jaxspec_cpu;  // the machine's vectors (kWidth, kRegisters, vf, 
 constexpr int kLanes = 16;  // columns per panel
 constexpr int kSub = kLanes / kWidth;  // vectors per panel row
 constexpr int kPanels = 3;             // panels per group: the columns a row group sweeps while they stay in cache
-// bfloat16 panels are read kPrefetch of their rows ahead (1 KB): measured on a 2-core AVX-512 CPU, SmolLM2's 151
-// matmuls of a forward as bfloat16 panels, best of 30 interleaved rounds, 1 / 3 / 8 rows: 11.87 -> 10.94,
-// 13.51 -> 12.06, 21.82 -> 20.39 ms (BENCHMARKS.md, "bfloat16 panels read ahead"). float32 panels are not: there
-// the same prefetch cost 4-8% at 1-6 rows (18.04 -> 19.45 ms at 1 row), the hardware prefetchers already keeping up
-// with one cache line per panel row. A prefetch changes no value, so the bits are the same.
+// bfloat16 and int8 panels are read kPrefetch of their rows ahead (1 KB, 512 bytes): measured on a 2-core AVX-512
+// CPU, SmolLM2's 151 matmuls of a forward, best of 30 interleaved rounds, 1 / 3 / 8 rows, bfloat16: 11.87 -> 10.94,
+// 13.51 -> 12.06, 21.82 -> 20.39 ms; int8: 6.88 -> 6.51, 10.19 -> 9.26, 20.92 -> 20.89 (BENCHMARKS.md, "bfloat16
+// panels read ahead", "int8 panels"). float32 panels are not: there the same prefetch cost 4-8% at 1-6 rows (18.04
+// -> 19.45 ms at 1 row), the hardware prefetchers already keeping up with one cache line per panel row. A prefetch
+// changes no value, so the bits are the same.
 constexpr int kPrefetch = 32;
 // A register tile of MR rows x tile_panels<MR>() panels holds its sums and the panels' current row in registers,
 // two spare (for a row's broadcast value): up to 8 rows x 3 panels with AVX-512, 6 x 1 .. 1 x 3 with AVX2 or NEON.
@@ -64,7 +65,7 @@ inline void tile(const float* x, int64_t K, const W* panels, float* y, int64_t N
   for (int64_t k = 0; k < K; ++k) {
     vf wk[S];
     for (int s = 0; s < S; ++s) wk[s] = load(w[s / kSub] + k * kLanes + (s % kSub) * kWidth);
-    if constexpr (sizeof(W) == 2)
+    if constexpr (sizeof(W) <= 2)
       for (int v = 0; v < V; ++v) __builtin_prefetch(w[v] + (k + kPrefetch) * kLanes);  // never faults
     for (int m = 0; m < MR; ++m) {
       const float a = x[m * K + k];
@@ -163,6 +164,11 @@ ffi::Error RowMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return RowMatmul<uint16_t>(pool, x, panels, y);
 }
 
+ffi::Error RowMatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return RowMatmul<int8_t>(pool, x, panels, y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmul, RowMatmulF32,
@@ -177,4 +183,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmulBF16, RowMatmulBF16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmulS8, RowMatmulS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

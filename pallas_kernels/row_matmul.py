@@ -14,8 +14,9 @@ of sums in registers (8 rows x 48 columns with AVX-512, 6 x 16 to 1 x 48 with AV
 since a tile that spills runs several times slower), so R rows cost about what one costs while memory is the bound
 (measured in BENCHMARKS.md, "The CPU row kernel"). The weights are laid out as panels of 16 columns, each
 panel's K rows contiguous (`pack_panels`), which a model holds once beside its own weights (jaxspec.models.llama):
-in bfloat16 where the weight's values all are bfloat16 values (a bfloat16 or 8-bit quantized target, a head
-trained in bfloat16), widened exactly in the kernel, so the same sums from half the bytes.
+in bfloat16 where the weight's values all are bfloat16 values (a bfloat16 target, an fp8-quantized one, a head
+trained in bfloat16) and in int8 where they all are int8 values (an int8-quantized target), widened exactly in the
+kernel, so the same sums from half or a quarter of the bytes.
 
 `row_matmul_reference` is the same chain in jax.numpy (a scan over k of rounded products): the same bits, slowly;
 the tests compare the two bit for bit.
@@ -35,13 +36,15 @@ from pallas_kernels.cpu_library import ENV_VAR, BuildError, available, build, en
 from pallas_kernels.primitives import exact_mul
 
 LANES = 16  # columns per panel (cpu_rows.cc kLanes)
-TARGET = "jaxspec_row_matmul"  # float32 panels; TARGET + "_bf16": bfloat16 panels (cpu_library.TARGETS)
+TARGET = "jaxspec_row_matmul"  # float32 panels; TARGET + "_bf16" / "_s8": bfloat16 / int8 (cpu_library.TARGETS)
+SUFFIXES = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16", jnp.dtype(jnp.int8): "_s8"}
 
 
 def pack_panels(w: jax.Array, *, out_in: bool = False, dtype=jnp.float32) -> jax.Array:
     """w [K, N] (or [N, K] with out_in: a tied embedding table used as the LM head) → panels [P, K, 16] in `dtype`
-    (float32, or bfloat16 for a weight whose values all are bfloat16 values: `exact_panel_dtype`), P = ceil(N / 16),
-    the columns zero-padded to whole panels: panel p holds columns 16p .. 16p+15, row k of them at [p, k]."""
+    (float32, or bfloat16 / int8 for a weight whose values all are bfloat16 values / int8 values:
+    `exact_panel_dtype`), P = ceil(N / 16), the columns zero-padded to whole panels: panel p holds columns
+    16p .. 16p+15, row k of them at [p, k]."""
     w = w.astype(jnp.float32)
     if out_in:
         w = w.T
@@ -52,29 +55,36 @@ def pack_panels(w: jax.Array, *, out_in: bool = False, dtype=jnp.float32) -> jax
 
 
 def exact_panel_dtype(w: jax.Array):
-    """bfloat16 where every value of the (concrete) weight w is a bfloat16 value — a bfloat16 model's weights held
-    as float32 on CPU, int8 or fp8 values (`quantize.held_dtype_for`), a head trained in bfloat16 — else float32:
-    the low 16 bits of every float32 are zero, which is what widening a bfloat16 gives (the kernel widens bfloat16
-    panels exactly as it loads them, so both give the same sums, the bfloat16 ones from half the bytes). Checked on
-    the host, in numpy, so no compiler can fold the test away; inside a trace (a step program holding its own
-    weights), or spread over processes (not all on this host), the values are not read: float32."""
+    """The narrowest panels that hold the (concrete) weight w's values exactly: int8 where every value is an integer
+    in [-128, 127] (an int8-quantized target's values, `quantize.held_dtype_for`), bfloat16 where every value is a
+    bfloat16 value (a bfloat16 model's weights held as float32 on CPU, fp8 values, a head trained in bfloat16),
+    else float32. The kernel widens int8 and bfloat16 panels exactly as it loads them, so all give the same sums,
+    from a quarter or half the bytes. Checked on the host, in numpy, so no compiler can fold the test away; inside
+    a trace (a step program holding its own weights), or spread over processes (not all on this host), the values
+    are not read: float32."""
     if isinstance(w, jax.core.Tracer) or not getattr(w, "is_fully_addressable", True):
         return jnp.float32
+    if w.dtype == jnp.int8:
+        return jnp.int8
+    values = np.asarray(w, dtype=np.float32)
+    # a -0.0 becomes +0.0, which changes no sum: the chain starts at +0.0 and never holds -0.0 (x + -x and +0 + -0
+    # round to +0.0), so adding a zero product of either sign leaves it as it is
+    if np.all((values == np.round(values)) & (values >= -128) & (values <= 127)):
+        return jnp.int8
     if w.dtype == jnp.bfloat16:
         return jnp.bfloat16
-    bits = np.asarray(w, dtype=np.float32).view(np.uint32)
-    return jnp.float32 if np.any(bits & 0xFFFF) else jnp.bfloat16
+    return jnp.float32 if np.any(values.view(np.uint32) & 0xFFFF) else jnp.bfloat16
 
 
 def row_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """x [..., K] float32 times the weight held as `panels` [P, K, 16] (float32 or bfloat16) → float32 [..., n]
+    """x [..., K] float32 times the weight held as `panels` [P, K, 16] (float32, bfloat16 or int8) → float32 [..., n]
     (n ≤ 16P: the weight's real columns), on the kernel. Every row's bits are `row_matmul_reference`'s for that
     row alone."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = 1
     for d in lead:
         rows *= d
-    target = TARGET + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+    target = TARGET + SUFFIXES[jnp.dtype(panels.dtype)]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, panels.shape[0] * LANES), jnp.float32))
     y = call(x.reshape(rows, k).astype(jnp.float32), panels)
     return y[:, :n].reshape(*lead, n)

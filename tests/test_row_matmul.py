@@ -1,7 +1,7 @@
 """The CPU row kernel (pallas_kernels/row_matmul.py, cpu_rows.cc): the kernel equals its jax.numpy reference bit for
 bit at ragged shapes (rows 1..70 across its register tiles, columns off whole panels, contractions of 1 to 1,536,
-columns enough to split over threads), with bfloat16 panels, and built for each narrower x86 instruction set (each
-its own tiling); a row's bits do not depend on the rows beside it or their number; the model's use of it
+columns enough to split over threads), with bfloat16 and int8 panels, and built for each narrower x86 instruction
+set (each its own tiling); a row's bits do not depend on the rows beside it or their number; the model's use of it
 (`numerics.panel_matmul`: 16-bit activations, 8-bit scales, biases, a data mesh) computes what `contract` computes;
 and it can be turned off or fail to build with a one-line reason."""
 
@@ -169,11 +169,37 @@ def test_bfloat16_panels_give_the_float32_panels_bits(rows, k, n):
     np.testing.assert_array_equal(got, np.asarray(reference(x, half, n)))
 
 
-def test_panels_are_bfloat16_only_where_no_value_changes():
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (9, 37, 50), (16, 1536, 576)])
+def test_int8_panels_give_the_float32_panels_bits(rows, k, n):
+    """A weight whose values are int8 values (an int8-quantized target's, held as float32), held as int8 panels:
+    each value converted exactly in the kernel, so the sums of its float32 panels from a quarter of the bytes; its
+    -0.0 values (rounding gives them) become +0.0, which changes no bit (the chain never holds -0.0); rows of
+    zeros, signed zeros and an infinity as well."""
+    w = np.clip(np.round(_weights(k, n, 15) * 40), -128, 127)
+    assert np.any((w == 0) & np.signbit(w))
+    w = jnp.asarray(w)
+    x = np.random.default_rng(16).standard_normal((rows, k), dtype=np.float32)
+    x[0, ::2] = -0.0
+    if rows > 2:
+        x[1] = 0.0
+        x[2, 3] = np.inf
+    x = jnp.asarray(x)
+    quarter = rk.pack_panels(w, dtype=jnp.int8)
+    assert quarter.dtype == jnp.int8 and quarter.nbytes * 4 == rk.pack_panels(w).nbytes
+    got = np.asarray(kernel(x, quarter, n)).view(np.uint32)
+    np.testing.assert_array_equal(got, np.asarray(kernel(x, rk.pack_panels(w), n)).view(np.uint32))
+    np.testing.assert_array_equal(got, np.asarray(reference(x, quarter, n)).view(np.uint32))
+
+
+def test_panels_are_narrow_only_where_no_value_changes():
     exact = jnp.asarray(_weights(8, 16, 14)).astype(jnp.bfloat16).astype(jnp.float32)
     assert rk.exact_panel_dtype(exact) == jnp.bfloat16
     assert rk.exact_panel_dtype(exact.at[3, 4].add(1e-4)) == jnp.float32  # one value off the bfloat16 grid
-    assert rk.exact_panel_dtype(jnp.clip(jnp.round(exact * 100), -127, 127)) == jnp.bfloat16  # int8 values
+    ints = jnp.clip(jnp.round(exact * 100), -128, 127)
+    assert rk.exact_panel_dtype(ints) == jnp.int8  # int8 values
+    assert rk.exact_panel_dtype(ints.astype(jnp.bfloat16)) == jnp.int8
+    assert rk.exact_panel_dtype(ints.at[0, 0].set(128.0)) == jnp.bfloat16  # past int8, still bfloat16 values
+    assert rk.exact_panel_dtype(ints.at[0, 0].set(0.5)) == jnp.bfloat16
     seen = []  # inside a trace the values are unknown: float32, and no error
     jax.jit(lambda w: seen.append(rk.exact_panel_dtype(w)) or w)(exact)
     assert seen == [jnp.float32]
@@ -210,11 +236,14 @@ def test_every_instruction_sets_tiling_gives_the_reference_bits():
         name = f"jaxspec_row_matmul_test_{i}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.JaxspecRowMatmul), platform="cpu")
         jax.ffi.register_ffi_target(name + "_bf16", jax.ffi.pycapsule(lib.JaxspecRowMatmulBF16), platform="cpu")
+        jax.ffi.register_ffi_target(name + "_s8", jax.ffi.pycapsule(lib.JaxspecRowMatmulS8), platform="cpu")
         for rows, k, n in cases:
             w = jnp.asarray(_weights(k, n, 20)).astype(jnp.bfloat16).astype(jnp.float32)
+            ints = jnp.clip(jnp.round(w * 40), -128, 127)
             x = jnp.asarray(np.random.default_rng(21).standard_normal((rows, k), dtype=np.float32))
-            for panels in (rk.pack_panels(w), rk.pack_panels(w, dtype=jnp.bfloat16)):
-                target = name + ("_bf16" if panels.dtype == jnp.bfloat16 else "")
+            narrow = (rk.pack_panels(w, dtype=jnp.bfloat16), rk.pack_panels(ints, dtype=jnp.int8))
+            for panels in (rk.pack_panels(w), *narrow):
+                target = name + rk.SUFFIXES[jnp.dtype(panels.dtype)]
                 out = jax.ShapeDtypeStruct((rows, panels.shape[0] * rk.LANES), jnp.float32)
                 got = np.asarray(jax.jit(jax.ffi.ffi_call(target, out))(x, panels))[:, :n]
                 np.testing.assert_array_equal(got, np.asarray(reference(x, panels, n)),

@@ -368,8 +368,8 @@ def hold_draft_weights(drafter, target) -> None:
 
 
 def held_panels(w: jax.Array, out_in: bool = False) -> jax.Array:
-    """A weight held as the row kernel's panels: in bfloat16 when its values all are bfloat16 values (the same sums
-    from half the bytes, `exact_panel_dtype`), else float32."""
+    """A weight held as the row kernel's panels: in int8 / bfloat16 when its values all are int8 / bfloat16 values
+    (the same sums from a quarter / half the bytes, `exact_panel_dtype`), else float32."""
     return pack_panels(w, out_in=out_in, dtype=exact_panel_dtype(w))
 
 

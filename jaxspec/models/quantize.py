@@ -65,8 +65,9 @@ def held_dtype_for(mode: str, backend: str | None = None):
     bytes, read by the GEMM as they are); as float32 on CPU, where XLA:CPU widened an int8 weight into a fresh
     float32 copy at every dot (measured, SmolLM2 decode on 2 cores: 225 ms against 50 ms for float32 weights). The
     values are the same either way (int8 and e4m3 values are exact in float32 and bfloat16), so are the bits. On
-    CPU the row kernel's panels of them are bfloat16 (`row_matmul.exact_panel_dtype`): half a float32 weight's
-    bytes per step, while the float32 arrays themselves save no memory."""
+    CPU the row kernel's panels of them are int8 (int8 values) or bfloat16 (e4m3 values), widened exactly in the
+    kernel (`row_matmul.exact_panel_dtype`): a quarter or half of a float32 weight's bytes per step, while the
+    float32 arrays themselves save no memory."""
     if (backend or jax.default_backend()) == "cpu":
         return jnp.float32
     return jnp.int8 if mode == "int8" else FP8
