@@ -125,13 +125,16 @@ def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
 
 
 def test_drafters_run_on_the_kernel_and_targets_train_through_plain_calls():
-    """A loaded drafter's plain matmuls run on its held panels (`hold_draft_weights`; values of the plain dot); a
-    target's own panels (`hold_step_weights`) serve its numerics and a drafter's `drafting` read of its LM head,
-    never a plain call, so gradients through the target's head (DFlash training) still flow."""
+    """A loaded drafter's plain matmuls run on its held panels (`hold_draft_weights`): a float weight's as int8
+    values with a scale per output column (the dot of the dequantized weight, near the plain dot's values), an
+    8-bit weight's with its own scale; a target's own panels (`hold_step_weights`) serve its numerics and a
+    drafter's `drafting` read of its LM head, never a plain call, so gradients through the target's head (DFlash
+    training) still flow."""
     from flax import nnx
 
     from jaxspec.config import TargetConfig
     from jaxspec.models.llama import LlamaModel, hold_draft_weights
+    from jaxspec.models.quantize import quantize_weight
 
     cfg = TargetConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                        head_dim=16, tie_word_embeddings=False)
@@ -141,9 +144,20 @@ def test_drafters_run_on_the_kernel_and_targets_train_through_plain_calls():
     plain = drafter.layers[0].mlp.up_proj(x)
     hold_draft_weights(drafter, target)
     up = drafter.layers[0].mlp.up_proj
-    assert up.draft_panels is not None
+    assert up.draft_panels.dtype == jnp.int8 and up.draft_scale.shape == (96,)
     assert "ffi_call" in str(jax.make_jaxpr(lambda a: up(a))(x))
-    np.testing.assert_allclose(np.asarray(up(x)), np.asarray(plain), rtol=1e-5, atol=1e-5)
+    values, scale = quantize_weight(up.kernel[...], "int8", jnp.float32)
+    np.testing.assert_allclose(np.asarray(up(x)), np.asarray(x @ (values * scale)), rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(up(x) - plain))) < 0.02 * float(jnp.max(jnp.abs(plain)))  # int8's rounding
+
+    quantized = LlamaModel(cfg, rngs=nnx.Rngs(1), numerics=None)
+    down = quantized.layers[0].mlp.down_proj
+    down.quantize("int8")
+    hold_draft_weights(quantized, target)
+    assert down.draft_panels.dtype == jnp.int8 and down.draft_scale is None  # its own values and scale
+    h = jnp.asarray(np.random.default_rng(12).standard_normal((3, 96), dtype=np.float32))
+    want = (h @ down.kernel[...].astype(jnp.float32)) * down.scale[...]
+    np.testing.assert_allclose(np.asarray(down(h)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
     target.hold_step_weights()
     assert target.lm_head.panels is not None and target.lm_head.draft_panels is None

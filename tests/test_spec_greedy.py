@@ -145,14 +145,16 @@ def test_forced_acceptance_is_for_chains_only():
 
 
 def test_a_head_held_on_the_cpu_kernels_keeps_output_exact(reference):
-    """`hold_draft_weights`, as the CLIs load a head on CPU: its matmuls on the row kernel and its causal attention
-    (catch-up and chain steps) on the row attention. Drafts only change speed, so the text is target-only's; the
-    head's logits are its plain forward's to rounding, and the row attention is really what its forward calls."""
+    """`hold_draft_weights`, as the CLIs load a head on CPU: its matmuls on the row kernel (int8 values and a scale
+    per column) and its causal attention (catch-up and chain steps) on the row attention. Drafts only change speed,
+    so the text is target-only's; the head's logits are those of its plain forward with the int8-quantized weights
+    to rounding, and the row attention is really what its forward calls."""
     import jax
     import jax.numpy as jnp
 
     from jaxspec.models import kv_cache as kvc
-    from jaxspec.models.llama import Attention, hold_draft_weights
+    from jaxspec.models.llama import Attention, Linear, hold_draft_weights
+    from jaxspec.models.quantize import quantize_weight
     from pallas_kernels import cpu_library
 
     if not cpu_library.available():
@@ -174,7 +176,11 @@ def test_a_head_held_on_the_cpu_kernels_keeps_output_exact(reference):
         cache = kvc.advance(cache, jnp.array([6]))
         return head(tokens[:, 6:], head.project(feats[:, 6:]), 6 + jnp.arange(3)[None], cache, embed)[0]
 
-    np.testing.assert_allclose(np.asarray(forward(held)), np.asarray(forward(plain)), rtol=1e-4, atol=1e-4)
+    dequantized = nnx.merge(*nnx.split(plain))
+    for linear in [n for _, n in nnx.iter_graph(dequantized) if isinstance(n, Linear)]:
+        values, scale = quantize_weight(linear.kernel[...], "int8", jnp.float32)
+        linear.kernel = nnx.Param((values * scale).astype(linear.kernel[...].dtype))
+    np.testing.assert_allclose(np.asarray(forward(held)), np.asarray(forward(dequantized)), rtol=1e-4, atol=1e-4)
     assert "jaxspec_row_attention" in str(jax.make_jaxpr(lambda: forward(held))())
     assert "jaxspec_row_attention" not in str(jax.make_jaxpr(lambda: forward(plain))())
 

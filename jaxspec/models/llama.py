@@ -53,7 +53,8 @@ class Linear(nnx.Module):
         self.bias = nnx.data(nnx.Param(jnp.zeros((d_out,), held_dtype(dtype))) if bias else None)
         self.scale = nnx.data(None)  # float32 [out], the per-channel scale of an 8-bit kernel (models/quantize.py)
         self.panels = nnx.data(None)  # the kernel as the CPU row kernel's panels, held once (`hold_step_weights`)
-        self.draft_panels = nnx.data(None)  # the same, for a drafter's plain calls (`hold_draft_weights`)
+        self.draft_panels = nnx.data(None)  # the same, for a drafter's plain calls (`hold_draft_weights`) ...
+        self.draft_scale = nnx.data(None)  # ... as int8 values with this float32 [out] scale, from a float kernel
         # None: the dot's own result dtype; float32: 16-bit products accumulated into float32 in every dot of the
         # forward and the backward (mixed-precision training, train/precision.py), then rounded to x's dtype
         self.accumulate = None
@@ -85,7 +86,8 @@ class Linear(nnx.Module):
                                 scale=scale)
         if self.draft_panels is not None and not model_sharded():
             # a drafter's matmul held on the row kernel (`hold_draft_weights`): drafts only change speed
-            return panel_matmul(x, self.draft_panels, self.kernel.shape[1], bias, scale)
+            draft_scale = scale if self.draft_scale is None else self.draft_scale[...]
+            return panel_matmul(x, self.draft_panels, self.kernel.shape[1], bias, draft_scale)
         if self.accumulate is not None and scale is not None:
             # a quantized target in a 16-bit training step (frozen: nothing differentiates its weights): the narrow
             # dot's float32 sums meet the scale before they are rounded, as in inference (`contract`)
@@ -355,12 +357,21 @@ def hold_draft_weights(drafter, target) -> None:
     Not for a drafter being trained (the kernel has no gradient): the CLIs hold it on the drafters they load, apart
     from the panels a target holds for its own numerics (`hold_step_weights`), which its plain calls never read.
 
-    What it cost and bought is in BENCHMARKS.md ("The CPU row kernel")."""
+    A float weight is held as int8 values with one scale per output column (`quantize_weight`, as `--quantize int8`
+    makes a target's): a quarter of float32's bytes, half of bfloat16's, where the head's steps come right after the
+    target's forward has evicted them from the caches. Measured with the shipped head on 80 GSM8K and 80 MT-Bench
+    prompts, chains of 2: the same acceptance and the same texts, its step 22-28% cheaper (BENCHMARKS.md,
+    "The head's weights as int8 panels"). What holding cost and bought is in BENCHMARKS.md ("The CPU row kernel")."""
     numerics = getattr(target, "numerics", None)
     if numerics is None or not numerics.row_kernel:
         return
     for linear in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Linear)]:
-        if linear.draft_panels is None:
+        if linear.draft_panels is not None:
+            continue
+        if linear.scale is None:  # float values: int8 ones and a scale per output column
+            values, scale = quantize_weight(linear.kernel[...], "int8", jnp.float32)
+            linear.draft_panels, linear.draft_scale = nnx.data(held_panels(values)), nnx.data(scale)
+        else:  # 8-bit values already, beside their own scale
             linear.draft_panels = nnx.data(held_panels(linear.kernel[...]))
     if numerics.row_attention:  # and its causal attention (the calls that pass positions: an EAGLE-3 head's chain)
         for attention in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Attention)]:

@@ -156,9 +156,9 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
     accelerators, where it stays off.
 
     Without the row kernel a CPU prefill runs all its rows on 64-row tiles (`Numerics.for_prefill`), whether or not
-    they give the one-row bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where 64-row dots do not agree
-    with one-row ones, so wide tiles were off): 64 tokens 368 ms on one-row tiles, 176 ms on 64-row tiles; 128
-    tokens 709 ms and 422 ms.
+    they give the one-row bits: measured, SmolLM2 float32 prefill on this project's 2-core AVX-512 CPU (where
+    64-row dots do not agree with one-row ones, so wide tiles were off): 64 tokens 368 ms on one-row tiles, 176 ms
+    on 64-row tiles; 128 tokens 709 ms and 422 ms.
 
     Where the CPU row kernel builds (pallas_kernels/row_matmul.py: a C++ compiler on the machine; on by default,
     JAXSPEC_CPU_ROW_KERNEL=off), decode and verify matmuls run on it instead of one-row tiles (`row_kernel`,
@@ -265,7 +265,7 @@ def panel_matmul(x: jax.Array, panels: jax.Array, n: int, bias: jax.Array | None
     return y if bias is None else y + bias.astype(x.dtype)
 
 
-HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels", "draft_panels")  # llama.hold_*_weights
+HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels", "draft_panels", "draft_scale")  # llama.hold_*
 
 
 def drop_held_weights(model) -> None:
