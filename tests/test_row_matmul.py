@@ -214,20 +214,25 @@ def test_panels_are_narrow_only_where_no_value_changes():
     assert rk.exact_panel_dtype(ints.astype(jnp.bfloat16)) == jnp.int8
     assert rk.exact_panel_dtype(ints.at[0, 0].set(128.0)) == jnp.bfloat16  # past int8, still bfloat16 values
     assert rk.exact_panel_dtype(ints.at[0, 0].set(0.5)) == jnp.bfloat16
+    assert rk.exact_panel_dtype(ints.at[0, 0].set(jnp.inf)) == jnp.bfloat16  # a bfloat16 value, no int8 one
+    assert rk.exact_panel_dtype(ints.at[0, 0].set(jnp.nan)) == jnp.bfloat16  # NaN: a bfloat16 bit pattern
+    assert rk.exact_panel_dtype(ints.at[0, 0].set(1 + 2.0 ** -10)) == jnp.float32
+    assert rk.exact_panel_dtype(jnp.zeros((0, 16), jnp.float32)) == jnp.int8  # no value to lose
     seen = []  # inside a trace the values are unknown: float32, and no error
     jax.jit(lambda w: seen.append(rk.exact_panel_dtype(w)) or w)(exact)
     assert seen == [jnp.float32]
 
 
 def _instruction_set_builds():
-    """The kernel built for each narrower x86 instruction set this machine also runs (AVX2 without AVX-512, SSE
-    without AVX): each has its own register tiling (cpu_rows.cc kWidth, kRegisters), whatever CI's CPU is."""
+    """The kernel built for each narrower x86 instruction set this machine also runs (AVX2 without AVX-512, AVX
+    without AVX2, SSE4.1 without AVX, SSE2 alone): each has its own register tiling (cpu_rows.cc kWidth, kRegisters)
+    or its own int8 widening (cpu_common.h), whatever CI's CPU is."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     builds = []
-    for flags in [("-mno-avx512f",), ("-mno-avx",)]:
+    for flags in [("-mno-avx512f",), ("-mno-avx2",), ("-mno-avx",), ("-mno-sse4.1",)]:
         try:
             builds.append((flags, rk.build(extra_flags=flags)))  # cached beside the default build, keyed by flags
         except rk.BuildError as e:

@@ -71,7 +71,7 @@ class Linear(nnx.Module):
             q, scale = quantize(kernel)
         self.kernel = nnx.Param(q)
         self.scale = nnx.data(nnx.Param(scale))
-        self.panels = None  # made from the float kernel
+        self.panels = self.draft_panels = self.draft_scale = None  # made from the float kernel
 
     def __call__(self, x: jax.Array, numerics: Numerics | None = None) -> jax.Array:
         """numerics: run the matmul on fixed row tiles (batch-invariant numerics); None: one plain dot."""
@@ -324,8 +324,8 @@ def hold_step_weights(model) -> None:
     that model) read them. A snapshot: the weights must be final (the target's are never trained). Under a
     model-sharded mesh the projections stay split dots, and nothing is held. Not `nnx.Param`s: checkpoints
     (`nnx.state(model, nnx.Param)`) leave them out. What they cost in memory: the q/k/v kernels once more, or with
-    the row kernel every matmul's weight once more (float32, or bfloat16 where its values are: `held_panels`), which
-    `--memory-report` counts as the target's."""
+    the row kernel every matmul's weight once more (float32, or int8 / bfloat16 where its values are:
+    `held_panels`), which `--memory-report` counts as the target's."""
     numerics = model.numerics
     if numerics is None or model_sharded():
         return
@@ -360,7 +360,7 @@ def hold_draft_weights(drafter, target) -> None:
     A float weight is held as int8 values with one scale per output column (`quantize_weight`, as `--quantize int8`
     makes a target's): a quarter of float32's bytes, half of bfloat16's, where the head's steps come right after the
     target's forward has evicted them from the caches. Measured with the shipped head on 80 GSM8K and 80 MT-Bench
-    prompts, chains of 2: the same acceptance and the same texts, its step 22-28% cheaper (BENCHMARKS.md,
+    prompts, chains of 2: acceptance within 0.1% and the same texts, its step 22-28% cheaper (BENCHMARKS.md,
     "The head's weights as int8 panels"). What holding cost and bought is in BENCHMARKS.md ("The CPU row kernel")."""
     numerics = getattr(target, "numerics", None)
     if numerics is None or not numerics.row_kernel:
@@ -370,12 +370,24 @@ def hold_draft_weights(drafter, target) -> None:
             continue
         if linear.scale is None:  # float values: int8 ones and a scale per output column
             values, scale = quantize_weight(linear.kernel[...], "int8", jnp.float32)
-            linear.draft_panels, linear.draft_scale = nnx.data(held_panels(values)), nnx.data(scale)
+            linear.draft_panels = nnx.data(pack_panels(values, dtype=jnp.int8))
+            linear.draft_scale = nnx.data(scale)
         else:  # 8-bit values already, beside their own scale
             linear.draft_panels = nnx.data(held_panels(linear.kernel[...]))
     if numerics.row_attention:  # and its causal attention (the calls that pass positions: an EAGLE-3 head's chain)
         for attention in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Attention)]:
             attention.draft_row_attention = any(drafter.dtype == d for d in ROW_ATTENTION_DTYPES)
+
+
+def draft_holding(drafter) -> str | None:
+    """How `hold_draft_weights` held a drafter's matmuls ("int8 panels, a scale per column", ...), None where it held
+    none: part of what its step costs (automatic speculation's stored step costs are keyed by it)."""
+    kinds = set()
+    for linear in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Linear)]:
+        if linear.draft_panels is not None:
+            scale = ", a scale per column" if linear.draft_scale is not None else ""
+            kinds.add(f"{jnp.dtype(linear.draft_panels.dtype).name} panels{scale}")
+    return "; ".join(sorted(kinds)) or None
 
 
 def held_panels(w: jax.Array, out_in: bool = False) -> jax.Array:

@@ -269,8 +269,9 @@ HELD_ATTRIBUTES = ("qkv_fused", "qkv_panels", "panels", "head_panels", "draft_pa
 
 
 def drop_held_weights(model) -> None:
-    """Forget, in place, what `llama.hold_step_weights` held on `model`'s modules (side-by-side q/k/v kernels,
-    row-kernel panels): after its weights changed (quantization), or for a copy that must not carry them."""
+    """Forget, in place, what `llama.hold_step_weights` and `llama.hold_draft_weights` held on `model`'s modules
+    (side-by-side q/k/v kernels, row-kernel panels, a drafter's int8 panels and scales): after its weights changed
+    (quantization), or for a copy that must not carry them."""
     for _, node in list(nnx.iter_graph(model)):
         for name in HELD_ATTRIBUTES:
             if getattr(node, name, None) is not None:

@@ -32,6 +32,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.engine.auto.config import StepCalibration, StepCosts, method_key, parse_method_key
 from jaxspec.engine.auto.step_costs import TIMING
 from jaxspec.engine.tree import TreeConfig
+from jaxspec.models.llama import draft_holding
 from pallas_kernels import cpu_library
 
 STORE_ENV = "JAXSPEC_STEP_COSTS"
@@ -150,7 +151,8 @@ def cost_key(
     """(key, its parts): what a step's cost depends on — this machine (backend, device kind and count, CPU model
     and cores), the software (jax, jaxlib), the target and head (configs, dtypes, numerics), the shape (batch,
     cache capacity, longest chain, the candidate trees, mesh), how the costs were timed (`step_costs.TIMING`) and,
-    on CPU, the code of jaxspec's CPU kernels where they run (a faster kernel changes what a verify costs).
+    on CPU, the code of jaxspec's CPU kernels where they run (a faster kernel changes what a verify costs) and how
+    the head's matmuls are held on them (`llama.draft_holding`: int8 panels made its step ~25% cheaper).
     An entry holds the costs of the candidate trees worth timing there (`auto.config.tree_worth_timing`)."""
     device = jax.devices()[0]
     what = {
@@ -172,6 +174,9 @@ def cost_key(
     }
     if what["backend"] == "cpu" and cpu_library.available():  # the CPU kernels' code: a change to it is re-timed
         what["cpu_kernels"] = cpu_library.sources_digest()
+    held = draft_holding(head)
+    if held is not None:  # how the head's matmuls are held on the CPU kernels (absent where they are not)
+        what["head_held"] = held
     if model.quantization:  # absent unquantized, as above
         what["quantization"] = model.quantization
     if trees:  # absent without trees, so that entries stored before trees were candidates keep their keys
