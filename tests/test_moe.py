@@ -61,7 +61,8 @@ def _sparse_block(dtype, hidden: int = 64, width: int = 48) -> SparseMoe:
 
 @pytest.mark.parametrize("numerics", [
     default_numerics("cpu", "reference"),  # one-row tiles (decode, verify)
-    pytest.param(default_numerics("cpu", "reference").for_prefill(), marks=pytest.mark.slow),  # a CPU prefill's 64 rows
+    # a CPU prefill: its experts on 64-row tiles
+    pytest.param(default_numerics("cpu", "reference").for_prefill(), marks=pytest.mark.slow),
     Numerics(row_tile=8),  # 8-row tiles: every tile shared by tokens of one expert
 ], ids=["cpu-decode", "cpu-prefill", "tile8"])
 def test_a_tokens_expert_output_does_not_depend_on_the_others(numerics):

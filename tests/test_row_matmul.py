@@ -108,8 +108,8 @@ def test_turned_off_and_unbuildable(monkeypatch, tmp_path):
     off = default_numerics("cpu")
     monkeypatch.delenv(rk.ENV_VAR)
     on = default_numerics("cpu")
-    assert on.row_kernel and on.row_attention and on.prefill_chunk == 32
-    assert off == dataclasses.replace(on, row_kernel=False, row_attention=False, prefill_chunk=None)
+    assert on.row_kernel and on.row_attention and on.prefill_loop_chunk == 32
+    assert off == dataclasses.replace(on, row_kernel=False, row_attention=False, prefill_loop_chunk=None)
     assert off.for_prefill().row_kernel is False and on.for_prefill().row_kernel is True
     assert default_numerics("gpu").row_kernel is False and default_numerics("gpu").row_attention is False
 

@@ -155,8 +155,8 @@ def _chunk_generator(kind: str, dtype, tmp_path, target_as=lambda target: target
 
 
 def one_pass(target):
-    """The target with its whole prompts prefilled in one pass over the bucket (`Numerics.prefill_chunk` off)."""
-    target.numerics = dataclasses.replace(target.numerics, prefill_chunk=None)
+    """The target with its whole prompts prefilled in one pass over the bucket (`Numerics.prefill_loop_chunk` off)."""
+    target.numerics = dataclasses.replace(target.numerics, prefill_loop_chunk=None)
     return target
 
 
@@ -186,13 +186,36 @@ def test_a_prefill_looped_up_to_the_longest_prompt_gets_the_bits_of_one_pass(kin
         make_gemma("gemma2", tmp_path / "gemma2")
         assert looped_prefill_chunk(load_target(tmp_path / "gemma2"), 256) is None
     whole = _chunk_generator(kind, dtype, tmp_path, target_as=one_pass)
-    lens = [len(LONG), 20]
-    prompt = np.zeros((2, 256), np.int32)
-    prompt[0, : lens[0]], prompt[1, : lens[1]] = LONG, LONG[::-1][: lens[1]]
-    args = (jnp.asarray(prompt), jnp.asarray(lens, jnp.int32), jnp.asarray([8, 8], jnp.int32),
-            jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), 2), None, None)
-    a = looped.prefill_program(args, 512)(*looped.program_params, *args)
-    b = whole.prefill_program(args, 512)(*whole.program_params, *args)
+    _assert_same_prefills(looped, whole, [LONG, LONG[::-1][:20]], width=256, capacity=512, max_new=8)
+
+
+def test_a_looped_prefill_past_the_bucket_and_the_capacity_with_a_padding_row(tmp_path):
+    """The loop's last chunk may reach past the prompt width and the cache's capacity (`generate`'s width is the
+    capacity where that is the smaller: here a 245-token prompt in 250 slots runs its last chunk over [224, 256));
+    a batch's padding row (no prompt) runs with the others: the same bits as one pass, nothing written out of
+    bounds that a row reads."""
+    from jaxspec.engine.core import looped_prefill_chunk
+
+    looped = _chunk_generator("llama", jnp.bfloat16, tmp_path)
+    if looped_prefill_chunk(nnx.merge(looped.graphdef, looped.params), 250) != 32:
+        pytest.skip("no looped prefill here (the CPU kernels do not build)")
+    whole = _chunk_generator("llama", jnp.bfloat16, tmp_path, target_as=one_pass)
+    long = (LONG * 2)[:245]
+    _assert_same_prefills(looped, whole, [long, LONG[:40], []], width=250, capacity=250, max_new=4)
+
+
+def _assert_same_prefills(looped: Generator, whole: Generator, prompts: list[list[int]], width: int, capacity: int,
+                          max_new: int) -> None:
+    """`prompts` prefilled in one batch [len(prompts), width] by both generators: the same first tokens, each row's
+    cache over its prompt, and the drafter's cache, bit for bit."""
+    lens = [len(p) for p in prompts]
+    prompt = np.zeros((len(prompts), width), np.int32)
+    for row, p in enumerate(prompts):
+        prompt[row, : len(p)] = p
+    args = (jnp.asarray(prompt), jnp.asarray(lens, jnp.int32), jnp.asarray([max_new if n else 0 for n in lens],
+            jnp.int32), jnp.asarray([-1], jnp.int32), jax.random.split(jax.random.key(0), len(prompts)), None, None)
+    a = looped.prefill_program(args, capacity)(*looped.program_params, *args)
+    b = whole.prefill_program(args, capacity)(*whole.program_params, *args)
     np.testing.assert_array_equal(np.asarray(a.last_token), np.asarray(b.last_token))
     np.testing.assert_array_equal(np.asarray(a.cache.lengths), lens)
     np.testing.assert_array_equal(np.asarray(b.cache.lengths), lens)
@@ -203,9 +226,9 @@ def test_a_prefill_looped_up_to_the_longest_prompt_gets_the_bits_of_one_pass(kin
         return
     own_a, own_b = looped.proposer.kv_cache(a.proposer), whole.proposer.kv_cache(b.proposer)
     np.testing.assert_array_equal(np.asarray(own_a.lengths), np.asarray(own_b.lengths))
-    for row in range(2):
+    for row, length in enumerate(lens):
         n = int(own_a.lengths[row])
-        assert n > 0
+        assert n > 0 or length == 0
         for x, y in zip(own_a.k + own_a.v, own_b.k + own_b.v):
             np.testing.assert_array_equal(np.asarray(x[row, :, :n], np.float32), np.asarray(y[row, :, :n], np.float32))
 

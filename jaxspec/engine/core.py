@@ -181,8 +181,8 @@ def prefill(
     """The prompt through the target, the first token, and the proposer's initial state. The token buffer is as
     wide as the cache (`capacity`, a bucket above prompt + budget), not as the budget: budgets are data (`max_new`),
     so another --max-new-tokens in the same bucket runs the same compiled prefill and step. Where the target's
-    numerics set a `prefill_chunk` (the CPU row kernel), the prompt runs in chunks up to the longest prompt's last
-    token rather than over the whole bucket (`_prefill_in_chunks`), with the same bits.
+    numerics set a `prefill_loop_chunk` (the CPU row kernel), the prompt runs in chunks up to the longest prompt's
+    last token rather than over the whole bucket (`_prefill_in_chunks`), with the same bits.
 
     With `partial` (chunked prefill: `prefill_chunk` ran the prompt's positions [0, start)), the target runs the
     last `chunk` positions from `start` on, which hold every row's last prompt token, on the prefill's tiles; under
@@ -292,20 +292,20 @@ def _chunk_pass(target, prompt: jax.Array, cache: kvc.KVCache, start: jax.Array,
 
 
 def looped_prefill_chunk(target, prompt_width: int) -> int | None:
-    """The chunk a whole prompt's prefill loops over (`Numerics.prefill_chunk`), or None for one pass over the
+    """The chunk a whole prompt's prefill loops over (`Numerics.prefill_loop_chunk`), or None for one pass over the
     bucket: plain numerics, a `model` mesh axis (whose matmuls run on 64-row tiles, not on the row kernel), a layer
     that does not attend on the row attention (Gemma 2's soft caps: the block fold reads every key block up to the
     cache's capacity, once per chunk), or a bucket of at most two chunks (its prompts, longer than half of it,
     would run every chunk: the loop saves no row there and costs ~8 ms, measured at 56 tokens in a bucket of 64)."""
     numerics = getattr(target, "numerics", None)
-    if numerics is None or numerics.prefill_chunk is None or model_sharded() or not numerics.row_attention:
+    if numerics is None or numerics.prefill_loop_chunk is None or model_sharded() or not numerics.row_attention:
         return None
-    if prompt_width <= 2 * numerics.prefill_chunk:
+    if prompt_width <= 2 * numerics.prefill_loop_chunk:
         return None
     cache = jnp.zeros((0,), target.dtype)  # the dtype its caches have (`init_cache`)
     if any(not row_attention.supports(cache, getattr(n, "softcap", None)) for _, n in nnx.iter_graph(target)):
         return None
-    return numerics.prefill_chunk
+    return numerics.prefill_loop_chunk
 
 
 def _prefill_in_chunks(target, prompt: jax.Array, prompt_lens: jax.Array, cache: kvc.KVCache, chunk: int,

@@ -26,14 +26,15 @@ reduction of the target is built from those two:
   dots are fenced by optimization barriers (`fenced`) against algebraic rewrites, and each weight is contracted in
   its stored layout (`tiled_matmul`'s w_out_in), never through a transpose XLA may fold in one program only.
 
-A prefill may have tiles of its own (`Numerics.prefill_row_tile`; CPU: 64 rows, where a decode has one): a prompt's
+A prefill may have tiles of its own (`Numerics.prefill_row_tile`; CPU without the row kernel: 64 rows, where a decode
+has one): a prompt's
 rows only ever meet prompt rows. Target-only and speculative generation run the same prefill, whose first token,
 keys and values are then the same bits in both; every generated token is decoded or verified, on the decode's
 tiles, after the same prompt keys and values. So a prompt row must get the same bits whatever the batch or padding
 around it (one tile shape: `for_prefill` drops the wide/narrow split), but need not get the bits a decode would have
 given it. On CPU without the row kernel that is the difference between one weight pass per prompt row and one per
 64 (2x the prefill speed); with it, a prefill's matmuls run on the kernel (a prompt row then gets a decode's bits),
-and a whole prompt's prefill loops over chunks of `prefill_chunk` positions up to the longest prompt's last token,
+and a whole prompt's prefill loops over chunks of `prefill_loop_chunk` positions up to the longest prompt's last token,
 so it costs the prompt's rows rather than its bucket's (`engine.core.prefill`).
 
 The draft head does not use any of this: drafts only change speed, never output.
@@ -69,12 +70,14 @@ class Numerics:
     # where that shape was measured to give a row the narrow tiles' bits (`wide_tile`)
     key_block: int = 64  # keys per attention block; blocks start at absolute positions 0, key_block, ...
     kernels: str = "reference"  # how attention runs: "reference", "pallas" or "interpret" (pallas_kernels.dispatch)
-    prefill_row_tile: int | None = None  # a prefill's rows, all of them, on [prefill_row_tile, K] dots; None: as above
+    prefill_row_tile: int | None = None  # a prefill's rows on [prefill_row_tile, K] dots (with the row kernel: only
+    # the matmuls it does not run, experts and model-split ones); None: as above
     fused_qkv: bool = False  # q, k and v projected by one dot over the three kernels side by side (CPU; see below)
-    row_kernel: bool = False  # decode and verify matmuls on the CPU row kernel (`panel_matmul`), not on row tiles
+    row_kernel: bool = False  # decode, verify and prefill matmuls on the CPU row kernel (`panel_matmul`), not on tiles
     row_attention: bool = False  # the target's attention on the CPU row attention (`attend`), not the block fold
-    prefill_chunk: int | None = None  # a whole prompt's prefill runs as a loop over chunks of this many positions,
-    # up to the chunk holding the longest prompt's last token (`engine.core.prefill`); None: one pass over the bucket
+    prefill_loop_chunk: int | None = None  # a whole prompt's prefill runs as a loop over chunks of this many
+    # positions, up to the chunk holding the longest prompt's last token (`engine.core.prefill`); None: one pass
+    # over the bucket (not the server's chunked prefill of a long prompt joining running ones: `engine.slots`)
 
     def __post_init__(self):
         if self.kernels not in IMPLEMENTATIONS:
@@ -126,10 +129,10 @@ class Numerics:
         with the row kernel, these numerics' matmuls (fused q/k/v included), see below.
 
         With the CPU row kernel a prefill's matmuls stay on it, so a prompt row gets the bits a decode would give it:
-        its rows are their own bits at any count, so a prefill can run in chunks of any size (`prefill_chunk`), where
-        a chunk on 64-row tiles pays for 64 rows. One pass over a bucket costs about what 64-row tiles cost
-        (BENCHMARKS.md, "Prefills on the row kernel, in chunks"). Matmuls the kernel does not run (a `model` mesh
-        axis, experts) keep prefill_row_tile-row tiles."""
+        its rows are their own bits at any count, so a prefill can run in chunks of any size
+        (`prefill_loop_chunk`), where a chunk on 64-row tiles pays for 64 rows. One pass over a bucket costs about
+        what 64-row tiles cost (BENCHMARKS.md, "Prefills on the row kernel, in chunks"). Matmuls the kernel does
+        not run (a `model` mesh axis, experts) keep prefill_row_tile-row tiles."""
         if self.prefill_row_tile is None:
             return self
         if self.row_kernel:
@@ -164,7 +167,7 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
     JAXSPEC_CPU_ROW_KERNEL=off), decode and verify matmuls run on it instead of one-row tiles (`row_kernel`,
     `panel_matmul`): each row gets the same bits at any row count, so a verify of T tokens streams the weights once
     instead of T times, and so do prefills' (`for_prefill`), in chunks of CPU_PREFILL_CHUNK positions up to the
-    longest prompt (`prefill_chunk`). Attention, prefills' too, runs on the row attention built into the same
+    longest prompt (`prefill_loop_chunk`). Attention, prefills' too, runs on the row attention built into the same
     library (`row_attention`, pallas_kernels/row_attention.py: one call per layer over the keys each token sees)."""
     backend = backend or jax.default_backend()
     impl = resolve_kernels(kernels, backend)
@@ -172,7 +175,7 @@ def default_numerics(backend: str | None = None, kernels: str | None = None) -> 
         built = row_kernel.available()
         return Numerics(row_tile=1, wide_row_tile=CPU_WIDE_ROW_TILE, prefill_row_tile=CPU_PREFILL_ROW_TILE,
                         kernels=impl, fused_qkv=True, row_kernel=built, row_attention=built,
-                        prefill_chunk=CPU_PREFILL_CHUNK if built else None)
+                        prefill_loop_chunk=CPU_PREFILL_CHUNK if built else None)
     return Numerics(row_tile=64, kernels=impl)
 
 
