@@ -37,7 +37,8 @@ given it. On CPU without the row kernel that is the difference between one weigh
 and a whole prompt's prefill loops over chunks of `prefill_loop_chunk` positions up to the longest prompt's last token,
 so it costs the prompt's rows rather than its bucket's (`engine.core.prefill`).
 
-The draft head does not use any of this: drafts only change speed, never output.
+The draft head does not use any of this, bar the CPU row attention for its causal calls (`draft_attend`) and its
+matmuls on the row kernel (`llama.hold_draft_weights`): drafts only change speed, never output.
 """
 
 from __future__ import annotations
