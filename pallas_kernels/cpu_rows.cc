@@ -128,8 +128,20 @@ int64_t chunk_panels(int64_t P, int64_t K, int threads, int64_t weight_bytes) {
   return (chunk + kPanels - 1) / kPanels * kPanels;
 }
 
-template <typename W, typename Panels>
-ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels panels, ffi::ResultBuffer<ffi::F32> y) {
+// The panels' element type in C++ for their FFI dtype: bfloat16 panels as their bits, widened by `load`.
+template <ffi::DataType D>
+struct PanelType;
+template <>
+struct PanelType<ffi::F32> { using type = float; };
+template <>
+struct PanelType<ffi::BF16> { using type = uint16_t; };
+template <>
+struct PanelType<ffi::S8> { using type = int8_t; };
+
+template <ffi::DataType D>
+ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> panels,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  using W = typename PanelType<D>::type;
   const auto xd = x.dimensions();
   const auto wd = panels.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kLanes || wd[1] != xd[1])
@@ -154,40 +166,17 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Panels panel
   return ffi::Error::Success();
 }
 
-ffi::Error RowMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  return RowMatmul<float>(pool, x, panels, y);
-}
-
-ffi::Error RowMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  return RowMatmul<uint16_t>(pool, x, panels, y);
-}
-
-ffi::Error RowMatmulS8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> panels,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  return RowMatmul<int8_t>(pool, x, panels, y);
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmul, RowMatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One handler per panel dtype (`row_matmul.SUFFIXES`, `cpu_library.TARGETS`): x float32 [R, K], panels [P, K, 16].
+#define JAXSPEC_ROW_MATMUL(symbol, D)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, RowMatmul<D>,                                                   \
+                                ffi::Ffi::Bind()                                                        \
+                                    .Ctx<ffi::ThreadPool>()                                             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                       \
+                                    .Arg<ffi::Buffer<D>>()                                              \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmulBF16, RowMatmulBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecRowMatmulS8, RowMatmulS8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+JAXSPEC_ROW_MATMUL(JaxspecRowMatmul, ffi::F32);
+JAXSPEC_ROW_MATMUL(JaxspecRowMatmulBF16, ffi::BF16);
+JAXSPEC_ROW_MATMUL(JaxspecRowMatmulS8, ffi::S8);

@@ -64,9 +64,9 @@ def exp_c(x: jax.Array) -> jax.Array:
     return jnp.where(x < EXP_FLOOR, np.float32(0.0), y * two_n)
 
 
-def supports(k_cache: jax.Array, softcap: float | None) -> bool:
-    """Whether the kernel runs this attention: float32 or bfloat16 caches, no soft-capping."""
-    return softcap is None and any(k_cache.dtype == d for d in CACHE_DTYPES)
+def supports(cache_dtype, softcap: float | None) -> bool:
+    """Whether the kernel runs this attention: float32 or bfloat16 caches (`cache_dtype`), no soft-capping."""
+    return softcap is None and any(jnp.dtype(cache_dtype) == d for d in CACHE_DTYPES)
 
 
 def row_attention(

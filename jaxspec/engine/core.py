@@ -302,8 +302,8 @@ def looped_prefill_chunk(target, prompt_width: int) -> int | None:
         return None
     if prompt_width <= 2 * numerics.prefill_loop_chunk:
         return None
-    cache = jnp.zeros((0,), target.dtype)  # the dtype its caches have (`init_cache`)
-    if any(not row_attention.supports(cache, getattr(n, "softcap", None)) for _, n in nnx.iter_graph(target)):
+    cache_dtype = target.dtype  # the dtype its caches have (`init_cache`)
+    if any(not row_attention.supports(cache_dtype, getattr(n, "softcap", None)) for _, n in nnx.iter_graph(target)):
         return None
     return numerics.prefill_loop_chunk
 

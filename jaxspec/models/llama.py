@@ -40,7 +40,7 @@ from jaxspec.models.numerics import (
 from jaxspec.models.numerics import drop_held_weights
 from jaxspec.models.quantize import held_dtype_for, quantize_weight
 from jaxspec.sharding import cache_kv_heads
-from pallas_kernels.row_attention import CACHE_DTYPES as ROW_ATTENTION_DTYPES
+from pallas_kernels.row_attention import supports as row_attention_supports
 from pallas_kernels.row_matmul import exact_panel_dtype, pack_panels
 
 
@@ -376,7 +376,7 @@ def hold_draft_weights(drafter, target) -> None:
             linear.draft_panels = nnx.data(held_panels(linear.kernel[...]))
     if numerics.row_attention:  # and its causal attention (the calls that pass positions: an EAGLE-3 head's chain)
         for attention in [n for _, n in nnx.iter_graph(drafter) if isinstance(n, Attention)]:
-            attention.draft_row_attention = any(drafter.dtype == d for d in ROW_ATTENTION_DTYPES)
+            attention.draft_row_attention = row_attention_supports(drafter.dtype, None)
 
 
 def draft_holding(drafter) -> str | None:

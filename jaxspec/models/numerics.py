@@ -195,7 +195,7 @@ def attend(numerics: Numerics, q, k_cache, v_cache, lengths, positions, ancestor
     pallas_kernels/row_attention.py), else the block-fold attention (`invariant_attend`: accelerators, Gemma 2's
     capped layers). Either way a row's bits are its own. On a (data, model) mesh both kernels run per shard
     (`per_shard`: rows over data, KV heads over model)."""
-    if numerics.row_attention and row_attention.supports(k_cache, softcap):
+    if numerics.row_attention and row_attention.supports(k_cache.dtype, softcap):
         fn = functools.partial(row_attention.row_attention, scale=scale, window=window)
         return per_shard(fn, q, k_cache, v_cache, lengths, positions, ancestors)
     return invariant_attend(q, k_cache, v_cache, lengths, positions, ancestors, key_block=numerics.key_block,
