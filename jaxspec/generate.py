@@ -25,6 +25,7 @@ from jaxspec.cli.args import (
     integer,
     method_name,
     parse_tree,
+    prompt_lookup,
 )
 from jaxspec.cli.loading import (
     auto_among_drafters,
@@ -169,11 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         generator = auto_among_drafters(
             model, [draft, args.also_draft], [aux_ids, also_aux], dtype=args.dtype, allow_pickle=args.allow_pickle,
             batch_size=args.batch_size, mesh=mesh, kernels=kernels, store=step_cost_store(args),
+            lookup=prompt_lookup(args),
         )
     elif drafter is not None:
         generator = draft_generator(
             model, drafter, draft or args.draft_model, args.num_speculative_tokens, args.tree,
             batch_size=args.batch_size, mesh=mesh, kernels=kernels, store=step_cost_store(args),
+            lookup=prompt_lookup(args),
         )
     else:  # target-only, or drafts by prompt lookup
         generator = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels)
@@ -245,7 +248,11 @@ def _method_summary(args, draft, completions, proposer=None) -> str:
         method = f"auto: {describe_choices(completions, args.batch_size)}"
     per_verify = tokens_per_verify(completions)
     per_verify = f"{per_verify:.2f}" if per_verify is not None else "n/a"
-    return f"{method}, {per_verify} tokens per verify step"
+    steps = sum(c.stats.get("verify_calls", 0) for c in completions)
+    looked = sum(c.stats.get("lookup_steps", 0) for c in completions)
+    lookup = f", prompt lookup drafted {looked / steps:.0%} of them" if steps and any(
+        "lookup_steps" in c.stats for c in completions) else ""
+    return f"{method}, {per_verify} tokens per verify step{lookup}"
 
 
 def _check_also_draft(args, draft: str | None, target_dir):

@@ -65,6 +65,9 @@ def one_line_error(capsys, main, argv) -> str:
         (["--tree", "8,3,2", "--num-speculative-tokens", "3"], "drop --num-speculative-tokens"),
         (["--no-draft", "--tree", "8,3,2"], "--no-draft runs the target alone, --tree drafts"),
         (["--no-draft", "--num-speculative-tokens", "3"], "--no-draft runs the target alone"),
+        (["--prompt-lookup", "on", "--tree", "8,3,2"], "--prompt-lookup on drafts beside a drafter's chains"),
+        (["--proposer", "ngram", "--prompt-lookup", "on"], "--proposer ngram is prompt lookup alone"),
+        (["--no-draft", "--prompt-lookup", "on"], "--prompt-lookup on drafts beside a drafter, --no-draft"),
         (["--repetition-penalty", "0"], "repetition penalty must be a finite number > 0"),
         (["--presence-penalty", "nan"], "presence penalty must be a finite number"),
         (["--min-p", "1.5"], "min-p must be in [0, 1]"),
@@ -162,7 +165,8 @@ def test_the_closing_line_names_the_method_and_tokens_per_verify(tiny_dir, tiny_
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("tokens/s; target-only]")
     assert generate.main([*base, "--draft", str(tiny_head), "--num-speculative-tokens", "3"]) == 0
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "tokens/s; chain K=3, " in last and last.endswith(" tokens per verify step]")
+    assert "tokens/s; chain K=3, " in last and " tokens per verify step, prompt lookup drafted " in last
+    assert last.endswith(" of them]")
     per_verify = float(last.split("chain K=3, ")[1].split()[0])
     assert 1.0 <= per_verify <= 4.0
 

@@ -294,7 +294,7 @@ def test_a_run_resumes_exactly_evaluates_and_exports_a_drafter_generate_loads(se
                                                             "3"])):
         assert generate.main([*common, *extra]) == 0
         outs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert outs["dflash"]["token_ids"] == outs["none"]["token_ids"] and outs["dflash"]["stats"]["proposer"] == "dflash"
+    assert outs["dflash"]["token_ids"] == outs["none"]["token_ids"] and outs["dflash"]["stats"]["proposer"] == "dflash+lookup"
 
 
 def test_a_bfloat16_step_follows_the_float32_step_and_a_run_keeps_its_dtype(setup, capsys):

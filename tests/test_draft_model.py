@@ -130,7 +130,7 @@ def test_cli_generate_with_a_draft_model_equals_no_draft(tmp_path, capsys):
     assert tree_stats["mean_accepted_length"] > 2  # the target drafting for itself: whole branches accepted
     assert tree_stats["draft_calls"] == 3 * tree_stats["verify_calls"] + 1  # the catch-up and two more levels a step
     stats = runs["auto"]["stats"]
-    assert stats["proposer"] == "draft-model" and stats["mean_accepted_length"] < 6  # another model: rejections
+    assert stats["proposer"] == "draft-model+lookup" and stats["mean_accepted_length"] < 6  # another model: rejections
     auto = stats["auto"]
     assert auto["basis"] == "first batch" and auto["num_speculative_tokens"] == 5  # its first batch measures it
 

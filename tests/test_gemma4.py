@@ -381,7 +381,7 @@ def test_generate_with_an_assistant_draft_equals_no_draft(tmp_path, capsys):
         assert generate.main([*common, *extra]) == 0
         runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert runs["assistant"]["token_ids"] == runs["none"]["token_ids"]
-    assert runs["assistant"]["stats"]["proposer"] == "gemma4-assistant"
+    assert runs["assistant"]["stats"]["proposer"] == "gemma4-assistant+lookup"  # prompt lookup beside it
     from hf_tiny import make_tiny
 
     make_tiny("smollm2_tied", tmp_path / "llama")

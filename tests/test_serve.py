@@ -201,7 +201,7 @@ def test_a_small_draft_model_serves_the_targets_text_on_a_mesh(target):
                           "--num-speculative-tokens", "3", "--slots", "4", "--max-model-len", "64",
                           "--mesh", "data=2,model=2"]) as running:
         generator = running.scheduler.batcher.generator
-        assert generator.proposer.name == "draft-model" and generator.mesh.shape == {"data": 2, "model": 2}
+        assert generator.proposer.name == "draft-model+lookup" and generator.mesh.shape == {"data": 2, "model": 2}
         api = client(running.base)
         with ThreadPoolExecutor(2) as pool:
             got = dict(zip(prompts, pool.map(

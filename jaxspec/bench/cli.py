@@ -55,6 +55,7 @@ from jaxspec.cli.args import (
     on_off_list,
     parse_tree,
     positive_int_list,
+    prompt_lookup,
 )
 from jaxspec.cli.loading import (
     check_before_loading,
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = draft_generator(
                 model, head, draft, args.num_speculative_tokens, tree, batch_size=args.batch_size, mesh=mesh,
                 kernels=kernels_impl(args), forced_accept_prob=args.accept_prob, store=step_cost_store(args),
+                lookup=prompt_lookup(args),
             )
             name = drafter_method_name(head, args.num_speculative_tokens, tree, args.accept_prob)
             if tree is not None:  # a head's tree: its verify's width; a DFlash tree's draft is not a chain's
@@ -441,7 +443,7 @@ def numerics_cost(args, model, head, draft, encoded, stops, mesh, result: dict) 
                 gen = draft_generator(
                     model, head, draft, args.num_speculative_tokens, tree,
                     batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args),
-                    forced_accept_prob=args.accept_prob, store=step_cost_store(args),
+                    forced_accept_prob=args.accept_prob, store=step_cost_store(args), lookup=prompt_lookup(args),
                 )
             out, tokens, seconds = measure(gen, encoded, args.max_new_tokens, stops, label=f"{method} ({other})")
             tps = {args.numerics: first["tokens_per_second"], other: round(tokens / seconds, 2)}
@@ -522,6 +524,8 @@ def serve_argv(args, draft: bool, prefill_chunk: int, step_buckets: bool = True)
         argv += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     if args.tree:
         argv += ["--tree", args.tree[0].spec]
+    if getattr(args, "prompt_lookup", None) is not None and not (args.tree and args.prompt_lookup == "on"):
+        argv += ["--prompt-lookup", args.prompt_lookup]  # (a served tree drafts from the drafter alone)
     return argv + (["--allow-pickle"] if args.allow_pickle else [])
 
 
@@ -691,7 +695,7 @@ def run_suite(args, model, head, draft, target_dir, encoded, stops, mesh, ngram=
                 name = drafter_method_name(head, num_draft, tree, args.accept_prob)
                 spec = draft_generator(model, head, draft, num_draft, tree, batch_size=b, mesh=mesh,
                                              kernels=kernels_impl(args), forced_accept_prob=args.accept_prob,
-                                             store=step_cost_store(args))
+                                             store=step_cost_store(args), lookup=prompt_lookup(args))
                 depth = spec.num_draft
             bar.set_postfix_str(f"batch {b} {name}")
             measured = measure(spec, encoded, args.max_new_tokens, stops, f"batch {b} {name}")

@@ -90,6 +90,9 @@ def speculative_stats(out: Sequence[Completion], depth: int) -> dict:
         "verify_steps": int(calls),
         "rejections": {k: sum(c.stats["rejections"][k] for c in out) for k in out[0].stats["rejections"]},
         "accepted_via_sibling": sum(c.stats["accepted_via_sibling"] for c in out),
+        # prompt lookup beside the drafter: the share of verify steps whose chain was lookup's
+        **({"lookup_share": round(sum(c.stats.get("lookup_steps", 0) for c in out) / max(calls, 1), 3)}
+           if any("lookup_steps" in c.stats for c in out) else {}),
     }
 
 

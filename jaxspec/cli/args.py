@@ -196,6 +196,13 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         "--ngram-max", type=integer(None), default=3, metavar="N",
         help="--proposer ngram: longest suffix matched, tried first (default: 3)",
     )
+    parser.add_argument(
+        "--prompt-lookup", choices=("on", "off"), default=None,
+        help="chains of a drafter (an EAGLE-3 head, a DFlash drafter, a draft model): each row drafts from prompt "
+        "lookup (the tokens that followed the latest earlier occurrence of its text's last 1-3 tokens) where that "
+        "has been beating the drafter on that row's text, and from the drafter elsewhere; the same output either "
+        "way (default: on for chains; trees draft from the drafter alone)",
+    )
 
 
 def parse_tree(text: str):
@@ -210,6 +217,19 @@ def parse_tree(text: str):
 
 
 DEFAULT_SPECULATIVE_TOKENS = 5
+
+
+def prompt_lookup(args):
+    """The prompt lookup beside a drafter's chains that --prompt-lookup asks for (`proposers.lookup.PromptLookup`;
+    a tree is drafted by its drafter alone), or None: off, --proposer ngram (lookup is then the drafter), or the
+    bench's forced acceptance (--accept-prob: whichever chain ran would win every comparison, and the drafts
+    do not matter there)."""
+    from jaxspec.engine.proposers.lookup import PromptLookup
+
+    if (getattr(args, "prompt_lookup", None) == "off" or getattr(args, "proposer", "eagle3") == "ngram"
+            or getattr(args, "accept_prob", None) is not None):
+        return None
+    return PromptLookup()
 
 
 def method_name(num_draft: int | str, tree, accept_prob: float | None = None, proposer=None) -> str:
@@ -235,6 +255,12 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
     k = args.num_speculative_tokens
     if k is not None and k != AUTO and not 1 <= k <= MAX_DRAFT_DEPTH:
         raise JaxspecError(f"--num-speculative-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {k}")
+    if getattr(args, "prompt_lookup", None) == "on" and getattr(args, "tree", None) and tree_sets_depth:
+        raise JaxspecError("--prompt-lookup on drafts beside a drafter's chains, --tree drafts a tree from the "
+                           "drafter alone; drop one")
+    if args.no_draft and getattr(args, "prompt_lookup", None) == "on":
+        raise JaxspecError("--prompt-lookup on drafts beside a drafter, --no-draft runs the target alone (prompt "
+                           "lookup alone is --proposer ngram); drop one")
     if args.no_draft and (k is not None or args.tree):
         given = "--num-speculative-tokens" if k is not None else "--tree"
         raise JaxspecError(f"--no-draft runs the target alone, {given} drafts; pass one of them")
@@ -244,6 +270,9 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
             raise JaxspecError(f"--proposer ngram drafts from the prompt itself; drop {given}")
         if args.tree:
             raise JaxspecError("--proposer ngram drafts chains; drop --tree")
+        if getattr(args, "prompt_lookup", None) == "on":
+            raise JaxspecError("--proposer ngram is prompt lookup alone; drop --prompt-lookup (it pairs lookup "
+                               "with a drafter)")
         if k == AUTO:
             raise JaxspecError(
                 "--num-speculative-tokens auto chooses from an EAGLE-3 head's acceptance; give --proposer ngram a "

@@ -239,10 +239,12 @@ def recorded_acceptance(draft: str) -> list[dict] | None:
 
 
 def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
-                          kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
+                          kernels: str | None = None, forced_accept_prob: float | None = None, store=None,
+                          lookup=None):
     """The EAGLE-3 generator the flags ask for: a tree, a fixed chain, or (num_draft == "auto") the chain length or
     recorded tree chosen per batch, whose prior is the acceptance profile recorded in the head's config (if any),
-    with step costs from `store` (`step_cost_store`; None: timed in this process)."""
+    with step costs from `store` (`step_cost_store`; None: timed in this process). `lookup`: prompt lookup beside
+    the chains (`args.prompt_lookup`; None: none)."""
     from jaxspec.engine.generator import SpeculativeGenerator
 
     if tree is None and num_draft == AUTO:
@@ -251,10 +253,11 @@ def speculative_generator(model, head, draft: str, num_draft: int | str, tree, *
 
         record = recorded_acceptance(draft)
         return AutoSpeculativeGenerator(model, head, prior=profile_from_record(record), trees=trees_from_record(record),
-                                        batch_size=batch_size, mesh=mesh, kernels=kernels, store=store)
+                                        batch_size=batch_size, mesh=mesh, kernels=kernels, store=store,
+                                        lookup=lookup)
     return SpeculativeGenerator(
         model, head, num_draft=num_draft if tree is None else 1, tree=tree, batch_size=batch_size, mesh=mesh,
-        kernels=kernels, forced_accept_prob=forced_accept_prob,
+        kernels=kernels, forced_accept_prob=forced_accept_prob, lookup=lookup,
     )
 
 
@@ -285,22 +288,25 @@ def load_draft_for(draft: str, target, dtype: str | None, allow_pickle: bool, me
 
 
 def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
-                    kernels: str | None = None, forced_accept_prob: float | None = None, store=None):
+                    kernels: str | None = None, forced_accept_prob: float | None = None, store=None, lookup=None):
     """The generator the flags ask for with a loaded draft (`load_draft_for`, `load_draft_model`): an EAGLE-3
     head's (`speculative_generator`); a DFlash drafter's chains of --num-speculative-tokens drafts, one drafter
     forward per step; a draft model's chains, K of its forwards per step. auto: the chain length (or target-only)
     chosen per batch as for a head (`AutoSpeculativeGenerator`), from the acceptance the drafter's config records
-    (a jaxspec export's; a draft model has none: its first batch measures it) and this machine's step costs."""
+    (a jaxspec export's; a draft model has none: its first batch measures it) and this machine's step costs.
+    `lookup` (`args.prompt_lookup`): prompt lookup beside every chain (a Gemma 4 assistant's too); trees draft
+    from the drafter alone."""
     from jaxspec.models.dflash import DFlashDrafter
     from jaxspec.models.gemma4_assistant import Gemma4Assistant
     from jaxspec.models.llama import LlamaModel
 
     if isinstance(drafter, Gemma4Assistant):
         return assistant_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
-                                   kernels=kernels, forced_accept_prob=forced_accept_prob)
+                                   kernels=kernels, forced_accept_prob=forced_accept_prob, lookup=lookup)
     if not isinstance(drafter, (DFlashDrafter, LlamaModel)):
         return speculative_generator(model, drafter, draft, num_draft, tree, batch_size=batch_size, mesh=mesh,
-                                     kernels=kernels, forced_accept_prob=forced_accept_prob, store=store)
+                                     kernels=kernels, forced_accept_prob=forced_accept_prob, store=store,
+                                     lookup=lookup)
     from jaxspec.engine.generation import Generator
     from jaxspec.engine.proposers.dflash import DFlashProposer
     from jaxspec.engine.proposers.draft_model import DraftModelProposer
@@ -320,14 +326,18 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
 
         prior = profile_from_record(recorded_acceptance(draft)) if block else None
         return AutoSpeculativeGenerator(model, drafter, prior=prior, batch_size=batch_size, mesh=mesh,
-                                        kernels=kernels, store=store)
+                                        kernels=kernels, store=store, lookup=lookup)
     proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
+    if lookup is not None:
+        from jaxspec.engine.proposers.lookup import WithPromptLookup
+
+        proposer = WithPromptLookup(proposer, lookup)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels, forced_accept_prob=forced_accept_prob)
 
 
 def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtype: str | None, allow_pickle: bool,
-                        batch_size: int, mesh=None, kernels: str | None = None, store=None):
+                        batch_size: int, mesh=None, kernels: str | None = None, store=None, lookup=None):
     """`auto` among several drafters of one target (`generate --also-draft`; `engine.auto.among`): each drafter's
     own `AutoSpeculativeGenerator`, over a view of the target returning the features that drafter reads
     (`models.target.with_aux_layers`: the same weights), and per batch the best of their choices. aux_ids: each
@@ -344,7 +354,7 @@ def auto_among_drafters(model, drafts: Sequence[str], aux_ids: Sequence, *, dtyp
         view = with_aux_layers(model, model.config.aux_layer_ids if ids is None else ids)
         drafter = load_draft_for(path, view, dtype, allow_pickle, mesh)
         gen = draft_generator(view, drafter, path, AUTO, None, batch_size=batch_size, mesh=mesh, kernels=kernels,
-                              store=store)
+                              store=store, lookup=lookup)
         if not isinstance(gen, AutoSpeculativeGenerator):
             raise JaxspecError(f"--also-draft: automatic speculation cannot price {path}'s drafts (a Gemma 4 "
                                "assistant); draft with it alone")
@@ -361,7 +371,7 @@ ASSISTANT_DEFAULT_DRAFTS = 4  # `auto` with a Gemma 4 assistant, unless its gene
 
 
 def assistant_generator(model, assistant, draft: str, num_draft: int | str, tree, *, batch_size: int, mesh=None,
-                        kernels: str | None = None, forced_accept_prob: float | None = None):
+                        kernels: str | None = None, forced_accept_prob: float | None = None, lookup=None):
     """Chains of a Gemma 4 assistant. `auto` does not price it yet: it runs the chain its generation_config.json
     names (`num_assistant_tokens`, as transformers' assisted generation does), else ASSISTANT_DEFAULT_DRAFTS."""
     from jaxspec.engine.generation import Generator
@@ -377,6 +387,10 @@ def assistant_generator(model, assistant, draft: str, num_draft: int | str, tree
         named = read_json(config, "the assistant's generation_config.json") if config.is_file() else {}
         num_draft = int(named.get("num_assistant_tokens") or ASSISTANT_DEFAULT_DRAFTS)
     proposer, params = AssistantProposer.of(assistant, model.config, num_draft)
+    if lookup is not None:
+        from jaxspec.engine.proposers.lookup import WithPromptLookup
+
+        proposer = WithPromptLookup(proposer, lookup)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)
 

@@ -215,6 +215,9 @@ class Generator:
             )
         )
         forwards = self.proposer.forwards_per_step
+        # a proposer's own counters (prompt lookup beside a drafter: the steps it drafted), [B] each
+        own = {name: sharding.to_host(x) for name, x in
+               (self.proposer.row_counts(st.proposer) if hasattr(self.proposer, "row_counts") else {}).items()}
         stats = []
         for row in range(n_rows):
             c = int(calls[row])
@@ -230,6 +233,7 @@ class Generator:
                 # why each verify step stopped accepting (`jaxspec.engine.telemetry`): counts summing to verify_calls
                 "rejections": {name: int(n) for name, n in zip(OUTCOMES, outcomes[row])},
                 "accepted_via_sibling": int(siblings[row]),
+                **{name: int(x[row]) for name, x in own.items()},
             })
         return stats
 

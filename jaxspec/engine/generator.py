@@ -12,6 +12,7 @@ from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.proposers.eagle3 import Eagle3Proposer, PEagleProposer
+from jaxspec.engine.proposers.lookup import PromptLookup, WithPromptLookup
 from jaxspec.engine.tree import TreeConfig
 
 
@@ -29,7 +30,8 @@ def check_head_fits(target: LlamaModel, head: Eagle3Head) -> None:
 class SpeculativeGenerator(Generator):
     """Generates with the target verifying chains of `num_draft` EAGLE-3 drafts (a P-EAGLE head's from one forward,
     `PEagleProposer`), or EAGLE-2 dynamic trees when `tree` is given; output equals target-only generation under
-    greedy decoding and follows the same distribution under sampling. A convenience constructor: everything else is `Generator`'s."""
+    greedy decoding and follows the same distribution under sampling. `lookup`: prompt lookup beside the head's
+    chains (`proposers.lookup`; trees ignore it). A convenience constructor: everything else is `Generator`'s."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class SpeculativeGenerator(Generator):
         mesh: jax.sharding.Mesh | None = None,
         forced_accept_prob: float | None = None,
         kernels: str | None = None,
+        lookup: PromptLookup | None = None,
     ):
         if tree is None and num_draft < 1:
             raise JaxspecError(f"--num-speculative-tokens must be >= 1, got {num_draft}")
@@ -56,6 +59,8 @@ class SpeculativeGenerator(Generator):
             proposer = PEagleProposer(graphdef, num_draft=num_draft)
         else:
             proposer = Eagle3Proposer(graphdef, num_draft=tree.depth if tree is not None else num_draft, tree=tree)
+        if lookup is not None and tree is None:
+            proposer = WithPromptLookup(proposer, lookup)
         super().__init__(
             model, proposer=proposer, proposer_params=params, batch_size=batch_size, chunk_steps=chunk_steps,
             mesh=mesh, forced_accept_prob=forced_accept_prob, kernels=kernels,

@@ -24,6 +24,7 @@ from jaxspec.cli.args import (
     check_generation_args,
     integer,
     parse_tree,
+    prompt_lookup,
 )
 from jaxspec.cli.mesh import add_mesh_args, resolve_mesh
 from jaxspec.cli.program import main_guard, run_program, use_compile_cache
@@ -136,7 +137,7 @@ def build_server(args):
     if drafter is not None:
         generator = draft_generator(model, drafter, draft or args.draft_model, args.num_speculative_tokens,
                                     args.tree, batch_size=args.slots, mesh=mesh, kernels=kernels,
-                                    store=step_cost_store(args))
+                                    store=step_cost_store(args), lookup=prompt_lookup(args))
         if isinstance(generator, AutoSpeculativeGenerator):
             # auto: the method for the slots' state, drafting in the buckets of live rows where it pays (priced at
             # each bucket's batch size and a full cache); without step buckets, one choice for all the slots

@@ -53,6 +53,7 @@ from jaxspec.engine.auto.config import (
 from jaxspec.engine.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.engine.proposers.dflash import DFlashProposer
 from jaxspec.engine.proposers.draft_model import DraftModelProposer, check_draft_model_fits
+from jaxspec.engine.proposers.lookup import PromptLookup, WithPromptLookup
 from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
 from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
 from jaxspec.engine.tree import TreeConfig
@@ -82,7 +83,11 @@ class AutoSpeculativeGenerator(Generator):
     K costs that forward and a verify of K + 1 tokens (`StepCosts.block_draft`), and chains up to B - 1 are
     candidates. Or an independent draft model (a `LlamaModel`, chains only, `DraftModelProposer`): a chain of K
     costs K of its one-token forwards and a verify, priced as a head's K steps are (its catch-up forward over the
-    tokens verified last counted as one step, as a head's is)."""
+    tokens verified last counted as one step, as a head's is).
+
+    `lookup`: prompt lookup beside every chain (`proposers.lookup`; a tree drafts from the head alone). Its drafts
+    cost ~nothing and are priced as the drafter's: the running acceptance counts what the chains with lookup
+    accepted, so the choice follows it after the first batches."""
 
     def __init__(
         self,
@@ -96,8 +101,10 @@ class AutoSpeculativeGenerator(Generator):
         mesh: jax.sharding.Mesh | None = None,
         kernels: str | None = None,
         store: StepCostStore | None = None,
+        lookup: PromptLookup | None = None,
     ):
         self.block = isinstance(head, DFlashDrafter)
+        self.lookup = lookup
         self.draft_model = isinstance(head, LlamaModel)
         self.peagle = not (self.block or self.draft_model) and head.config.mask_token_id is not None
         if (self.block or self.draft_model) and trees:
@@ -281,7 +288,7 @@ class AutoSpeculativeGenerator(Generator):
             return self
         twin = AutoSpeculativeGenerator(self.model, self.head, prior=self.prior, trees=self.trees,
                                         max_draft=self.depth, batch_size=batch_size, mesh=self.mesh,
-                                        kernels=self.kernels, store=self.store)
+                                        kernels=self.kernels, store=self.store, lookup=self.lookup)
         twin.on_compile = self.on_compile
         return twin
 
@@ -368,13 +375,15 @@ class AutoSpeculativeGenerator(Generator):
             elif self.block or self.draft_model:
                 of = DFlashProposer.of if self.block else DraftModelProposer.of
                 proposer, params = of(self.head, method)
+                if self.lookup is not None:
+                    proposer = WithPromptLookup(proposer, self.lookup)
                 gen = Generator(self.model, proposer=proposer, proposer_params=params, batch_size=self.batch_size,
                                 mesh=self.mesh, kernels=self.kernels)
             else:
                 tree = method if isinstance(method, TreeConfig) else None
                 gen = SpeculativeGenerator(
                     self.model, self.head, num_draft=1 if tree else method, tree=tree, batch_size=self.batch_size,
-                    mesh=self.mesh, kernels=self.kernels,
+                    mesh=self.mesh, kernels=self.kernels, lookup=self.lookup,
                 )
             gen.on_compile = self.on_compile
             self._generators[method] = gen
