@@ -84,6 +84,7 @@ def test_rows_look_up_where_their_match_length_scores_above_zero():
     proposal, st = proposer.propose(None, None, st, step_view(3), None)
     assert proposal.tokens[:, 1:].tolist() == [[3, 1], [9, 9], [9, 9]]
     assert st.match.tolist() == [2, 1, 0]
+    assert proposal.any_vocab.tolist() == [True, False, False]  # the telemetry's: lookup drafts any token
     assert proposal.candidates[0, :, 0].tolist() == [3, 1, -1] and proposal.candidates[1, :, 0].tolist() == [9, 9, 9]
 
 

@@ -32,6 +32,10 @@ def test_each_outcome_on_hand_made_chain_steps():
     names = [OUTCOMES[i] for i in np.asarray(got)]
     assert names == ["all_accepted", "outside_draft_vocab", "in_draft_topk", "in_draft_topk", "no_draft",
                      "cut_by_stop"]
+    # row 1's drafts were not the head's (prompt lookup's, `Proposal.any_vocab`): 7 is no longer out of reach
+    looked = step_outcome(a, 3, a, target_token, tokens, CHAIN, jnp.asarray(cands), vocab, cut, None,
+                          jnp.arange(6) == 1)
+    assert OUTCOMES[int(looked[1])] == "miss" and np.array_equal(np.asarray(looked)[2:], np.asarray(got)[2:])
     # row 3: 30 is node 0's second candidate; without candidates (only the drafted child) it is a plain miss
     plain = step_outcome(a, 3, a, target_token, tokens, CHAIN, None, None, jnp.zeros(6, bool))
     assert [OUTCOMES[i] for i in np.asarray(plain)] == ["all_accepted"] + ["miss"] * 5

@@ -509,7 +509,8 @@ def _count(stats: Stats, proposal, tokens, parents, path, a, own_token, cut, dep
     """The step's counters for running rows: accepted positions, the outcome (`telemetry`), sibling acceptances."""
     node = a if proposal.tree is None else jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]  # [B] last accepted
     outcome = telemetry.step_outcome(
-        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut, proposal.has_draft
+        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut, proposal.has_draft,
+        proposal.any_vocab,
     )
     live = running[:, None] > 0
     accepted = (jnp.arange(depth)[None, :] < a[:, None]) & live

@@ -42,6 +42,7 @@ def step_outcome(
     draft_vocab: jax.Array | None,  # [V] bool or None
     cut: jax.Array,  # [B] bool: emission stopped before a + 1 tokens
     has_draft: jax.Array | None = None,  # [B] bool, Proposal.has_draft (False: the row proposed nothing)
+    any_vocab: jax.Array | None = None,  # [B] bool, Proposal.any_vocab (True: draft_vocab does not apply)
 ) -> jax.Array:
     """The step's outcome per row, as an index into OUTCOMES [B] int32."""
     if candidates is None:
@@ -50,6 +51,8 @@ def step_outcome(
         ranked = jnp.take_along_axis(candidates, node[:, None, None], axis=1)[:, 0]  # [B, C]
     has_draft = jnp.any(ranked >= 0, axis=1) & (True if has_draft is None else has_draft)  # [B]
     in_vocab = jnp.ones_like(has_draft) if draft_vocab is None else draft_vocab[target_token]
+    if any_vocab is not None:
+        in_vocab = in_vocab | any_vocab
     in_ranked = jnp.any(ranked == target_token[:, None], axis=1)
     outcome = jnp.where(
         ~has_draft, 4, jnp.where(~in_vocab, 1, jnp.where(in_ranked, 2, 3))

@@ -69,6 +69,8 @@ class Proposal(NamedTuple):
     # row has one, the engine runs the root alone (a one-token decode) instead of verifying N nodes: same output,
     # a cheaper step.
     has_draft: jax.Array | None = None
+    # [B] bool, rows whose drafts `draft_vocab` does not limit (prompt lookup's beside a head); None: none
+    any_vocab: jax.Array | None = None
 
 
 class Verified(NamedTuple):

@@ -153,7 +153,9 @@ class WithPromptLookup:
             mine = jnp.full_like(candidates, -1).at[:, :k, 0].set(looked)
             candidates = jnp.where(use[:, None, None], mine, candidates)
         has_draft = proposal.has_draft if proposal.has_draft is None else proposal.has_draft | use
-        proposal = proposal._replace(tokens=tokens, q=q, candidates=candidates, has_draft=has_draft)
+        any_vocab = use if proposal.any_vocab is None else proposal.any_vocab | use  # lookup drafts any token
+        proposal = proposal._replace(tokens=tokens, q=q, candidates=candidates, has_draft=has_draft,
+                                     any_vocab=any_vocab)
         return proposal, st._replace(inner=inner, match=match, lookup_drafts=looked, inner_drafts=drafted, used=use)
 
     def keep_up(self, params, target, st: LookupState, view: StepView) -> LookupState:
