@@ -134,10 +134,15 @@ LONG = [int(x) for x in np.random.default_rng(0).integers(1, 100, 150)]  # five 
 def _chunk_generator(kind: str, dtype, tmp_path, target_as=lambda target: target) -> Generator:
     """llama: the tiny target with an EAGLE-3 head; gemma2: a Gemma 2 target (a window of 8 and soft caps, so
     chunks cross windows) alone, gemma3 likewise without soft caps; dflash: the tiny target with a DFlash drafter
-    (its context from the features). target_as: applied to the target first (`one_pass`)."""
+    (its context from the features); moe: test_moe's mixture-of-experts target alone. target_as: applied to the
+    target first (`one_pass`)."""
     if kind == "llama":
         target = target_as(in_dtype(tiny_target(), dtype))
         return SpeculativeGenerator(target, in_dtype(random_head(), dtype), num_draft=3)
+    if kind == "moe":  # a mixture-of-experts target alone (its experts' matmuls in the loop's chunks)
+        from test_moe import moe_target
+
+        return Generator(target_as(in_dtype(moe_target(), dtype)))
     if kind == "dflash":
         from spec_fixtures import random_drafter
 
@@ -164,6 +169,7 @@ def one_pass(target):
     pytest.param("llama", jnp.float32, marks=pytest.mark.slow), ("llama", jnp.bfloat16),
     pytest.param("gemma3", jnp.bfloat16, marks=pytest.mark.slow),
     pytest.param("dflash", jnp.float32, marks=pytest.mark.slow),
+    pytest.param("moe", jnp.bfloat16, marks=pytest.mark.slow),
 ])
 def test_a_prefill_looped_up_to_the_longest_prompt_gets_the_bits_of_one_pass(kind, dtype, tmp_path):
     """On the CPU row kernel a whole prompt's prefill loops over chunks of 32 positions and stops after the chunk
