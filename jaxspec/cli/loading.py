@@ -310,6 +310,7 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
     from jaxspec.engine.generation import Generator
     from jaxspec.engine.proposers.dflash import DFlashProposer
     from jaxspec.engine.proposers.draft_model import DraftModelProposer
+    from jaxspec.engine.proposers.lookup import beside
 
     block = isinstance(drafter, DFlashDrafter)
     what = "a DFlash drafter" if block else "a draft model"
@@ -328,10 +329,7 @@ def draft_generator(model, drafter, draft: str, num_draft: int | str, tree, *, b
         return AutoSpeculativeGenerator(model, drafter, prior=prior, batch_size=batch_size, mesh=mesh,
                                         kernels=kernels, store=store, lookup=lookup)
     proposer, params = (DFlashProposer.of if block else DraftModelProposer.of)(drafter, num_draft)
-    if lookup is not None:
-        from jaxspec.engine.proposers.lookup import WithPromptLookup
-
-        proposer = WithPromptLookup(proposer, lookup)
+    proposer = beside(proposer, lookup)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels, forced_accept_prob=forced_accept_prob)
 
@@ -387,10 +385,9 @@ def assistant_generator(model, assistant, draft: str, num_draft: int | str, tree
         named = read_json(config, "the assistant's generation_config.json") if config.is_file() else {}
         num_draft = int(named.get("num_assistant_tokens") or ASSISTANT_DEFAULT_DRAFTS)
     proposer, params = AssistantProposer.of(assistant, model.config, num_draft)
-    if lookup is not None:
-        from jaxspec.engine.proposers.lookup import WithPromptLookup
+    from jaxspec.engine.proposers.lookup import beside
 
-        proposer = WithPromptLookup(proposer, lookup)
+    proposer = beside(proposer, lookup)
     return Generator(model, proposer=proposer, proposer_params=params, batch_size=batch_size, mesh=mesh,
                      kernels=kernels)
 

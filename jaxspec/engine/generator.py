@@ -12,7 +12,7 @@ from jaxspec.engine.generation import Generator
 from jaxspec.models.eagle3 import Eagle3Head
 from jaxspec.models.llama import LlamaModel
 from jaxspec.engine.proposers.eagle3 import Eagle3Proposer, PEagleProposer
-from jaxspec.engine.proposers.lookup import PromptLookup, WithPromptLookup
+from jaxspec.engine.proposers.lookup import PromptLookup, beside
 from jaxspec.engine.tree import TreeConfig
 
 
@@ -59,8 +59,7 @@ class SpeculativeGenerator(Generator):
             proposer = PEagleProposer(graphdef, num_draft=num_draft)
         else:
             proposer = Eagle3Proposer(graphdef, num_draft=tree.depth if tree is not None else num_draft, tree=tree)
-        if lookup is not None and tree is None:
-            proposer = WithPromptLookup(proposer, lookup)
+        proposer = beside(proposer, lookup)
         super().__init__(
             model, proposer=proposer, proposer_params=params, batch_size=batch_size, chunk_steps=chunk_steps,
             mesh=mesh, forced_accept_prob=forced_accept_prob, kernels=kernels,

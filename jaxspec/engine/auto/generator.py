@@ -53,7 +53,7 @@ from jaxspec.engine.auto.config import (
 from jaxspec.engine.generator import SpeculativeGenerator, check_head_fits
 from jaxspec.engine.proposers.dflash import DFlashProposer
 from jaxspec.engine.proposers.draft_model import DraftModelProposer, check_draft_model_fits
-from jaxspec.engine.proposers.lookup import PromptLookup, WithPromptLookup
+from jaxspec.engine.proposers.lookup import PromptLookup, beside
 from jaxspec.engine.auto.step_cost_store import CALIBRATION_SECONDS, StepCostStore, calibration_key, cost_key
 from jaxspec.engine.auto.step_costs import add_tree_costs, measure_step_costs
 from jaxspec.engine.tree import TreeConfig
@@ -375,10 +375,8 @@ class AutoSpeculativeGenerator(Generator):
             elif self.block or self.draft_model:
                 of = DFlashProposer.of if self.block else DraftModelProposer.of
                 proposer, params = of(self.head, method)
-                if self.lookup is not None:
-                    proposer = WithPromptLookup(proposer, self.lookup)
-                gen = Generator(self.model, proposer=proposer, proposer_params=params, batch_size=self.batch_size,
-                                mesh=self.mesh, kernels=self.kernels)
+                gen = Generator(self.model, proposer=beside(proposer, self.lookup), proposer_params=params,
+                                batch_size=self.batch_size, mesh=self.mesh, kernels=self.kernels)
             else:
                 tree = method if isinstance(method, TreeConfig) else None
                 gen = SpeculativeGenerator(

@@ -188,3 +188,12 @@ class WithPromptLookup:
     def row_counts(self, st: LookupState) -> dict[str, jax.Array]:
         """Per-row counters for the generation statistics: {"lookup_steps": [B] steps drafted by lookup}."""
         return {"lookup_steps": st.lookup_steps}
+
+
+def beside(proposer: Proposer, lookup: PromptLookup | None) -> Proposer:
+    """`proposer` with prompt lookup beside its chains (`WithPromptLookup`), or as it is: no lookup asked for, or
+    a tree (drafted by its drafter alone). Every generator that builds a drafter's proposer goes through this."""
+    if lookup is None or proposer.tree is not None:
+        return proposer
+    return WithPromptLookup(proposer, lookup)
+
