@@ -143,6 +143,22 @@ def test_a_close_call_flips_when_the_measured_steps_disagree_with_the_timed_ones
     assert choose(costs, measured, calibration=cal).num_draft == 1
 
 
+def test_lookups_runs_past_a_chain_are_credited_to_the_chain_length_that_ran():
+    from jaxspec.engine.auto.config import RunningPastChain
+
+    past = RunningPastChain()
+    past.add(2, [60, 30, 20, 10], 100)  # a chain of 2 whose lookup rows ran to 4: 30 drafts past K in 100 steps
+    past.add(2, [5, 1], 50)  # a row that never looked up far
+    past.add(3, [50, 20, 10], 100)  # nothing past 3
+    assert past.tokens() == {2: pytest.approx(30 / 150), 3: 0.0}
+    # the credit moves the choice: chains of 1 or 2 lose to target-only on this CPU's costs...
+    profile = AcceptanceProfile((0.25, 0.15), 100)
+    assert choose(CPU, profile).num_draft == 0
+    # ...and K=2 wins once its lookups' long runs add 0.4 tokens per verify (1.8 tokens in 40.2 ms)
+    choice = choose(CPU, profile, past_chain={2: 0.4})
+    assert choice.num_draft == 2 and choice.tokens_per_step == pytest.approx(1.8)
+
+
 def test_running_counts_pool_with_the_prior_position_by_position():
     from jaxspec.engine.auto.config import RunningAcceptance
 

@@ -212,7 +212,8 @@ def test_the_bench_times_a_draft_model_beside_target_only_and_transformers_assis
 def test_accepted_counts_equal_transformers_assisted_generation_step_for_step(tmp_path, capsys):
     """`bench --compare-hf` with a draft model replays transformers' assisted generation (`assistant_model=`, K drafts
     a step) from jaxspec's first verify step: every step accepts as many drafts in both (a draft that is the
-    target's first 3 of 4 layers, so steps accept 0..3 of them)."""
+    target's first 3 of 4 layers, so steps accept 0..3 of them). Prompt lookup off: its chains are not the draft
+    model's (with it on, the bench skips the step-for-step comparison)."""
     from jaxspec.bench import cli as bench
 
     target = make_tiny("smollm2_tied", tmp_path / "target", seed=5, initializer_range=0.3)  # outputs that vary
@@ -225,7 +226,7 @@ def test_accepted_counts_equal_transformers_assisted_generation_step_for_step(tm
                                               enumerate(["hello there", "abcabc", "the quick brown fox"])))
     assert bench.main(["--target", str(tmp_path / "target"), "--prompts-file", str(tmp_path / "p.jsonl"), "--raw",
                        "--max-new-tokens", "20", "--proposer", "draft-model", "--draft-model", str(tmp_path / "draft"),
-                       "--num-speculative-tokens", "3", "--compare-hf", "--json"]) == 0
+                       "--num-speculative-tokens", "3", "--prompt-lookup", "off", "--compare-hf", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     (chain,) = result["speculative"]
     hf = result["transformers_assisted"]

@@ -11,6 +11,7 @@ from test_spec_sampling import SHAPE, VOCAB, chi_square_p, first_two, plain_targ
 
 from jaxspec.cli.args import prompt_lookup
 from jaxspec.errors import JaxspecError
+from jaxspec.engine.core import cut_to_limit
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
@@ -50,6 +51,17 @@ class Constant:
         return state
 
 
+class Roomy(Constant):
+    """`Constant` whose commit takes longer accepted runs than it drafts (`accepting`, as `base.LongerRuns`)."""
+
+    accept_depth = 0
+
+    def accepting(self, depth: int):
+        wider = Roomy(self.depth)
+        wider.accept_depth = depth
+        return wider
+
+
 class TreeDrafter(Constant):
     tree = TreeConfig(8, 3, 2)
 
@@ -57,9 +69,9 @@ class TreeDrafter(Constant):
         super().__init__(3)
 
 
-def started(rows: list[list[int]], k: int = 2, lookup: PromptLookup = PromptLookup()):
+def started(rows: list[list[int]], k: int = 2, lookup: PromptLookup = PromptLookup(), drafter=Constant):
     """(proposer, state after prompts `rows`, whose last token is each row's first emitted token)."""
-    proposer = WithPromptLookup(Constant(k), lookup)
+    proposer = WithPromptLookup(drafter(k), lookup)
     b, t = len(rows), max(len(r) for r in rows) - 1
     prompt = jnp.asarray([r[:-1] + [0] * (t - len(r) + 1) for r in rows], jnp.int32)
     view = PrefillView(prompt, jnp.asarray([len(r) - 1 for r in rows]), jnp.asarray([r[-1] for r in rows]), None, None)
@@ -113,6 +125,40 @@ def test_a_row_whose_lookups_keep_losing_drafts_from_the_drafter():
     assert proposal.tokens[0, 1:].tolist() == [9, 9]
 
 
+def test_lookup_chains_run_longer_than_the_drafters_where_its_state_takes_them():
+    # the same rows as above, beside a drafter whose pending buffers take runs of 4: lookup drafts 4, the drafter 2
+    proposer, st = started([[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8]], drafter=Roomy, lookup=PromptLookup(num_draft=4))
+    assert (proposer.depth, proposer.verify_width) == (4, 5)
+    assert proposer.inner.accept_depth == 4 and proposer.extra_capacity() == 5
+    proposal, st = proposer.propose(None, None, st, step_view(3), None)
+    # row 0 looks up (3 1 2 3: the periodic copy); rows 1 and 2 draft 9 9, then filler (lookup's drafts past 2:
+    # row 1's 1-token match copies 6 5, row 2's none repeats its last token) the engine cuts at 2
+    assert proposal.tokens[:, 1:].tolist() == [[3, 1, 2, 3], [9, 9, 6, 5], [9, 9, 8, 8]]
+    assert proposal.limit.tolist() == [4, 2, 2]
+    assert proposal.candidates[0, :, 0].tolist() == [3, 1, 2, 3, -1]
+    assert proposal.candidates[1, :, 0].tolist() == [9, 9, 9, -1, -1]
+    # row 0's four drafts and the target's token: lookup's run 4 against the drafter's 0
+    emitted = jnp.asarray([[3, 1, 2, 3, 7], [9, 4, 0, 0, 0], [5, 0, 0, 0, 0]])
+    st = proposer.commit(None, st, Verified(emitted, jnp.asarray([4, 1, 0]), jnp.ones((3,), jnp.int32), None, None))
+    assert float(st.score[0, 1]) == pytest.approx(0.8 * 0.1 + 0.2 * 4)
+    assert st.history.length.tolist() == [10, 6, 3]
+    # by default, and beside a drafter without `accepting`, lookup drafts the drafter's K (no limits)
+    assert WithPromptLookup(Roomy(2)).depth == 2 and WithPromptLookup(Constant(2), PromptLookup(num_draft=4)).depth == 2
+    assert WithPromptLookup(Roomy(5), PromptLookup(num_draft=4)).depth == 5  # at least the drafter's K
+
+
+def test_a_shorter_rows_acceptance_is_cut_at_its_length():
+    """Rows of one verify with chains of 4 and 2 (`Proposal.limit`): a 2-row whose filler the target happened to
+    accept keeps 2 drafts and emits the verify's token at node 2 (the target's own there)."""
+    a = jnp.asarray([4, 4, 1])
+    emitted = jnp.asarray([[3, 1, 2, 3, 7], [9, 9, 5, 6, 2], [9, 4, -1, -1, -1]])
+    path = jnp.asarray([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, -1, -1, -1]])
+    cut_a, cut_emitted, cut_path = cut_to_limit(a, emitted, path, jnp.asarray([4, 2, 2]))
+    assert cut_a.tolist() == [4, 2, 1]
+    assert cut_emitted.tolist() == [[3, 1, 2, 3, 7], [9, 9, 5, -1, -1], [9, 4, -1, -1, -1]]
+    assert cut_path.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, -1, -1], [0, 1, -1, -1, -1]]
+
+
 def test_rows_that_did_not_run_keep_their_scores():
     proposer, st = started([[1, 2, 3, 1, 2]])
     _, st2 = proposer.propose(None, None, st, step_view(1), None)
@@ -128,10 +174,12 @@ def reference():
 
 @pytest.mark.parametrize("head_kind,k,batch", [("random", 3, 6), pytest.param("fitted", 2, 1, marks=pytest.mark.slow)])
 def test_greedy_equals_target_only(head_kind, k, batch, reference):
+    """Lookup's chains of 4 beside the head's of K (a ragged batch: the head rows' acceptance cut at K):
+    target-only's tokens."""
     prompts, want = reference
     head = random_head() if head_kind == "random" else fitted_head()
     got = SpeculativeGenerator(tiny_target(), head, num_draft=k, batch_size=batch,
-                               lookup=PromptLookup()).generate(prompts, max_new_tokens=30)
+                               lookup=PromptLookup(num_draft=4)).generate(prompts, max_new_tokens=30)
     assert [c.token_ids for c in got] == want
     assert got[0].stats["proposer"] == "eagle3+lookup"
     if head_kind == "random":  # its drafts are rejected (tests/test_spec_greedy.py); lookup's catch the cycles
@@ -141,6 +189,8 @@ def test_greedy_equals_target_only(head_kind, k, batch, reference):
         assert mean(alone) < 1.2 < mean(got)
         looked = sum(c.stats["lookup_steps"] for c in got)
         assert 0 < looked < sum(c.stats["verify_calls"] for c in got)  # both kinds of step ran
+        assert len(got[0].stats["accepted_per_position"]) == 4  # lookup's chains of 4 ran past the head's K
+        assert sum(c.stats["accepted_per_position"][3] for c in got) > 0
 
 
 @pytest.mark.parametrize("drafter", ["head", pytest.param("dflash", marks=pytest.mark.slow)])
@@ -168,11 +218,12 @@ def test_sampling_is_lossless_with_lookup_and_head_rows_in_one_batch():
     """Rows that look up (one-hot q) beside rows the head drafts for (its sampled drafts and q), in one batch: each
     kind's first two tokens follow the target's own distribution. The lookup prompt holds every token, so whatever
     first token is drawn has a match, and the prior makes it look up at once; the head's prompt is one token, so a
-    match (the first token drawn equal to it) is rare."""
+    match (the first token drawn equal to it) is rare. Lookup's chains are 4 to the head's 2 (the head rows' q
+    padded with one-hot filler that the engine cuts)."""
     sampling = SamplingConfig(1.0)
     looked, headed = [*range(VOCAB), 3], [5]
     gen = SpeculativeGenerator(plain_target(), fitted_head(**SHAPE), num_draft=2, batch_size=N,
-                               lookup=PromptLookup(prior=(1.0, 1.0, 1.0)))
+                               lookup=PromptLookup(prior=(1.0, 1.0, 1.0), num_draft=4))
     out = gen.generate([looked, headed] * (N // 2), max_new_tokens=2, sampling=sampling, seed=3)
     for prompt, rows in ((looked, out[0::2]), (headed, out[1::2])):
         assert chi_square_p(first_two(rows), target_joint(prompt, sampling)) > 0.01
@@ -191,4 +242,7 @@ def test_settings_and_flags():
     args = lambda **kw: type("Args", (), {"prompt_lookup": None, "proposer": "eagle3", **kw})()  # noqa: E731
     assert prompt_lookup(args()) == PromptLookup()
     assert prompt_lookup(args(prompt_lookup="off")) is None
+    assert prompt_lookup(args(prompt_lookup_tokens=6)) == PromptLookup(num_draft=6)
+    with pytest.raises(JaxspecError, match="at least 1 token"):
+        PromptLookup(num_draft=0)
     assert prompt_lookup(args(proposer="ngram")) is None

@@ -407,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_second": round(a_tokens / a_seconds, 2),
                 "identical_outputs": identical(a_outputs, completions),
             }
-            if k is not None:  # step for step against jaxspec's chain (the first method)
+            if k is not None and prompt_lookup(args) is not None:
+                _say("transformers assisted generation step by step: skipped, jaxspec's chains had prompt lookup "
+                     "beside the draft model (compare with --prompt-lookup off)")
+            elif k is not None:  # step for step against jaxspec's chain (the first method)
                 _say("transformers assisted generation again, step by step")
                 chain = measured[1][0]
                 runs = assisted_steps(target_dir, Path(draft), encoded, [(c.token_ids or [None])[0] for c in chain],
@@ -526,6 +529,8 @@ def serve_argv(args, draft: bool, prefill_chunk: int, step_buckets: bool = True)
         argv += ["--tree", args.tree[0].spec]
     if getattr(args, "prompt_lookup", None) is not None and not (args.tree and args.prompt_lookup == "on"):
         argv += ["--prompt-lookup", args.prompt_lookup]  # (a served tree drafts from the drafter alone)
+    if getattr(args, "prompt_lookup_tokens", None) is not None:
+        argv += ["--prompt-lookup-tokens", str(args.prompt_lookup_tokens)]
     return argv + (["--allow-pickle"] if args.allow_pickle else [])
 
 

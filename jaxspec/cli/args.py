@@ -203,6 +203,12 @@ def add_draft_args(parser: argparse.ArgumentParser) -> None:
         "has been beating the drafter on that row's text, and from the drafter elsewhere; the same output either "
         "way (default: on for chains; trees draft from the drafter alone)",
     )
+    parser.add_argument(
+        "--prompt-lookup-tokens", type=integer(None), default=None, metavar="N",
+        help="with prompt lookup beside a drafter: the chain a row that looks up drafts, when longer than the "
+        "drafter's (default: the drafter's); every step then verifies that many tokens plus one, which pays where a "
+        "few more verified tokens cost little (an accelerator at small batch), not on a CPU",
+    )
 
 
 def parse_tree(text: str):
@@ -229,7 +235,7 @@ def prompt_lookup(args):
     if (getattr(args, "prompt_lookup", None) == "off" or getattr(args, "proposer", "eagle3") == "ngram"
             or getattr(args, "accept_prob", None) is not None):
         return None
-    return PromptLookup()
+    return PromptLookup(num_draft=getattr(args, "prompt_lookup_tokens", None))
 
 
 def method_name(num_draft: int | str, tree, accept_prob: float | None = None, proposer=None) -> str:
@@ -261,6 +267,15 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
     if args.no_draft and getattr(args, "prompt_lookup", None) == "on":
         raise JaxspecError("--prompt-lookup on drafts beside a drafter, --no-draft runs the target alone (prompt "
                            "lookup alone is --proposer ngram); drop one")
+    tokens = getattr(args, "prompt_lookup_tokens", None)
+    if tokens is not None:
+        if not 1 <= tokens <= MAX_DRAFT_DEPTH:
+            raise JaxspecError(f"--prompt-lookup-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {tokens}")
+        off = getattr(args, "prompt_lookup", None) == "off" or getattr(args, "proposer", "eagle3") == "ngram"
+        if args.no_draft or off:
+            raise JaxspecError("--prompt-lookup-tokens sets the chains of prompt lookup beside a drafter, which "
+                               "--no-draft, --prompt-lookup off and --proposer ngram leave out; drop one (--proposer "
+                               "ngram's chains are --num-speculative-tokens)")
     if args.no_draft and (k is not None or args.tree):
         given = "--num-speculative-tokens" if k is not None else "--tree"
         raise JaxspecError(f"--no-draft runs the target alone, {given} drafts; pass one of them")

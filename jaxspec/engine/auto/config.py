@@ -239,14 +239,17 @@ def choose(
     max_draft: int | None = None,
     trees: Mapping[TreeConfig, float] | None = None,
     calibration: StepCalibration | None = None,
+    past_chain: Mapping[int, float] | None = None,
 ) -> Choice:
     """The method with the most expected tokens per second: target-only, a chain of 1..max_draft drafts (as far
     as `profile` and the costs reach), or one of `trees` ({tree: expected tokens per verify}) whose costs were
-    timed; each step's seconds scaled by `calibration`. Ties go to the cheaper method (target-only, then the
-    shorter chain, then the smaller tree): less work for the same speed."""
+    timed; each step's seconds scaled by `calibration`. `past_chain` ({K: tokens per verify}): what a chain of K
+    accepted past its K drafts where it ran (`RunningPastChain`), added to its expected tokens. Ties go to the
+    cheaper method (target-only, then the shorter chain, then the smaller tree): less work for the same speed."""
     limit = min(costs.max_draft, len(profile.rates), costs.max_draft if max_draft is None else max_draft)
     tokens: dict[Method, float] = {0: 1.0}
-    tokens.update({k: expected_tokens(profile.rates, k) for k in range(1, limit + 1)})
+    tokens.update({k: expected_tokens(profile.rates, k) + (past_chain or {}).get(k, 0.0)
+                   for k in range(1, limit + 1)})
     tokens.update({t: n for t, n in (trees or {}).items() if t in costs.trees})
     cal = calibration or StepCalibration()
     candidates = [(m, tokens[m] / cal.seconds(costs, m)) for m in sorted(tokens, key=method_order)]
@@ -440,3 +443,25 @@ class RunningAcceptance:
                 break
             rates.append(min(n / d, rates[-1] if rates else 1.0))
         return AcceptanceProfile(tuple(rates), self.drafted[0] if rates else 0)
+
+
+@dataclasses.dataclass
+class RunningPastChain:
+    """Per chain length K, the drafts accepted past position K and the verify steps of the batches that ran it.
+
+    Why: with prompt lookup beside the drafter (`proposers.lookup`), a row that looks up drafts a longer chain than
+    the drafter's K, so a chain of K yields more than 1 + a_1 + .. + a_K tokens per verify; the rates past K are
+    lookup's alone and say nothing of the drafter's chain of K + 1. The surplus is kept per K and credited to that
+    K once it has run (its step costs, the wider verifies included, are in its `StepCalibration` ratio)."""
+
+    accepted: dict[int, int] = dataclasses.field(default_factory=dict)
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def add(self, k: int, accepted_per_position: Sequence[int], verify_calls: int) -> None:
+        """One row's stats from a chain of K (`accepted_per_position` may run past K)."""
+        self.accepted[k] = self.accepted.get(k, 0) + sum(int(n) for n in accepted_per_position[k:])
+        self.steps[k] = self.steps.get(k, 0) + int(verify_calls)
+
+    def tokens(self) -> dict[int, float]:
+        """{K: accepted drafts past K per verify step}, for the chain lengths that ran."""
+        return {k: self.accepted[k] / n for k, n in sorted(self.steps.items()) if n > 0}

@@ -35,6 +35,7 @@ from jaxspec.engine.auto.config import (
     Choice,
     Method,
     RunningAcceptance,
+    RunningPastChain,
     RunningTrees,
     StepCalibration,
     StepCosts,
@@ -87,7 +88,9 @@ class AutoSpeculativeGenerator(Generator):
 
     `lookup`: prompt lookup beside every chain (`proposers.lookup`; a tree drafts from the head alone). Its drafts
     cost ~nothing and are priced as the drafter's: the running acceptance counts what the chains with lookup
-    accepted, so the choice follows it after the first batches."""
+    accepted at positions 1..K, and what lookup's longer chains accepted past K is credited to the K that ran
+    (`RunningPastChain`), whose measured steps price its wider verifies, so the choice follows it after the first
+    batches."""
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class AutoSpeculativeGenerator(Generator):
                 raise JaxspecError(f"tree {tree.spec}: TOPK exceeds the head's draft vocabulary")
         self.running = RunningAcceptance()
         self.running_trees = RunningTrees()
+        self.past_chain = RunningPastChain()
         # Timed costs and calibration of earlier processes (None: time every bucket in this process). Multi-host,
         # every process times (the timed forwards are collectives, and the processes' disks may hold different
         # stores); process 0's timings decide (`choose`).
@@ -169,7 +173,7 @@ class AutoSpeculativeGenerator(Generator):
     def num_draft(self) -> int:
         """The most drafts per step any choice may accept (the longest chain, the deepest tree): the statistics'
         depth."""
-        return max([self.depth, *(t.depth for t in self.trees)])
+        return max([self.depth, *(t.depth for t in self.trees), (self.lookup.num_draft or 0) if self.lookup else 0])
 
     @property
     def methods(self) -> list[Method]:
@@ -259,7 +263,7 @@ class AutoSpeculativeGenerator(Generator):
         observed = self.running.profile().verify_steps > 0 or bool(self.running_trees.steps)
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
         costs, trees = self.costs(capacity), self.tree_tokens()
-        choice = choose(costs, profile, self.depth, trees, self.calibration)
+        choice = choose(costs, profile, self.depth, trees, self.calibration, self.past_chain.tokens())
         if choice.method == 0:
             # Counts come only from speculating: the PROBE_EVERY-th target-only batch, then the 2×, 4×, .. one
             # drafts one token, so that the choice follows the prompts; fewer and fewer, since a probe costs where
@@ -327,8 +331,10 @@ class AutoSpeculativeGenerator(Generator):
         for c in completions:  # a tree's path is not a chain's: its counts are kept apart
             if choice.tree is not None:
                 self.running_trees.add(choice.tree, c.stats["accepted_per_position"], c.stats["verify_calls"])
-            elif choice.method:
-                self.running.add(c.stats["accepted_per_position"], c.stats["verify_calls"])
+            elif choice.method:  # a chain of K: positions past K are lookup's longer chains (`RunningPastChain`)
+                self.running.add(c.stats["accepted_per_position"][: choice.method], c.stats["verify_calls"])
+                if self.lookup is not None:
+                    self.past_chain.add(choice.method, c.stats["accepted_per_position"], c.stats["verify_calls"])
         self._calibrate(choice.method, capacity, completions)
         if self.store is not None:
             key, what = self.calibration_key
@@ -343,6 +349,9 @@ class AutoSpeculativeGenerator(Generator):
             "running_verify_steps": int(running.verify_steps),
             "tree_tokens_per_step": {method_key(t): round(n, 4) for t, n in trees.items()},  # what the choice used
             "running_trees": self.running_trees.as_dict(),  # observed, this batch included
+            # prompt lookup's drafts accepted past each chain's K, per verify step, this batch included
+            **({"tokens_past_chain": {str(k): round(v, 4) for k, v in self.past_chain.tokens().items()}}
+               if self.lookup is not None else {}),
             "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),  # as timed; the choice used them calibrated
             "step_calibration": self.calibration.as_dict(),  # method → measured / timed step seconds
             "timing_seconds": round(self.timing_seconds, 2),

@@ -21,6 +21,7 @@ heads read) so the target computes only those.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -71,6 +72,10 @@ class Proposal(NamedTuple):
     has_draft: jax.Array | None = None
     # [B] bool, rows whose drafts `draft_vocab` does not limit (prompt lookup's beside a head); None: none
     any_vocab: jax.Array | None = None
+    # [B] int32, a chain's drafts per row: rows of different lengths share the step's N nodes (prompt lookup's
+    # longer chains beside a drafter's), a shorter row's nodes past its length are filler, and the engine cuts its
+    # acceptance there (the token it emits at that node is still the target's own). None: every row drafts N - 1.
+    limit: jax.Array | None = None
 
 
 class Verified(NamedTuple):
@@ -103,6 +108,24 @@ class ChainDrafts:
 
     def kv_cache(self, state) -> None:
         return None
+
+
+class LongerRuns:
+    """Mixed into a chain drafter whose state keeps the tokens (or features) a step accepted for its next step (a
+    head's pending pairs, a draft model's pending tokens, a block drafter's pending context), so that a wrapper
+    verifying longer chains in its place (prompt lookup, `proposers.lookup`) can size that buffer for them:
+    `accepting(depth)` is the same drafter with room for runs of up to `depth` accepted drafts. Its dataclass
+    declares `accept_depth: int = 0` (0: its own depth)."""
+
+    accept_depth: int
+
+    @property
+    def pending_width(self) -> int:
+        """Entries of the pending buffer: the longest accepted run a commit may carry, plus the target's token."""
+        return max(self.depth, self.accept_depth) + 1
+
+    def accepting(self, depth: int):
+        return dataclasses.replace(self, accept_depth=depth)
 
 
 class Proposer(Protocol):
@@ -142,6 +165,10 @@ class Proposer(Protocol):
     # proposer (the engine's `drafting=False` steps: a continuous batcher's speculation off at high load), e.g. a
     # head's catch-up on its pending pairs without the drafts after it. A proposer without it runs `propose` and
     # the engine drops the drafts (`engine.core.keep_up`).
+
+    # Optional: accepting(depth) -> Proposer, this drafter with a commit that takes runs of up to `depth` accepted
+    # drafts (`LongerRuns`), for a wrapper that verifies longer chains than it drafts; without it, a wrapper keeps
+    # to the drafter's own depth.
 
     def kv_cache(self, state: Any) -> kvc.KVCache | None:
         """The proposer's KV cache in its state, if it has one (the memory report counts it)."""

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.dflash import DFlashDrafter
-from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.proposers.base import ChainDrafts, LongerRuns, PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.tree import TreeConfig, draft_tree
 
 TELEMETRY_TOP_K = 8  # candidates per position for the rejection telemetry (`jaxspec.engine.telemetry`)
@@ -57,12 +57,14 @@ class _BlockSlots:
 
 class DFlashState(NamedTuple):
     cache: kvc.KVCache  # the context's keys and values, every drafter layer; lengths = context committed
-    pending_feat: jax.Array  # [B, K+1, n_aux * Ht] target features of the tokens verified last, not yet context
-    num_pending: jax.Array  # [B] in 0..K+1 (0 after the prefill, whose context is written whole)
+    # [B, W, n_aux * Ht] target features of the tokens verified last, not yet context (W: the proposer's
+    # pending_width, K + 1 unless runs are longer)
+    pending_feat: jax.Array
+    num_pending: jax.Array  # [B] in 0..W (0 after the prefill, whose context is written whole)
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashProposer(ChainDrafts):
+class DFlashProposer(LongerRuns, ChainDrafts):
     """Static half of the DFlash proposer (the drafter's graphdef, K or a tree); its parameters are passed beside it.
     A chain of K drafts: the verify block and the pending context are K + 1 slots past the committed length. A
     tree of depth K (num_draft = its depth): its nodes are verified, the accepted path's K + 1 at most pending."""
@@ -76,6 +78,7 @@ class DFlashProposer(ChainDrafts):
     needs_aux: bool = True
     needs_hidden: bool = False
     forwards_per_step: int = 1  # one drafter forward drafts the whole block (a tree's too)
+    accept_depth: int = 0  # `LongerRuns`
 
     def __post_init__(self):
         what = f"--tree {self.tree.spec}: DEPTH" if self.tree is not None else "--num-speculative-tokens"
@@ -91,7 +94,7 @@ class DFlashProposer(ChainDrafts):
 
     def extra_capacity(self) -> int:
         """The verify block in the target's cache (a tree's nodes), the pending context in the drafter's."""
-        return max(self.verify_width, self.num_draft + 1)
+        return max(self.verify_width, self.pending_width)
 
     @classmethod
     def of(cls, drafter: DFlashDrafter, num_draft: int | None = None,
@@ -108,7 +111,7 @@ class DFlashProposer(ChainDrafts):
         b, t = view.prompt.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cache = drafter.write_context(view.aux, positions, kvc.constrain(drafter.init_cache(b, capacity)))
-        width = self.num_draft + 1
+        width = self.pending_width
         return DFlashState(
             cache=kvc.advance(cache, view.prompt_lens),  # the prompt is context; its last token's root comes next
             pending_feat=jnp.zeros((b, width, view.aux.shape[-1]), view.aux.dtype),
@@ -118,7 +121,7 @@ class DFlashProposer(ChainDrafts):
     def propose(self, params, target, st: DFlashState, view: StepView, keys) -> tuple[Proposal, DFlashState]:
         drafter = nnx.merge(self.drafter_graphdef, params)
         b, width = st.pending_feat.shape[:2]
-        positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]
+        positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
         cache = drafter.write_context(st.pending_feat, positions, st.cache)
         cache = kvc.advance(cache, st.num_pending * view.running)  # context [0, m): m = view.committed
         block = jnp.full((b, self.block_size), self.mask_token_id, jnp.int32).at[:, 0].set(view.last_token)

@@ -38,7 +38,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import kv_cache as kvc
 from jaxspec.models.llama import LlamaModel
 from jaxspec.sampling import RowSampling, draw_draft, split_rows
-from jaxspec.engine.proposers.base import ChainDrafts, PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.proposers.base import ChainDrafts, LongerRuns, PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.tree import draft_tree
 
 TELEMETRY_TOP_K = 8  # candidates per position for the rejection telemetry (`jaxspec.engine.telemetry`)
@@ -46,8 +46,10 @@ TELEMETRY_TOP_K = 8  # candidates per position for the rejection telemetry (`jax
 
 class DraftModelState(NamedTuple):
     cache: kvc.KVCache  # the draft's own keys and values; lengths = positions committed
-    pending_tok: jax.Array  # [B, K+1] tokens verified last (accepted drafts, then the root), not yet in the cache
-    num_pending: jax.Array  # [B] in 1..K+1
+    # [B, W] tokens emitted last (the accepted drafts, then the target's own; the first token after the prefill),
+    # not yet in the cache (W: the proposer's pending_width, K + 1 unless runs are longer)
+    pending_tok: jax.Array
+    num_pending: jax.Array  # [B] in 1..W
 
 
 def check_draft_model_fits(draft: LlamaModel, target: LlamaModel) -> None:
@@ -97,7 +99,7 @@ class _TreeLevels:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer(ChainDrafts):
+class DraftModelProposer(LongerRuns, ChainDrafts):
     """Static half of the draft-model proposer (the draft's graphdef, K or a tree); its parameters are passed
     beside it."""
 
@@ -107,6 +109,7 @@ class DraftModelProposer(ChainDrafts):
     name: str = "draft-model"
     needs_aux: bool = False
     needs_hidden: bool = False
+    accept_depth: int = 0  # `LongerRuns`
 
     def __post_init__(self):
         if self.num_draft < 1:
@@ -125,8 +128,9 @@ class DraftModelProposer(ChainDrafts):
         return self.tree.total_tokens if self.tree is not None else self.num_draft + 1
 
     def extra_capacity(self) -> int:
-        """The verify block, and the tree's levels above the draft's committed length."""
-        return self.tree.cache_slots if self.tree is not None else self.num_draft + 1
+        """The verify block (the pending tokens' catch-up), and the tree's levels above the draft's committed
+        length."""
+        return max(self.tree.cache_slots, self.pending_width) if self.tree is not None else self.pending_width
 
     @classmethod
     def of(cls, draft: LlamaModel, num_draft: int, tree: TreeConfig | None = None,
@@ -145,7 +149,7 @@ class DraftModelProposer(ChainDrafts):
         tokens = jnp.minimum(view.prompt, draft.config.vocab_size - 1)
         out = draft(tokens, positions, kvc.constrain(draft.init_cache(b, capacity)),
                     logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True)  # logits unused
-        width = self.num_draft + 1
+        width = self.pending_width
         return DraftModelState(
             cache=kvc.advance(out.cache, view.prompt_lens),  # the prompt; the first token (the root) is pending
             pending_tok=jnp.zeros((b, width), jnp.int32).at[:, 0].set(view.first_token),
@@ -204,7 +208,7 @@ def _catch_up(draft, st: DraftModelState, view: StepView):
     """The pending tokens through the draft at its committed length: (its output, whose logits at the last pending
     token draft d_1; the cache with them committed for running rows, the root included)."""
     width = st.pending_tok.shape[1]
-    positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, K+1]
+    positions = st.cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
     last = (st.num_pending - 1)[:, None]
     out = draft(jnp.minimum(st.pending_tok, draft.config.vocab_size - 1), positions, st.cache, logit_indices=last)
     return out, kvc.advance(out.cache, jnp.where(view.running > 0, st.num_pending, 0))

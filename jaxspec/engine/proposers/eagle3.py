@@ -21,7 +21,7 @@ from flax import nnx
 from jaxspec import processors as procs
 from jaxspec.models import kv_cache as kvc
 from jaxspec.sampling import RowSampling, draw_draft, split_rows
-from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
+from jaxspec.engine.proposers.base import LongerRuns, PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.tree import TreeConfig, draft_tree
 
 TELEMETRY_TOP_K = 8  # a chain's candidates per position for the rejection telemetry (a tree uses its own TOPK)
@@ -29,9 +29,9 @@ TELEMETRY_TOP_K = 8  # a chain's candidates per position for the rejection telem
 
 class Eagle3State(NamedTuple):
     head_cache: kvc.KVCache
-    pending_feat: jax.Array  # [B, D+1, n_aux * Ht]
-    pending_tok: jax.Array  # [B, D+1]
-    num_pending: jax.Array  # [B] in 1..D+1
+    pending_feat: jax.Array  # [B, W, n_aux * Ht], W = the proposer's pending_width (D + 1 unless runs are longer)
+    pending_tok: jax.Array  # [B, W]
+    num_pending: jax.Array  # [B] in 1..W
 
 
 def _embed_table(target, head):
@@ -87,9 +87,9 @@ def _catch_up(head, st: Eagle3State, embed):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Proposer:
+class Eagle3Proposer(LongerRuns):
     """Static half of the EAGLE-3 proposer (the head's graphdef and the draft shape); its parameters are passed
-    beside it. `num_draft` K for chains; with `tree`, its depth."""
+    beside it. `num_draft` K for chains; with `tree`, its depth. `accept_depth`: see `LongerRuns`."""
 
     head_graphdef: nnx.GraphDef
     num_draft: int = 5
@@ -97,6 +97,7 @@ class Eagle3Proposer:
     name: str = "eagle3"
     needs_aux: bool = True
     needs_hidden: bool = False
+    accept_depth: int = 0
 
     @property
     def depth(self) -> int:
@@ -112,10 +113,10 @@ class Eagle3Proposer:
         return self.tree.total_tokens if self.tree is not None else self.num_draft + 1
 
     def extra_capacity(self) -> int:
-        """The verify block, and the head's tree levels above its committed length."""
+        """The verify block (the pending pairs' catch-up), and the head's tree levels above its committed length."""
         if self.tree is None:
-            return self.num_draft + 1
-        return self.tree.cache_slots
+            return self.pending_width
+        return max(self.tree.cache_slots, self.pending_width)
 
     def init(self, params, target, view: PrefillView, capacity: int) -> Eagle3State:
         head = nnx.merge(self.head_graphdef, params)
@@ -129,7 +130,7 @@ class Eagle3Proposer:
             _embed_table(target, head), logit_indices=jnp.zeros((b, 1), jnp.int32), empty_cache=True,
         )
         g_last = jnp.take_along_axis(view.aux, last[:, None, None], axis=1)  # [B, 1, F]
-        width = self.depth + 1
+        width = self.pending_width
         return Eagle3State(
             head_cache=kvc.advance(head_cache, last),
             pending_feat=jnp.zeros((b, width, view.aux.shape[-1]), view.aux.dtype).at[:, :1].set(g_last),

@@ -54,6 +54,11 @@ class AssistantProposer(ChainDrafts):
         graphdef, params = nnx.split(assistant)
         return cls(graphdef, num_draft, tuple(target_cache_layers(target_config).items())), params
 
+    def accepting(self, depth: int) -> AssistantProposer:
+        """Itself: its commit reads the last accepted node's state from a run of any length (`LongerRuns`)."""
+        del depth
+        return self
+
     def init(self, params, target, view: PrefillView, capacity: int) -> jax.Array:
         return view.hidden[:, -1]  # [B, Hb] the state that gave the first token
 

@@ -16,9 +16,20 @@ token past it, which is all a comparison needs. A row looks up where its match l
 drafter that beats lookup (a strong head on open text), the scores go negative within a few steps and the row
 drafts as the drafter alone would; the prior (`PromptLookup.prior`) decides only the first steps.
 
+Lookup's chains may be longer than the drafter's (`PromptLookup.num_draft`, `--prompt-lookup-tokens`): its drafts
+cost nothing, and where a row copies text it copies runs. Every step then verifies lookup's L + 1 nodes; a drafter
+row's nodes past its K are filler whose acceptance the engine cuts (`Proposal.limit`), and the drafter's pending
+buffers take the longer accepted runs (`base.LongerRuns`). Off by default (L = K): on this project's 2-core CPU a
+verify of 5 tokens costs ~1.09 of 3, which the longer runs only pay back (chains of 2 beside lookup's of 4, 12
+GSM8K prompts: 2.10 tokens per verify against 1.96, 2% less time); verifying the longer width only on steps where
+some row looks up (`lax.cond` between two widths) made XLA copy the target's whole KV cache every step, a loss
+(BENCHMARKS.md, "Longer chains for the rows that look up"). Where a few more verified tokens cost ~nothing (an
+accelerator at small batch) they are the point.
+
 Output is unchanged whatever is chosen: greedy verification accepts only the target's own tokens, and sampled
 verification sees the lookup's deterministic drafts with one-hot draft distributions, for which the rejection rule
-is lossless. Chains only: a tree's drafts are the drafter's own.
+is lossless (a cut row emits the verify's token at its last node, which follows the target's distribution there
+whatever the filler after it). Chains only: a tree's drafts are the drafter's own.
 """
 
 from __future__ import annotations
@@ -43,8 +54,13 @@ class PromptLookup:
     # a row's starting score for match lengths 1..max_n: 1-token matches start against lookup, longer ones for it
     prior: tuple[float, ...] = (-0.1, 0.1, 0.1)
     decay: float = 0.8  # each step's comparison weighs 1 - decay in the running score
+    # lookup's chains: this many drafts, or the drafter's K where that is more (None: K; a drafter whose state cannot
+    # take longer accepted runs keeps lookup to K)
+    num_draft: int | None = None
 
     def __post_init__(self):
+        if self.num_draft is not None and self.num_draft < 1:
+            raise JaxspecError(f"prompt lookup drafts at least 1 token per step, got {self.num_draft}")
         if not 1 <= self.min_n <= self.max_n:
             raise JaxspecError(f"prompt lookup needs 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
         if len(self.prior) != self.max_n:
@@ -59,7 +75,7 @@ class LookupState(NamedTuple):
     history: NgramState  # the row's text: prompt and every emitted token
     score: jax.Array  # [B, max_n] float32: lookup's running advantage per match length
     match: jax.Array  # [B] int32: this step's match length (0: none, or a step that drafted nothing)
-    lookup_drafts: jax.Array  # [B, K] this step's lookup chain
+    lookup_drafts: jax.Array  # [B, L] this step's lookup chain (L: `WithPromptLookup.depth`)
     inner_drafts: jax.Array  # [B, K] this step's drafter chain
     used: jax.Array  # [B] bool: this step's chain was lookup's
     lookup_steps: jax.Array  # [B] int32: steps whose chain was lookup's, for the statistics
@@ -77,8 +93,9 @@ def chain_run(drafts: jax.Array, emitted: jax.Array, num_accepted: jax.Array) ->
 
 @dataclasses.dataclass(frozen=True)
 class WithPromptLookup:
-    """A chain proposer with prompt lookup beside it (module docstring). Drafts, verify width, caches and target
-    outputs are the inner proposer's; the lookup adds a [B, L] token history and a few [B] numbers per row."""
+    """A chain proposer with prompt lookup beside it (module docstring). The drafter's K drafts and lookup's L
+    (`depth`, K unless `PromptLookup.num_draft` is more) share one verify of L + 1 nodes; the caches and target
+    outputs are the drafter's; the lookup adds a [B, T] token history and a few numbers per row."""
 
     inner: Proposer
     lookup: PromptLookup = PromptLookup()
@@ -87,6 +104,8 @@ class WithPromptLookup:
         if self.inner.tree is not None:
             raise JaxspecError("prompt lookup drafts chains; a tree's drafts are the drafter's own (turn lookup off "
                                "with --prompt-lookup off, or drop --tree)")
+        if self.depth > self.inner.depth and hasattr(self.inner, "accepting"):  # its commits take lookup's runs
+            object.__setattr__(self, "inner", self.inner.accepting(self.depth))
 
     tree = None
 
@@ -96,7 +115,10 @@ class WithPromptLookup:
 
     @property
     def depth(self) -> int:
-        return self.inner.depth
+        """Lookup's chain length L: its `num_draft`, at least the drafter's K; K where the drafter's commit cannot
+        take longer runs (no `accepting`) or none was asked for."""
+        k, n = self.inner.depth, self.lookup.num_draft
+        return max(k, n) if n is not None and hasattr(self.inner, "accepting") else k
 
     @property
     def needs_aux(self) -> bool:
@@ -112,10 +134,10 @@ class WithPromptLookup:
 
     @property
     def verify_width(self) -> int:
-        return self.inner.verify_width
+        return self.depth + 1
 
     def extra_capacity(self) -> int:
-        return self.inner.extra_capacity()
+        return max(self.inner.extra_capacity(), self.depth + 1)
 
     def kv_cache(self, st: LookupState):
         return self.inner.kv_cache(st.inner)
@@ -125,37 +147,42 @@ class WithPromptLookup:
         return NgramProposer(self.depth, self.lookup.min_n, self.lookup.max_n)
 
     def init(self, params, target, view: PrefillView, capacity: int) -> LookupState:
-        b, k = view.prompt.shape[0], self.depth
-        none = jnp.zeros((b, k), jnp.int32)
+        b = view.prompt.shape[0]
         return LookupState(
             inner=self.inner.init(params, target, view, capacity),
             history=self._history.init(None, target, view, capacity),
             score=jnp.broadcast_to(jnp.asarray(self.lookup.prior, jnp.float32), (b, self.lookup.max_n)),
-            match=jnp.zeros((b,), jnp.int32), lookup_drafts=none, inner_drafts=none,
+            match=jnp.zeros((b,), jnp.int32), lookup_drafts=jnp.zeros((b, self.depth), jnp.int32),
+            inner_drafts=jnp.zeros((b, self.inner.depth), jnp.int32),
             used=jnp.zeros((b,), jnp.bool_), lookup_steps=jnp.zeros((b,), jnp.int32),
         )
 
     def propose(self, params, target, st: LookupState, view: StepView, keys: jax.Array
                 ) -> tuple[Proposal, LookupState]:
         proposal, inner = self.inner.propose(params, target, st.inner, view, keys)
-        k = self.depth
-        looked, match = ngram_match(st.history.history, st.history.length, num_draft=k,
-                                    min_n=self.lookup.min_n, max_n=self.lookup.max_n)  # [B, K], [B]
+        k, n = self.inner.depth, self.depth
+        looked, match = ngram_match(st.history.history, st.history.length, num_draft=n,
+                                    min_n=self.lookup.min_n, max_n=self.lookup.max_n)  # [B, L], [B]
         score = jnp.take_along_axis(st.score, jnp.maximum(match - 1, 0)[:, None], axis=1)[:, 0]  # [B]
         use = (match > 0) & (score > 0)  # [B]
         drafted = proposal.tokens[:, 1:]  # [B, K] the drafter's
-        tokens = proposal.tokens.at[:, 1:].set(jnp.where(use[:, None], looked, drafted))
+        # a drafter row's chain, then filler up to L nodes (the engine cuts its acceptance at K: `limit`)
+        mine = jnp.concatenate([drafted, looked[:, k:]], axis=1)  # [B, L]
+        tokens = jnp.concatenate([proposal.tokens[:, :1], jnp.where(use[:, None], looked, mine)], axis=1)
         q = proposal.q
         if q is not None:  # a deterministic draft's distribution is one-hot: the rejection rule stays lossless
-            q = jnp.where(use[:, None, None], jax.nn.one_hot(looked, q.shape[-1], dtype=q.dtype), q)
+            one_hot = jax.nn.one_hot(looked, q.shape[-1], dtype=q.dtype)  # [B, L, V]
+            q = jnp.where(use[:, None, None], one_hot, jnp.concatenate([q, one_hot[:, k:]], axis=1))
         candidates = proposal.candidates
         if candidates is not None:  # node j's one candidate is lookup draft j + 1 (the telemetry's)
-            mine = jnp.full_like(candidates, -1).at[:, :k, 0].set(looked)
-            candidates = jnp.where(use[:, None, None], mine, candidates)
+            candidates = jnp.pad(candidates, ((0, 0), (0, n - k), (0, 0)), constant_values=-1)  # [B, L+1, C]
+            lookups = jnp.full_like(candidates, -1).at[:, :n, 0].set(looked)
+            candidates = jnp.where(use[:, None, None], lookups, candidates)
         has_draft = proposal.has_draft if proposal.has_draft is None else proposal.has_draft | use
         any_vocab = use if proposal.any_vocab is None else proposal.any_vocab | use  # lookup drafts any token
+        limit = None if n == k else jnp.where(use, n, k).astype(jnp.int32)  # [B]
         proposal = proposal._replace(tokens=tokens, q=q, candidates=candidates, has_draft=has_draft,
-                                     any_vocab=any_vocab)
+                                     any_vocab=any_vocab, limit=limit)
         return proposal, st._replace(inner=inner, match=match, lookup_drafts=looked, inner_drafts=drafted, used=use)
 
     def keep_up(self, params, target, st: LookupState, view: StepView) -> LookupState:
