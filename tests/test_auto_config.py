@@ -143,14 +143,21 @@ def test_a_close_call_flips_when_the_measured_steps_disagree_with_the_timed_ones
     assert choose(costs, measured, calibration=cal).num_draft == 1
 
 
-def test_lookups_runs_past_a_chain_are_credited_to_the_chain_length_that_ran():
+def test_lookups_runs_past_a_chain_are_credited_to_every_chain_length():
     from jaxspec.engine.auto.config import RunningPastChain
 
     past = RunningPastChain()
-    past.add(2, [60, 30, 20, 10], 100)  # a chain of 2 whose lookup rows ran to 4: 30 drafts past K in 100 steps
-    past.add(2, [5, 1], 50)  # a row that never looked up far
-    past.add(3, [50, 20, 10], 100)  # nothing past 3
-    assert past.tokens() == {2: pytest.approx(30 / 150), 3: 0.0}
+    assert past.tokens(2) == 0.0  # nothing observed
+    past.add(2, [60, 30, 20, 10], 100)  # a chain of 2 whose lookup rows ran to 4: positions 3 and 4 are lookup's
+    past.add(2, [5, 1, 0, 0], 50)
+    past.add(3, [50, 20, 12, 6], 100)  # a chain of 3: position 4 is lookup's
+    assert past.steps == [0, 0, 150, 250] and past.accepted == [0, 0, 20, 16]
+    assert past.tokens(2) == pytest.approx(20 / 150 + 16 / 250)
+    assert past.tokens(3) == pytest.approx(16 / 250)
+    assert past.tokens(4) == 0.0
+    # a chain of 1 never ran: its position 2 takes position 3's rate (a lower bound)
+    assert past.tokens(1) == pytest.approx(2 * 20 / 150 + 16 / 250)
+    assert past.as_dict(2) == {"1": round(past.tokens(1), 4), "2": round(past.tokens(2), 4)}
     # the credit moves the choice: chains of 1 or 2 lose to target-only on this CPU's costs...
     profile = AcceptanceProfile((0.25, 0.15), 100)
     assert choose(CPU, profile).num_draft == 0

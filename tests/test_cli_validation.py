@@ -70,6 +70,7 @@ def one_line_error(capsys, main, argv) -> str:
         (["--no-draft", "--prompt-lookup", "on"], "--prompt-lookup on drafts beside a drafter, --no-draft"),
         (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be between 1 and 32"),
         (["--prompt-lookup", "off", "--prompt-lookup-tokens", "6"], "--prompt-lookup-tokens sets the chains"),
+        (["--tree", "8,3,2", "--prompt-lookup-tokens", "6"], "which --tree runs without"),
         (["--repetition-penalty", "0"], "repetition penalty must be a finite number > 0"),
         (["--presence-penalty", "nan"], "presence penalty must be a finite number"),
         (["--min-p", "1.5"], "min-p must be in [0, 1]"),

@@ -2,6 +2,7 @@
 greedy output equal to target-only, sampling lossless with the drafter's and the lookup's draft distributions in one
 batch, and the flag's errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,14 +12,13 @@ from test_spec_sampling import SHAPE, VOCAB, chi_square_p, first_two, plain_targ
 
 from jaxspec.cli.args import prompt_lookup
 from jaxspec.errors import JaxspecError
-from jaxspec.engine.core import cut_to_limit
 from jaxspec.engine.generation import Generator
 from jaxspec.engine.generator import SpeculativeGenerator
 from jaxspec.engine.proposers.base import PrefillView, Proposal, StepView, Verified
 from jaxspec.engine.proposers.dflash import DFlashProposer
 from jaxspec.engine.proposers.lookup import PromptLookup, WithPromptLookup, chain_run
 from jaxspec.engine.tree import TreeConfig
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import SamplingConfig, filtered_logits
 
 
 class Constant:
@@ -131,32 +131,19 @@ def test_lookup_chains_run_longer_than_the_drafters_where_its_state_takes_them()
     assert (proposer.depth, proposer.verify_width) == (4, 5)
     assert proposer.inner.accept_depth == 4 and proposer.extra_capacity() == 5
     proposal, st = proposer.propose(None, None, st, step_view(3), None)
-    # row 0 looks up (3 1 2 3: the periodic copy); rows 1 and 2 draft 9 9, then filler (lookup's drafts past 2:
-    # row 1's 1-token match copies 6 5, row 2's none repeats its last token) the engine cuts at 2
+    # row 0 looks up (3 1 2 3: the periodic copy); rows 1 and 2 draft 9 9, then lookup's drafts past 2 (row 1's
+    # 1-token match copies 6 5; row 2 has none and repeats its last token), verified like any draft
     assert proposal.tokens[:, 1:].tolist() == [[3, 1, 2, 3], [9, 9, 6, 5], [9, 9, 8, 8]]
-    assert proposal.limit.tolist() == [4, 2, 2]
     assert proposal.candidates[0, :, 0].tolist() == [3, 1, 2, 3, -1]
-    assert proposal.candidates[1, :, 0].tolist() == [9, 9, 9, -1, -1]
+    assert proposal.candidates[1, :, 0].tolist() == [9, 9, 6, 5, -1]
     # row 0's four drafts and the target's token: lookup's run 4 against the drafter's 0
     emitted = jnp.asarray([[3, 1, 2, 3, 7], [9, 4, 0, 0, 0], [5, 0, 0, 0, 0]])
     st = proposer.commit(None, st, Verified(emitted, jnp.asarray([4, 1, 0]), jnp.ones((3,), jnp.int32), None, None))
     assert float(st.score[0, 1]) == pytest.approx(0.8 * 0.1 + 0.2 * 4)
     assert st.history.length.tolist() == [10, 6, 3]
-    # by default, and beside a drafter without `accepting`, lookup drafts the drafter's K (no limits)
+    # by default, and beside a drafter without `accepting`, lookup drafts the drafter's K
     assert WithPromptLookup(Roomy(2)).depth == 2 and WithPromptLookup(Constant(2), PromptLookup(num_draft=4)).depth == 2
     assert WithPromptLookup(Roomy(5), PromptLookup(num_draft=4)).depth == 5  # at least the drafter's K
-
-
-def test_a_shorter_rows_acceptance_is_cut_at_its_length():
-    """Rows of one verify with chains of 4 and 2 (`Proposal.limit`): a 2-row whose filler the target happened to
-    accept keeps 2 drafts and emits the verify's token at node 2 (the target's own there)."""
-    a = jnp.asarray([4, 4, 1])
-    emitted = jnp.asarray([[3, 1, 2, 3, 7], [9, 9, 5, 6, 2], [9, 4, -1, -1, -1]])
-    path = jnp.asarray([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, -1, -1, -1]])
-    cut_a, cut_emitted, cut_path = cut_to_limit(a, emitted, path, jnp.asarray([4, 2, 2]))
-    assert cut_a.tolist() == [4, 2, 1]
-    assert cut_emitted.tolist() == [[3, 1, 2, 3, 7], [9, 9, 5, -1, -1], [9, 4, -1, -1, -1]]
-    assert cut_path.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, -1, -1], [0, 1, -1, -1, -1]]
 
 
 def test_rows_that_did_not_run_keep_their_scores():
@@ -174,8 +161,8 @@ def reference():
 
 @pytest.mark.parametrize("head_kind,k,batch", [("random", 3, 6), pytest.param("fitted", 2, 1, marks=pytest.mark.slow)])
 def test_greedy_equals_target_only(head_kind, k, batch, reference):
-    """Lookup's chains of 4 beside the head's of K (a ragged batch: the head rows' acceptance cut at K):
-    target-only's tokens."""
+    """Lookup's chains of 4 beside the head's of K (a ragged batch; head rows' chains go on with lookup's drafts past
+    K): target-only's tokens."""
     prompts, want = reference
     head = random_head() if head_kind == "random" else fitted_head()
     got = SpeculativeGenerator(tiny_target(), head, num_draft=k, batch_size=batch,
@@ -214,24 +201,46 @@ def test_bfloat16_greedy_equals_target_only(drafter):
 N = 16000
 
 
+def target_joint3(prompt: list[int], sampling: SamplingConfig) -> np.ndarray:
+    """P(x1, x2, x3) [V, V, V] of the target alone after `prompt`, computed directly."""
+    target, n = plain_target(), len(prompt)
+    seqs = jnp.asarray([prompt + [x1, x2] for x1 in range(VOCAB) for x2 in range(VOCAB)], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(n + 2, dtype=jnp.int32), seqs.shape)
+    out = target(seqs, pos, target.init_cache(VOCAB * VOCAB, n + 2))
+    probs = np.asarray(jax.nn.softmax(filtered_logits(out.logits, sampling), axis=-1), np.float64)
+    probs = probs.reshape(VOCAB, VOCAB, n + 2, VOCAB)
+    first = probs[0, 0, n - 1]  # [V] p(x1)
+    second = probs[:, 0, n]  # [V, V] p(x2 | x1)
+    return first[:, None, None] * second[:, :, None] * probs[:, :, n + 1]
+
+
+def first_three(completions) -> np.ndarray:
+    counts = np.zeros((VOCAB, VOCAB, VOCAB))
+    for c in completions:
+        counts[tuple(c.token_ids[:3])] += 1
+    return counts
+
+
 def test_sampling_is_lossless_with_lookup_and_head_rows_in_one_batch():
-    """Rows that look up (one-hot q) beside rows the head drafts for (its sampled drafts and q), in one batch: each
-    kind's first two tokens follow the target's own distribution. The lookup prompt holds every token, so whatever
+    """Rows that look up (one-hot q) beside rows the head drafts for (its sampled draft and q), in one batch: each
+    kind's first three tokens follow the target's own distribution. The lookup prompt holds every token, so whatever
     first token is drawn has a match, and the prior makes it look up at once; the head's prompt is one token, so a
-    match (the first token drawn equal to it) is rare. Lookup's chains are 4 to the head's 2 (the head rows' q
-    padded with one-hot filler that the engine cuts)."""
+    match (the first token drawn equal to it) is rare. Lookup's chains are 3 to the head's 1, so a head row's chain
+    goes on with lookup's drafts (one-hot q beside the head's) and its second and third tokens can come from them."""
     sampling = SamplingConfig(1.0)
     looked, headed = [*range(VOCAB), 3], [5]
-    gen = SpeculativeGenerator(plain_target(), fitted_head(**SHAPE), num_draft=2, batch_size=N,
-                               lookup=PromptLookup(prior=(1.0, 1.0, 1.0), num_draft=4))
-    out = gen.generate([looked, headed] * (N // 2), max_new_tokens=2, sampling=sampling, seed=3)
+    gen = SpeculativeGenerator(plain_target(), fitted_head(**SHAPE), num_draft=1, batch_size=N,
+                               lookup=PromptLookup(prior=(1.0, 1.0, 1.0), num_draft=3))
+    out = gen.generate([looked, headed] * (N // 2), max_new_tokens=3, sampling=sampling, seed=3)
     for prompt, rows in ((looked, out[0::2]), (headed, out[1::2])):
-        assert chi_square_p(first_two(rows), target_joint(prompt, sampling)) > 0.01
+        assert chi_square_p(first_three(rows), target_joint3(prompt, sampling)) > 0.01
     looked_up = [c.stats["lookup_steps"] / c.stats["verify_calls"] for c in out[0::2]]
     assert np.mean(looked_up) == 1.0 and np.mean([c.stats["lookup_steps"] for c in out[1::2]]) < 0.2
     for rows in (out[0::2], out[1::2]):  # both branches of the rejection rule run, for each kind of draft
         accepted = np.mean([c.stats["accepted_per_position"][0] for c in rows])
         assert 0.02 < accepted < 0.98
+    # head rows accepted lookup's drafts past the head's one
+    assert sum(c.stats["accepted_per_position"][1] for c in out[1::2]) > 0
 
 
 def test_settings_and_flags():

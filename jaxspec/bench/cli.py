@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 drafted = None if isinstance(head, DFlashDrafter) else tree.total_tokens - 1
             else:
                 drafted = None if args.num_speculative_tokens == AUTO else args.num_speculative_tokens
+                longer = getattr(args, "prompt_lookup_tokens", None)  # every step verifies lookup's longer chain
+                drafted = None if drafted is None else max(drafted, longer or 0)
             methods.append((name, spec, spec.num_draft, str(draft), drafted))
     if ngram is not None:
         spec = Generator(model, proposer=ngram, batch_size=args.batch_size, mesh=mesh, kernels=kernels_impl(args))

@@ -405,8 +405,6 @@ def spec_step(
             lambda: _verify(*args, **opts),
             lambda: _root_only(*args, **opts),
         )
-    if proposal.limit is not None:  # rows of shorter chains: acceptance cut at their length
-        a, emitted, path = cut_to_limit(a, emitted, path, proposal.limit)
 
     count = a + 1
     emitted = jnp.maximum(emitted, 0)  # entries past a are -1: never feed those to an embedding
@@ -422,15 +420,6 @@ def spec_step(
                      proposer.depth, running),
         proposer=proposer.commit(params, own, verified),
     )
-
-
-def cut_to_limit(a: jax.Array, emitted: jax.Array, path: jax.Array | None, limit: jax.Array):
-    """Acceptance cut at each row's chain length (`Proposal.limit` [B]): a row accepts at most `limit` drafts, and
-    emits the verify's token at node `limit` as its own, which is the target's whatever the filler after it (greedy:
-    the argmax there; sampling: the rejection rule's draw at that node, distributed as the target's)."""
-    a = jnp.minimum(a, limit)
-    keep = jnp.arange(emitted.shape[1])[None, :] <= a[:, None]  # [B, D+1]
-    return a, jnp.where(keep, emitted, -1), None if path is None else jnp.where(keep, path, -1)
 
 
 def keep_up(proposer: Proposer, params, target, state, view: StepView, keys: jax.Array) -> tuple[Proposal, Any]:
@@ -520,8 +509,8 @@ def _count(stats: Stats, proposal, tokens, parents, path, a, own_token, cut, dep
     """The step's counters for running rows: accepted positions, the outcome (`telemetry`), sibling acceptances."""
     node = a if proposal.tree is None else jnp.take_along_axis(path, a[:, None], axis=1)[:, 0]  # [B] last accepted
     outcome = telemetry.step_outcome(
-        a, depth if proposal.limit is None else proposal.limit, node, own_token, tokens, parents, proposal.candidates,
-        proposal.draft_vocab, cut, proposal.has_draft, proposal.any_vocab,
+        a, depth, node, own_token, tokens, parents, proposal.candidates, proposal.draft_vocab, cut, proposal.has_draft,
+        proposal.any_vocab,
     )
     live = running[:, None] > 0
     accepted = (jnp.arange(depth)[None, :] < a[:, None]) & live

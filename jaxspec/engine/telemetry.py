@@ -33,7 +33,7 @@ OUTCOMES = ("all_accepted", "outside_draft_vocab", "in_draft_topk", "miss", "no_
 
 def step_outcome(
     num_accepted: jax.Array,  # [B] a
-    depth: int | jax.Array,  # the proposer's longest acceptable path, or each row's ([B]: `Proposal.limit`)
+    depth: int,  # the proposer's longest acceptable path
     node: jax.Array,  # [B] the last accepted node u (a chain: a)
     target_token: jax.Array,  # [B] t, the target's own token emitted at u
     tokens: jax.Array,  # [B, N] the verified nodes

@@ -447,21 +447,37 @@ class RunningAcceptance:
 
 @dataclasses.dataclass
 class RunningPastChain:
-    """Per chain length K, the drafts accepted past position K and the verify steps of the batches that ran it.
+    """Per draft position, the drafts accepted there and the verify steps that drafted it, counted only past a
+    chain's K (positions K+1..L of chains of K: prompt lookup's longer chains, `proposers.lookup`).
 
-    Why: with prompt lookup beside the drafter (`proposers.lookup`), a row that looks up drafts a longer chain than
-    the drafter's K, so a chain of K yields more than 1 + a_1 + .. + a_K tokens per verify; the rates past K are
-    lookup's alone and say nothing of the drafter's chain of K + 1. The surplus is kept per K and credited to that
-    K once it has run (its step costs, the wider verifies included, are in its `StepCalibration` ratio)."""
+    Why: with lookup beside the drafter drafting L > K, a chain of K yields 1 + a_1 + .. + a_K tokens per verify and
+    lookup's acceptance at positions K+1..L on top. Those rates are lookup's alone and say nothing of the drafter's
+    chain of K + 1, so they are kept apart from `RunningAcceptance`. A chain of K' is credited with the rates of its
+    positions past K' (`tokens`) whichever chain lengths observed them; a position no chain ran past (below every K
+    that ran) takes the rate of the first observed position, a lower bound, since acceptance never grows with the
+    position. So a K that has not run yet is credited too, and the first batch's K does not keep the choice by
+    being the only one credited."""
 
-    accepted: dict[int, int] = dataclasses.field(default_factory=dict)
-    steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    accepted: list[int] = dataclasses.field(default_factory=list)  # entry j: position j + 1
+    steps: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, k: int, accepted_per_position: Sequence[int], verify_calls: int) -> None:
-        """One row's stats from a chain of K (`accepted_per_position` may run past K)."""
-        self.accepted[k] = self.accepted.get(k, 0) + sum(int(n) for n in accepted_per_position[k:])
-        self.steps[k] = self.steps.get(k, 0) + int(verify_calls)
+        """One row's stats from a chain of K (`accepted_per_position` runs to lookup's L)."""
+        for j in range(len(self.accepted), len(accepted_per_position)):
+            self.accepted.append(0)
+            self.steps.append(0)
+        for j in range(k, len(accepted_per_position)):
+            self.accepted[j] += int(accepted_per_position[j])
+            self.steps[j] += int(verify_calls)
 
-    def tokens(self) -> dict[int, float]:
-        """{K: accepted drafts past K per verify step}, for the chain lengths that ran."""
-        return {k: self.accepted[k] / n for k, n in sorted(self.steps.items()) if n > 0}
+    def tokens(self, k: int) -> float:
+        """Accepted drafts per verify step a chain of K gets past its K (0 before anything was observed)."""
+        rates = [a / n if n else None for a, n in zip(self.accepted, self.steps)]
+        seen = [r for r in rates if r is not None]
+        if not seen:
+            return 0.0
+        return float(sum(seen[0] if r is None else r for r in rates[k:]))
+
+    def as_dict(self, max_draft: int) -> dict[str, float]:
+        """{K: tokens past K} for chains of 1..max_draft, as JSON."""
+        return {str(k): round(self.tokens(k), 4) for k in range(1, max_draft + 1)}

@@ -155,6 +155,9 @@ class AutoSpeculativeGenerator(Generator):
         self.store = store if jax.process_count() == 1 else None
         # calibrations are kept per method, so they need not know the candidate trees; the costs do (`costs`)
         self.calibration_key = calibration_key(model, head, batch_size, self.depth, mesh)
+        if lookup is not None and lookup.num_draft:  # a chain of K then verifies lookup's longer chains: its own steps
+            key, what = self.calibration_key
+            self.calibration_key = f"{key}-lookup{lookup.num_draft}", {**what, "prompt_lookup_tokens": lookup.num_draft}
         stored = self.store.get_calibration(self.calibration_key[0]) if self.store is not None else None
         self.calibration = stored.weighing_at_most(CALIBRATION_SECONDS) if stored else StepCalibration()
         self.step_costs: dict[int, StepCosts] = {}  # cache capacity → costs at this batch size
@@ -263,7 +266,8 @@ class AutoSpeculativeGenerator(Generator):
         observed = self.running.profile().verify_steps > 0 or bool(self.running_trees.steps)
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
         costs, trees = self.costs(capacity), self.tree_tokens()
-        choice = choose(costs, profile, self.depth, trees, self.calibration, self.past_chain.tokens())
+        past = {k: self.past_chain.tokens(k) for k in range(1, self.depth + 1)}
+        choice = choose(costs, profile, self.depth, trees, self.calibration, past)
         if choice.method == 0:
             # Counts come only from speculating: the PROBE_EVERY-th target-only batch, then the 2×, 4×, .. one
             # drafts one token, so that the choice follows the prompts; fewer and fewer, since a probe costs where
@@ -350,8 +354,7 @@ class AutoSpeculativeGenerator(Generator):
             "tree_tokens_per_step": {method_key(t): round(n, 4) for t, n in trees.items()},  # what the choice used
             "running_trees": self.running_trees.as_dict(),  # observed, this batch included
             # prompt lookup's drafts accepted past each chain's K, per verify step, this batch included
-            **({"tokens_past_chain": {str(k): round(v, 4) for k, v in self.past_chain.tokens().items()}}
-               if self.lookup is not None else {}),
+            **({"tokens_past_chain": self.past_chain.as_dict(self.depth)} if self.lookup is not None else {}),
             "step_costs_ms": _costs_ms(self.step_costs.get(capacity)),  # as timed; the choice used them calibrated
             "step_calibration": self.calibration.as_dict(),  # method → measured / timed step seconds
             "timing_seconds": round(self.timing_seconds, 2),

@@ -72,10 +72,6 @@ class Proposal(NamedTuple):
     has_draft: jax.Array | None = None
     # [B] bool, rows whose drafts `draft_vocab` does not limit (prompt lookup's beside a head); None: none
     any_vocab: jax.Array | None = None
-    # [B] int32, a chain's drafts per row: rows of different lengths share the step's N nodes (prompt lookup's
-    # longer chains beside a drafter's), a shorter row's nodes past its length are filler, and the engine cuts its
-    # acceptance there (the token it emits at that node is still the target's own). None: every row drafts N - 1.
-    limit: jax.Array | None = None
 
 
 class Verified(NamedTuple):
@@ -130,7 +126,7 @@ class LongerRuns:
 
 class Proposer(Protocol):
     """A draft method. `depth` is the longest run of drafts one step can accept (a chain's K, a tree's depth): it
-    sizes the verifier's walk, the per-position statistics and the pending buffers."""
+    sizes the verifier's walk and the per-position statistics (a drafter's pending buffers: `LongerRuns`)."""
 
     depth: int
     tree: TreeConfig | None

@@ -1,12 +1,12 @@
 """EAGLE-3 as a proposer: chains of K drafts, or EAGLE-2 dynamic trees, from a head reading the target's features.
 
 State between steps, per row (m = tokens committed in the target cache): the head has consumed the pairs
-(g_t, x_{t+1}) for t < h; pairs h .. m-1 are pending (1 ≤ m - h ≤ depth + 1): `pending_feat` holds their target
-features g_t, `pending_tok` their next tokens x_{t+1}. A step's proposal: the head catches up on the pending pairs
-in one forward and proposes draft 1; K - 1 more head steps propose drafts 2..K (or `tree.draft_tree` expands a
-tree). The verify's features of the accepted path become the next pending pairs (`commit`), so no extra target
-call is needed. Draft entries in the head cache are rolled back by resetting its length: the next catch-up
-overwrites them.
+(g_t, x_{t+1}) for t < h; pairs h .. m-1 are pending (1 ≤ m - h ≤ pending_width: depth + 1, or more beside prompt
+lookup's longer chains): `pending_feat` holds their target features g_t, `pending_tok` their next tokens x_{t+1}. A
+step's proposal: the head catches up on the pending pairs in one forward and proposes draft 1; K - 1 more head
+steps propose drafts 2..K (or `tree.draft_tree` expands a tree). The verify's features of the accepted path become
+the next pending pairs (`commit`), so no extra target call is needed. Draft entries in the head cache are rolled
+back by resetting its length: the next catch-up overwrites them.
 """
 
 from __future__ import annotations

@@ -18,18 +18,18 @@ drafts as the drafter alone would; the prior (`PromptLookup.prior`) decides only
 
 Lookup's chains may be longer than the drafter's (`PromptLookup.num_draft`, `--prompt-lookup-tokens`): its drafts
 cost nothing, and where a row copies text it copies runs. Every step then verifies lookup's L + 1 nodes; a drafter
-row's nodes past its K are filler whose acceptance the engine cuts (`Proposal.limit`), and the drafter's pending
-buffers take the longer accepted runs (`base.LongerRuns`). Off by default (L = K): on this project's 2-core CPU a
-verify of 5 tokens costs ~1.09 of 3, which the longer runs only pay back (chains of 2 beside lookup's of 4, 12
-GSM8K prompts: 2.10 tokens per verify against 1.96, 2% less time); verifying the longer width only on steps where
-some row looks up (`lax.cond` between two widths) made XLA copy the target's whole KV cache every step, a loss
-(BENCHMARKS.md, "Longer chains for the rows that look up"). Where a few more verified tokens cost ~nothing (an
-accelerator at small batch) they are the point.
+row's chain goes on past its K with lookup's drafts there (its last token repeated where nothing matched),
+verified like any draft, and the drafter's pending buffers take the longer accepted runs (`base.LongerRuns`). Off
+by default (L = K): on this project's 2-core CPU a verify of 5 tokens costs ~1.09 of 3, which the longer runs only
+pay back (chains of 2 beside lookup's of 4, 12 GSM8K prompts: 2.10 tokens per verify against 1.96, 2% less time);
+verifying the longer width only on steps where some row looks up (`lax.cond` between two widths) made XLA copy the
+target's whole KV cache every step, a loss (BENCHMARKS.md, "Longer chains for the rows that look up"). Where a few
+more verified tokens cost ~nothing (an accelerator at small batch) they are the point.
 
 Output is unchanged whatever is chosen: greedy verification accepts only the target's own tokens, and sampled
 verification sees the lookup's deterministic drafts with one-hot draft distributions, for which the rejection rule
-is lossless (a cut row emits the verify's token at its last node, which follows the target's distribution there
-whatever the filler after it). Chains only: a tree's drafts are the drafter's own.
+is lossless (a drafter row's drafts past its K are lookup's, one-hot too). Chains only: a tree's drafts are the
+drafter's own.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class WithPromptLookup:
         score = jnp.take_along_axis(st.score, jnp.maximum(match - 1, 0)[:, None], axis=1)[:, 0]  # [B]
         use = (match > 0) & (score > 0)  # [B]
         drafted = proposal.tokens[:, 1:]  # [B, K] the drafter's
-        # a drafter row's chain, then filler up to L nodes (the engine cuts its acceptance at K: `limit`)
+        # a drafter row's chain, then lookup's drafts past K (deterministic, verified as any: the run may go on)
         mine = jnp.concatenate([drafted, looked[:, k:]], axis=1)  # [B, L]
         tokens = jnp.concatenate([proposal.tokens[:, :1], jnp.where(use[:, None], looked, mine)], axis=1)
         q = proposal.q
@@ -176,13 +176,13 @@ class WithPromptLookup:
         candidates = proposal.candidates
         if candidates is not None:  # node j's one candidate is lookup draft j + 1 (the telemetry's)
             candidates = jnp.pad(candidates, ((0, 0), (0, n - k), (0, 0)), constant_values=-1)  # [B, L+1, C]
+            candidates = candidates.at[:, k:n, 0].set(looked[:, k:])  # a drafter row's nodes past K: lookup's
             lookups = jnp.full_like(candidates, -1).at[:, :n, 0].set(looked)
             candidates = jnp.where(use[:, None, None], lookups, candidates)
         has_draft = proposal.has_draft if proposal.has_draft is None else proposal.has_draft | use
         any_vocab = use if proposal.any_vocab is None else proposal.any_vocab | use  # lookup drafts any token
-        limit = None if n == k else jnp.where(use, n, k).astype(jnp.int32)  # [B]
         proposal = proposal._replace(tokens=tokens, q=q, candidates=candidates, has_draft=has_draft,
-                                     any_vocab=any_vocab, limit=limit)
+                                     any_vocab=any_vocab)
         return proposal, st._replace(inner=inner, match=match, lookup_drafts=looked, inner_drafts=drafted, used=use)
 
     def keep_up(self, params, target, st: LookupState, view: StepView) -> LookupState:
