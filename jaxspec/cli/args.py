@@ -272,8 +272,9 @@ def check_generation_args(args, *, tree_sets_depth: bool) -> None:
         if not 1 <= tokens <= MAX_DRAFT_DEPTH:
             raise JaxspecError(f"--prompt-lookup-tokens must be between 1 and {MAX_DRAFT_DEPTH}, got {tokens}")
         off = getattr(args, "prompt_lookup", None) == "off" or getattr(args, "proposer", "eagle3") == "ngram"
-        if getattr(args, "tree", None) and tree_sets_depth or getattr(args, "accept_prob", None) is not None:
-            given = "--tree" if getattr(args, "tree", None) and tree_sets_depth else "--accept-prob"
+        tree = bool(getattr(args, "tree", None)) and tree_sets_depth
+        if tree or getattr(args, "accept_prob", None) is not None:
+            given = "--tree" if tree else "--accept-prob"
             raise JaxspecError(f"--prompt-lookup-tokens sets the chains of prompt lookup beside a drafter's chains, "
                                f"which {given} runs without; drop one")
         if args.no_draft or off:

@@ -243,8 +243,9 @@ def choose(
 ) -> Choice:
     """The method with the most expected tokens per second: target-only, a chain of 1..max_draft drafts (as far
     as `profile` and the costs reach), or one of `trees` ({tree: expected tokens per verify}) whose costs were
-    timed; each step's seconds scaled by `calibration`. `past_chain` ({K: tokens per verify}): what a chain of K
-    accepted past its K drafts where it ran (`RunningPastChain`), added to its expected tokens. Ties go to the
+    timed; each step's seconds scaled by `calibration`. `past_chain` ({K: tokens per verify}): what a chain of K is
+    expected to accept past its K drafts, from prompt lookup's longer chains (`RunningPastChain`), added to its
+    expected tokens. Ties go to the
     cheaper method (target-only, then the shorter chain, then the smaller tree): less work for the same speed."""
     limit = min(costs.max_draft, len(profile.rates), costs.max_draft if max_draft is None else max_draft)
     tokens: dict[Method, float] = {0: 1.0}
@@ -463,9 +464,9 @@ class RunningPastChain:
 
     def add(self, k: int, accepted_per_position: Sequence[int], verify_calls: int) -> None:
         """One row's stats from a chain of K (`accepted_per_position` runs to lookup's L)."""
-        for j in range(len(self.accepted), len(accepted_per_position)):
-            self.accepted.append(0)
-            self.steps.append(0)
+        grow = len(accepted_per_position) - len(self.accepted)
+        self.accepted += [0] * grow
+        self.steps += [0] * grow
         for j in range(k, len(accepted_per_position)):
             self.accepted[j] += int(accepted_per_position[j])
             self.steps[j] += int(verify_calls)

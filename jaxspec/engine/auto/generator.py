@@ -88,9 +88,9 @@ class AutoSpeculativeGenerator(Generator):
 
     `lookup`: prompt lookup beside every chain (`proposers.lookup`; a tree drafts from the head alone). Its drafts
     cost ~nothing and are priced as the drafter's: the running acceptance counts what the chains with lookup
-    accepted at positions 1..K, and what lookup's longer chains accepted past K is credited to the K that ran
-    (`RunningPastChain`), whose measured steps price its wider verifies, so the choice follows it after the first
-    batches."""
+    accepted at positions 1..K, and what lookup's longer chains accepted past a chain's K is credited to every chain
+    length from the positions observed (`RunningPastChain`); each K's measured steps price its wider verifies, so
+    the choice follows them after the first batches."""
 
     def __init__(
         self,
@@ -196,6 +196,10 @@ class AutoSpeculativeGenerator(Generator):
         verify steps as it was given), or the counts alone."""
         return self.running.profile() if self.prior is None else self.running.pooled_with(self.prior)
 
+    def tokens_past_chain(self) -> dict[int, float]:
+        """{K: tokens per verify a chain of K gets past its K from lookup's longer chains} (`RunningPastChain`)."""
+        return {k: self.past_chain.tokens(k) for k in range(1, self.depth + 1)}
+
     def tree_tokens(self) -> dict[TreeConfig, float]:
         """Each candidate tree's expected tokens per verify: its record scaled as the chain's counts on these prompts
         scale the chain's (`auto.config.tree_tokens`), pooled with the tree's own counts."""
@@ -210,7 +214,8 @@ class AutoSpeculativeGenerator(Generator):
         with sharding.mesh_context(self.mesh):
             costs = measure_step_costs(self.model, self.head, self.batch_size, capacity, self.depth)
             if self.trees:
-                best = choose(costs, self.acceptance(), self.depth).tokens_per_second
+                best = choose(costs, self.acceptance(), self.depth,
+                              past_chain=self.tokens_past_chain()).tokens_per_second
                 worth = [tree_worth_timing(costs, t, n, best) for t, n in self.tree_tokens().items()]
                 if jax.process_count() > 1:
                     worth = list(multihost_utils.broadcast_one_to_all(np.asarray(worth, np.int32)) > 0)
@@ -266,8 +271,7 @@ class AutoSpeculativeGenerator(Generator):
         observed = self.running.profile().verify_steps > 0 or bool(self.running_trees.steps)
         basis = "prior+observed" if self.prior and observed else "observed" if observed else "prior"
         costs, trees = self.costs(capacity), self.tree_tokens()
-        past = {k: self.past_chain.tokens(k) for k in range(1, self.depth + 1)}
-        choice = choose(costs, profile, self.depth, trees, self.calibration, past)
+        choice = choose(costs, profile, self.depth, trees, self.calibration, self.tokens_past_chain())
         if choice.method == 0:
             # Counts come only from speculating: the PROBE_EVERY-th target-only batch, then the 2×, 4×, .. one
             # drafts one token, so that the choice follows the prompts; fewer and fewer, since a probe costs where

@@ -20,8 +20,8 @@ Lookup's chains may be longer than the drafter's (`PromptLookup.num_draft`, `--p
 cost nothing, and where a row copies text it copies runs. Every step then verifies lookup's L + 1 nodes; a drafter
 row's chain goes on past its K with lookup's drafts there (its last token repeated where nothing matched),
 verified like any draft, and the drafter's pending buffers take the longer accepted runs (`base.LongerRuns`). Off
-by default (L = K): on this project's 2-core CPU a verify of 5 tokens costs ~1.09 of 3, which the longer runs only
-pay back (chains of 2 beside lookup's of 4, 12 GSM8K prompts: 2.10 tokens per verify against 1.96, 2% less time);
+by default (L = K): on this project's 2-core CPU a verify of 5 tokens costs ~1.09 of 3, which the longer runs
+about pay back (L = 4: +2% on GSM8K 80 and on MT-Bench 80 against the default, within the machine's drift);
 verifying the longer width only on steps where some row looks up (`lax.cond` between two widths) made XLA copy the
 target's whole KV cache every step, a loss (BENCHMARKS.md, "Longer chains for the rows that look up"). Where a few
 more verified tokens cost ~nothing (an accelerator at small batch) they are the point.
